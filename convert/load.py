@@ -1,0 +1,153 @@
+"""Load a Hugging Face Ouro checkpoint folder into `OuroParams`.
+
+Supported layouts: `model.safetensors`; a sharded safetensors set with
+`model.safetensors.index.json`; `pytorch_model.bin` or a sharded `.bin` set (read by torch
+on CPU with `weights_only=True`, so a checkpoint can never run code).
+
+Everything is validated before any tensor is stacked or moved to a device: the complete set
+of names and shapes is compared against what the config implies, and one error lists every
+missing, unexpected and misshapen tensor. Nothing loads half-way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from convert.safetensors_io import FLOAT_DTYPES, open_tensors, read_header
+from ouro_jax.config import OuroConfig
+from ouro_jax.params import OuroParams, expected_hf_shapes, params_from_hf
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder does not hold a complete, well-formed Ouro model."""
+
+
+DTYPE_ALIASES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
+                 "float32": jnp.float32, "f32": jnp.float32}
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_ALIASES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose bf16 or fp32")
+        return jnp.dtype(DTYPE_ALIASES[dtype])
+    d = jnp.dtype(dtype)
+    if d not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"unsupported dtype {d}; choose bfloat16 or float32")
+    return d
+
+
+@dataclass
+class LoadedCheckpoint:
+    config: OuroConfig
+    params: OuroParams
+    seconds: float
+    files: list[str]
+
+
+def _weight_files(folder: str) -> tuple[str, list[str]]:
+    """('safetensors'|'bin', files) for the folder, preferring safetensors."""
+    def index_files(index_name):
+        with open(os.path.join(folder, index_name)) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_name} has no weight_map")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(folder, f))]
+        if missing:
+            raise CheckpointError(f"{index_name} names shard files that do not exist: {missing}")
+        return files
+
+    if os.path.exists(os.path.join(folder, "model.safetensors.index.json")):
+        return "safetensors", index_files("model.safetensors.index.json")
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
+        return "safetensors", ["model.safetensors"]
+    if os.path.exists(os.path.join(folder, "pytorch_model.bin.index.json")):
+        return "bin", index_files("pytorch_model.bin.index.json")
+    if os.path.exists(os.path.join(folder, "pytorch_model.bin")):
+        return "bin", ["pytorch_model.bin"]
+    raise CheckpointError(
+        f"no weights in {folder}: expected model.safetensors, model.safetensors.index.json, "
+        "pytorch_model.bin or pytorch_model.bin.index.json")
+
+
+def _read_safetensors(folder: str, files: list[str]) -> tuple[dict, dict]:
+    """({name: memmap view}, {name: (shape, dtype)}) over all shards."""
+    tensors, meta = {}, {}
+    for fname in files:
+        path = os.path.join(folder, fname)
+        header, _ = read_header(path)
+        for name, info in header.items():
+            if name in meta:
+                raise CheckpointError(f"tensor {name} appears in more than one shard")
+            meta[name] = (tuple(info["shape"]), info["dtype"])
+        tensors.update(open_tensors(path))
+    return tensors, meta
+
+
+def _read_bin(folder: str, files: list[str]) -> tuple[dict, dict]:
+    import torch  # only needed for .bin checkpoints
+
+    tensors, meta = {}, {}
+    for fname in files:
+        try:
+            state = torch.load(os.path.join(folder, fname), map_location="cpu",
+                               weights_only=True, mmap=True)
+        except Exception as e:  # pickles with code objects fail here, by design
+            raise CheckpointError(f"{fname}: refused to load ({type(e).__name__}: {e})") from None
+        for name, t in state.items():
+            if name in meta:
+                raise CheckpointError(f"tensor {name} appears in more than one shard")
+            if not isinstance(t, torch.Tensor):
+                raise CheckpointError(f"{fname}: entry {name} is not a tensor")
+            if t.dtype == torch.bfloat16:
+                arr = t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+                dt = "BF16"
+            else:
+                arr = t.contiguous().numpy()
+                dt = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+                      np.dtype(np.float64): "F64"}.get(arr.dtype, str(arr.dtype))
+            tensors[name] = arr
+            meta[name] = (tuple(arr.shape), dt)
+    return tensors, meta
+
+
+def validate_tensors(meta: dict[str, tuple], cfg: OuroConfig) -> None:
+    expected = expected_hf_shapes(cfg)
+    missing = sorted(set(expected) - set(meta))
+    unexpected = sorted(set(meta) - set(expected))
+    misshapen = sorted(f"{n}: got {list(meta[n][0])}, expected {list(expected[n])}"
+                       for n in set(expected) & set(meta) if tuple(meta[n][0]) != expected[n])
+    bad_dtype = sorted(f"{n}: {meta[n][1]}" for n in set(expected) & set(meta)
+                       if meta[n][1] not in FLOAT_DTYPES)
+    problems = []
+    for title, items in (("missing", missing), ("unexpected", unexpected),
+                         ("misshapen", misshapen), ("non-float", bad_dtype)):
+        if items:
+            shown = items if len(items) <= 20 else items[:20] + [f"... and {len(items) - 20} more"]
+            problems.append(f"{len(items)} {title} tensor(s):\n  " + "\n  ".join(shown))
+    if problems:
+        raise CheckpointError("checkpoint does not match its config:\n" + "\n".join(problems))
+
+
+def load_checkpoint(folder: str | os.PathLike, dtype="bf16") -> LoadedCheckpoint:
+    """Reads config.json and the weights of an HF Ouro folder into device arrays of `dtype`."""
+    t0 = time.perf_counter()
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    dtype = resolve_dtype(dtype)
+    cfg = OuroConfig.from_json(folder)
+    kind, files = _weight_files(folder)
+    tensors, meta = (_read_safetensors if kind == "safetensors" else _read_bin)(folder, files)
+    validate_tensors(meta, cfg)
+    params = params_from_hf(tensors, cfg, dtype)
+    params.embed_tokens.block_until_ready()
+    return LoadedCheckpoint(cfg, params, time.perf_counter() - t0, files)

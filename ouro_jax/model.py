@@ -1,0 +1,256 @@
+"""The Ouro forward pass as pure functions over an `OuroParams` pytree.
+
+Math follows ../shared/OURO.md: a stack of L "sandwich" decoder layers applied T times, with
+`model.norm` inside the loop; every loop's normed hidden state feeds the next loop, the exit
+gate and the LM head. fp32 is kept where the reference keeps it: RMSNorm statistics, RoPE
+frequencies, and the softmax. Everything else runs in the activation dtype.
+
+Attention is pluggable. `decoder_layer` hands (q, k, v) after RoPE to an `attend` function
+together with an opaque state; the dense forward passes causal self-attention with no state,
+the engine passes a paged-cache writer/reader whose state is the KV cache. That keeps one
+copy of the layer math for the dense, prefill, decode and speculative paths.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ouro_jax.config import OuroConfig
+from ouro_jax.params import LayerParams, OuroParams
+
+# attend(q [..., S, H, hd], k [..., S, KVH, hd], v, state, loop, layer) -> (out [..., S, H, hd], state)
+AttendFn = Callable[..., tuple[jax.Array, Any]]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return y.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [..., head_dim] for integer positions; frequencies in fp32, cast to dtype."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Half rotation (rotate_half). x [..., S, N, hd]; cos/sin [..., S, hd]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w[out, in]^T, the HF layout."""
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+
+
+def embed(params: OuroParams, ids: jax.Array, dtype=None) -> jax.Array:
+    table = params.embed_tokens
+    return jnp.take(table, ids, axis=0).astype(dtype or table.dtype)
+
+
+def attention_core(q, k, v, mask) -> jax.Array:
+    """Grouped-query attention with an explicit boolean mask.
+
+    q [..., Sq, H, hd]; k, v [..., Sk, KVH, hd]; mask broadcastable to [..., Sq, Sk].
+    Scores and softmax in fp32; probabilities cast to the activation dtype for the PV product.
+    Rows with no visible key return zeros (they only arise for padding).
+    """
+    *lead, sq, h, hd = q.shape
+    kvh = k.shape[-2]
+    g = h // kvh
+    qg = q.reshape(*lead, sq, kvh, g, hd)
+    scores = jnp.einsum("...qkgd,...skd->...kgqs", qg, k,
+                        preferred_element_type=jnp.float32) * (hd ** -0.5)
+    mask = mask[..., None, None, :, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    smax = jnp.max(scores, axis=-1, keepdims=True)
+    smax = jnp.where(jnp.isfinite(smax), smax, 0.0)
+    p = jnp.exp(scores - smax)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("...kgqs,...skd->...qkgd", p.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(*lead, sq, h, hd).astype(q.dtype)
+
+
+def dense_causal_attend(q, k, v, state, loop, layer):
+    """No-cache causal self-attention over the sequence axis (the dense forward's attend)."""
+    s = q.shape[-3]
+    mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+    return attention_core(q, k, v, mask), state
+
+
+def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, state,
+                  loop, layer):
+    """One sandwich-norm decoder layer. lp holds a single layer's weights (no [L] axis)."""
+    eps = cfg.rms_norm_eps
+    hx = rms_norm(x, lp.input_layernorm, eps)
+    lead = hx.shape[:-1]
+    q = linear(hx, lp.q_proj).reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
+    k = linear(hx, lp.k_proj).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    v = linear(hx, lp.v_proj).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attn, state = attend(q, k, v, state, loop, layer)
+    attn = linear(attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim), lp.o_proj)
+    h = x + rms_norm(attn, lp.input_layernorm_2, eps)
+    m = rms_norm(h, lp.post_attention_layernorm, eps)
+    m = linear(jax.nn.silu(linear(m, lp.gate_proj)) * linear(m, lp.up_proj), lp.down_proj)
+    return h + rms_norm(m, lp.post_attention_layernorm_2, eps), state
+
+
+def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop):
+    """One recurrent step: all L layers (a `lax.scan`), then `model.norm`."""
+
+    def body(carry, xs):
+        x, st = carry
+        lp, layer = xs
+        x, st = decoder_layer(lp, x, cos, sin, cfg, attend, st, loop, layer)
+        return (x, st), None
+
+    layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+    (h, state), _ = lax.scan(body, (h, state), (params.layers, layer_ids))
+    return rms_norm(h, params.norm, cfg.rms_norm_eps), state
+
+
+def exit_gate_logit(params: OuroParams, h: jax.Array) -> jax.Array:
+    """early_exit_gate(h) in the activation dtype: [...]."""
+    w = params.exit_gate_w.astype(h.dtype)
+    return (linear(h, w) + params.exit_gate_b.astype(h.dtype))[..., 0]
+
+
+def lm_head(params: OuroParams, h: jax.Array) -> jax.Array:
+    return linear(h, params.lm_head)
+
+
+def run_loops(params, h, cos, sin, cfg, attend, state, loops):
+    """Runs the given loop indices in order; returns stacked states [n, ...] and gate logits."""
+    hs, gates = [], []
+    for loop in loops:
+        h, state = run_loop(params, h, cos, sin, cfg, attend, state, loop)
+        hs.append(h)
+        gates.append(exit_gate_logit(params, h))
+    return jnp.stack(hs), jnp.stack(gates), state
+
+
+# --- exit selection ------------------------------------------------------------------------
+
+def exit_probabilities(gate_logits: jax.Array) -> jax.Array:
+    """p_t over loops (axis 0), computed op by op in the gate's dtype like the reference.
+
+    p_t = lambda_t * prod_{j<t}(1 - lambda_j) for t < T-1; the last step takes the remainder.
+    """
+    lam = jax.nn.sigmoid(gate_logits)
+    remaining = jnp.ones_like(lam[0])
+    probs = []
+    n = gate_logits.shape[0]
+    for t in range(n):
+        if t < n - 1:
+            probs.append(lam[t] * remaining)
+            remaining = remaining * (1 - lam[t])
+        else:
+            probs.append(remaining)
+    return jnp.stack(probs)
+
+
+def exit_cdf(probs: jax.Array) -> jax.Array:
+    """Cumulative exit probability, accumulated in fp32 and rounded per step to probs.dtype
+    (what torch.cumsum does for low-precision inputs)."""
+    acc = jnp.cumsum(probs.astype(jnp.float32), axis=0)
+    return acc.astype(probs.dtype)
+
+
+def threshold_exit_step(gate_logits: jax.Array, threshold: float | jax.Array) -> jax.Array:
+    """First loop whose cumulative exit probability reaches `threshold`, else the last loop."""
+    cdf = exit_cdf(exit_probabilities(gate_logits))
+    n = gate_logits.shape[0]
+    reached = cdf >= jnp.asarray(threshold, dtype=cdf.dtype)
+    reached = reached.at[n - 1].set(True)
+    return jnp.argmax(reached, axis=0).astype(jnp.int32)
+
+
+class ExitSpec(NamedTuple):
+    """How logits are chosen among the loops, in the reference's priority order.
+
+    exit_at_step: fixed loop index (wins over everything).
+    threshold: per-token early exit on the cumulative gate probability; None means the
+        config's early_exit_threshold.
+    weighted: mix every loop's logits by the exit probabilities. Only used when no
+        exit_at_step is given and no explicit threshold is given.
+    """
+    exit_at_step: Optional[int] = None
+    threshold: Optional[float] = None
+    weighted: bool = False
+
+    def mode(self) -> str:
+        if self.exit_at_step is not None:
+            return "step"
+        if self.weighted and self.threshold is None:
+            return "weighted"
+        return "threshold"
+
+    def validate(self, cfg: OuroConfig, num_loops: Optional[int] = None) -> "ExitSpec":
+        n = cfg.total_ut_steps if num_loops is None else num_loops
+        if self.exit_at_step is not None and not 0 <= self.exit_at_step < n:
+            raise ValueError(f"exit_at_step={self.exit_at_step} is outside 0..{n - 1}")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"exit threshold {self.threshold} is outside [0, 1]")
+        return self
+
+
+def select_exit(params: OuroParams, hidden: jax.Array, gate_logits: jax.Array,
+                cfg: OuroConfig, spec: ExitSpec = ExitSpec()):
+    """Logits [..., V] and exit step [...] from per-loop states hidden [T, ..., D]."""
+    mode = spec.mode()
+    n = hidden.shape[0]
+    if mode == "step":
+        step = jnp.full(hidden.shape[1:-1], spec.exit_at_step, jnp.int32)
+        return lm_head(params, hidden[spec.exit_at_step]), step
+    if mode == "weighted":
+        probs = exit_probabilities(gate_logits)
+        logits = sum(probs[t][..., None].astype(jnp.float32)
+                     * lm_head(params, hidden[t]).astype(jnp.float32) for t in range(n))
+        step = jnp.full(hidden.shape[1:-1], n - 1, jnp.int32)  # every loop contributes
+        return logits.astype(hidden.dtype), step
+    threshold = cfg.early_exit_threshold if spec.threshold is None else spec.threshold
+    step = threshold_exit_step(gate_logits, threshold)
+    chosen = jnp.take_along_axis(hidden, step[None, ..., None], axis=0)[0]
+    return lm_head(params, chosen), step
+
+
+# --- dense forward ---------------------------------------------------------------------------
+
+class DenseOutput(NamedTuple):
+    hidden_states: jax.Array  # [T, B, S, D] normed state after each loop
+    gate_logits: jax.Array  # [T, B, S]
+    exit_probs: jax.Array  # [T, B, S]
+    logits: jax.Array  # [B, S, V] under the exit spec
+    exit_steps: jax.Array  # [B, S]
+
+
+def forward_dense(params: OuroParams, ids: jax.Array, cfg: OuroConfig,
+                  spec: ExitSpec = ExitSpec(), positions: Optional[jax.Array] = None,
+                  num_loops: Optional[int] = None) -> DenseOutput:
+    """No-cache forward of ids [B, S] through all loops (or the first `num_loops`)."""
+    n = cfg.total_ut_steps if num_loops is None else num_loops
+    dtype = params.dtype
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[-1], dtype=jnp.int32), ids.shape)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+    h = embed(params, ids, dtype)
+    hidden, gates, _ = run_loops(params, h, cos, sin, cfg, dense_causal_attend, None, range(n))
+    logits, steps = select_exit(params, hidden, gates, cfg, spec)
+    return DenseOutput(hidden, gates, exit_probabilities(gates), logits, steps)
+
+
+def loop_logits(params: OuroParams, hidden: jax.Array) -> jax.Array:
+    """LM-head logits of every loop: [T, ..., V]."""
+    return jax.vmap(lambda h: lm_head(params, h))(hidden)

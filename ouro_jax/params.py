@@ -1,0 +1,143 @@
+"""Parameter pytrees.
+
+Weights keep the Hugging Face [out, in] layout, so loading a checkpoint is a plain copy (no
+transpose pass over 2.8 GB); the model contracts over the last axis of both operands, which
+XLA maps to a transposed GEMM at no cost. Per-layer weights are stacked on a leading layer
+axis so one `lax.scan` body serves every layer (small programs, fast compiles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouro_jax.config import OuroConfig
+
+
+def _register(cls):
+    fields = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+@_register
+@dataclasses.dataclass
+class LayerParams:
+    """All decoder layers' weights, stacked: every array has a leading [L] axis."""
+    q_proj: jax.Array  # [L, H*hd, D]
+    k_proj: jax.Array  # [L, KVH*hd, D]
+    v_proj: jax.Array  # [L, KVH*hd, D]
+    o_proj: jax.Array  # [L, D, H*hd]
+    gate_proj: jax.Array  # [L, I, D]
+    up_proj: jax.Array  # [L, I, D]
+    down_proj: jax.Array  # [L, D, I]
+    input_layernorm: jax.Array  # [L, D]
+    input_layernorm_2: jax.Array  # [L, D]
+    post_attention_layernorm: jax.Array  # [L, D]
+    post_attention_layernorm_2: jax.Array  # [L, D]
+
+
+@_register
+@dataclasses.dataclass
+class OuroParams:
+    embed_tokens: jax.Array  # [V, D]
+    layers: LayerParams
+    norm: jax.Array  # [D]
+    exit_gate_w: jax.Array  # [1, D]
+    exit_gate_b: jax.Array  # [1]
+    lm_head: jax.Array  # [V, D]
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.dtype
+
+
+# HF tensor name suffix within a layer -> LayerParams field; shape as a function of cfg.
+LAYER_TENSORS = {
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+    "input_layernorm.weight": "input_layernorm",
+    "input_layernorm_2.weight": "input_layernorm_2",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "post_attention_layernorm_2.weight": "post_attention_layernorm_2",
+}
+
+GLOBAL_TENSORS = {
+    "model.embed_tokens.weight": "embed_tokens",
+    "model.norm.weight": "norm",
+    "model.early_exit_gate.weight": "exit_gate_w",
+    "model.early_exit_gate.bias": "exit_gate_b",
+    "lm_head.weight": "lm_head",
+}
+
+
+def layer_tensor_shapes(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {
+        "q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
+        "gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i),
+        "input_layernorm": (d,), "input_layernorm_2": (d,),
+        "post_attention_layernorm": (d,), "post_attention_layernorm_2": (d,),
+    }
+
+
+def global_tensor_shapes(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
+    v, d = cfg.vocab_size, cfg.hidden_size
+    return {"embed_tokens": (v, d), "norm": (d,), "exit_gate_w": (1, d), "exit_gate_b": (1,),
+            "lm_head": (v, d)}
+
+
+def expected_hf_shapes(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a complete HF Ouro checkpoint holds, with its shape."""
+    out = {name: global_tensor_shapes(cfg)[field] for name, field in GLOBAL_TENSORS.items()}
+    lshapes = layer_tensor_shapes(cfg)
+    for layer in range(cfg.num_hidden_layers):
+        for suffix, field in LAYER_TENSORS.items():
+            out[f"model.layers.{layer}.{suffix}"] = lshapes[field]
+    return out
+
+
+def random_params_numpy(cfg: OuroConfig, seed: int = 0, dtype=np.float32,
+                        branch_scale: float = 1.0) -> dict[str, np.ndarray]:
+    """Random weights in HF names (numpy), the source of synthetic checkpoints.
+
+    `branch_scale` multiplies the two post-branch norms (input_layernorm_2 and
+    post_attention_layernorm_2). Values well below 1 shrink every residual update, so the
+    later loops change the hidden state little and a shallow draft agrees with the full
+    depth: the knob that sets speculative acceptance on random weights.
+    """
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in expected_hf_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            scale = branch_scale if name.endswith("_2.weight") else 1.0
+            arr = scale * (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32))
+        elif name.endswith("early_exit_gate.bias"):
+            arr = rng.standard_normal(shape, dtype=np.float32)
+        else:
+            fan_in = shape[-1]
+            std = 1.0 if name.endswith("embed_tokens.weight") else fan_in ** -0.5
+            arr = std * rng.standard_normal(shape, dtype=np.float32)
+        out[name] = arr.astype(dtype)
+    return out
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], cfg: OuroConfig, dtype) -> OuroParams:
+    """Stacks already-validated HF tensors (numpy) into an OuroParams on the default device."""
+    dtype = jnp.dtype(dtype)
+    layers = {}
+    for suffix, field in LAYER_TENSORS.items():
+        stacked = np.stack([np.asarray(tensors[f"model.layers.{i}.{suffix}"])
+                            for i in range(cfg.num_hidden_layers)])
+        layers[field] = jnp.asarray(stacked.astype(dtype, copy=False))
+    glob = {field: jnp.asarray(np.asarray(tensors[name]).astype(dtype, copy=False))
+            for name, field in GLOBAL_TENSORS.items()}
+    return OuroParams(layers=LayerParams(**layers), **glob)
