@@ -82,6 +82,12 @@ def attention_core(q, k, v, mask) -> jax.Array:
     return out.reshape(*lead, sq, h, hd).astype(q.dtype)
 
 
+def silu(x: jax.Array) -> jax.Array:
+    """x * sigmoid(x) in fp32, rounded once to x.dtype (as torch's F.silu in bf16)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.nn.sigmoid(xf)).astype(x.dtype)
+
+
 def dense_causal_attend(q, k, v, state, loop, layer):
     """No-cache causal self-attention over the sequence axis (the dense forward's attend)."""
     s = q.shape[-3]
@@ -103,7 +109,7 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     attn = linear(attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim), lp.o_proj)
     h = x + rms_norm(attn, lp.input_layernorm_2, eps)
     m = rms_norm(h, lp.post_attention_layernorm, eps)
-    m = linear(jax.nn.silu(linear(m, lp.gate_proj)) * linear(m, lp.up_proj), lp.down_proj)
+    m = linear(silu(linear(m, lp.gate_proj)) * linear(m, lp.up_proj), lp.down_proj)
     return h + rms_norm(m, lp.post_attention_layernorm_2, eps), state
 
 
@@ -122,9 +128,14 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
 
 
 def exit_gate_logit(params: OuroParams, h: jax.Array) -> jax.Array:
-    """early_exit_gate(h) in the activation dtype: [...]."""
+    """early_exit_gate(h) in the activation dtype: [...].
+
+    The dot and the bias add stay in fp32 and are rounded once, as torch's nn.Linear does in
+    bf16 (rounding the dot first, then the sum, differs in ~30% of bf16 gate logits, enough to
+    move threshold exits)."""
     w = params.exit_gate_w.astype(h.dtype)
-    return (linear(h, w) + params.exit_gate_b.astype(h.dtype))[..., 0]
+    z = jnp.einsum("...i,oi->...o", h, w, preferred_element_type=jnp.float32)
+    return (z + params.exit_gate_b.astype(jnp.float32)).astype(h.dtype)[..., 0]
 
 
 def lm_head(params: OuroParams, h: jax.Array) -> jax.Array:
@@ -148,7 +159,9 @@ def exit_probabilities(gate_logits: jax.Array) -> jax.Array:
 
     p_t = lambda_t * prod_{j<t}(1 - lambda_j) for t < T-1; the last step takes the remainder.
     """
-    lam = jax.nn.sigmoid(gate_logits)
+    # sigmoid in fp32, rounded once: XLA's CPU bf16 logistic is off by an ulp in ~1/3 of
+    # inputs, where torch.sigmoid is correctly rounded.
+    lam = jax.nn.sigmoid(gate_logits.astype(jnp.float32)).astype(gate_logits.dtype)
     remaining = jnp.ones_like(lam[0])
     probs = []
     n = gate_logits.shape[0]

@@ -1,0 +1,185 @@
+"""The Python API: load a model, generate, read outputs and stats.
+
+    from ouro_jax import Ouro, SamplingParams
+    llm = Ouro.load()                                   # the embedded demo model
+    res = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
+    print(res.outputs[0].text, res.stats)
+
+Batches are admitted whole: pages for prompt + max_tokens (+ speculative room) are allocated
+before any device work, so an exhausted pool is an error up front. Batch size, prompt length
+and page count are bucketed to powers of two, so new prompts of the same bucket reuse every
+compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouro_jax import engine
+from ouro_jax.attention import resolve_backend
+from ouro_jax.config import OuroConfig
+from ouro_jax.kv_cache import (PageAllocator, block_table_array, init_planes, next_pow2,
+                               pages_needed)
+from ouro_jax.model import ExitSpec
+from ouro_jax.params import OuroParams
+from ouro_jax.programs import ProgramCache
+from ouro_jax.sampling import SamplingMode, SamplingParams, sampling_arrays
+from ouro_jax.tokenizer import Tokenizer
+
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(__file__), "demo_model")
+FINISH_NAMES = {engine.FINISH_STOP: "stop", engine.FINISH_LENGTH: "length"}
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: Optional[str]
+    exit_depths: list[int]  # loops used for each token's logits (1..T)
+    finish_reason: str
+    logprobs: Optional[list[float]] = None
+    spec: Optional[dict] = None  # speculative per-request stats
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    compile_s: float = 0.0
+    compiles: int = 0
+    host_fetches: int = 0
+    # The first token of each request comes from prefill; decode produced the rest.
+    decode_tokens: int = 0
+    spec: Optional[dict] = None
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def line(self) -> str:
+        s = (f"prompt tokens {self.prompt_tokens} | generated {self.generated_tokens} | "
+             f"prefill {self.prefill_s:.3f}s | decode {self.decode_s:.3f}s "
+             f"({self.decode_tok_s:.1f} tok/s) | compile {self.compile_s:.2f}s")
+        if self.spec:
+            s += (f" | spec rounds {self.spec['rounds']} drafted {self.spec['drafted']} "
+                  f"accepted {self.spec['accepted']} ({100 * self.spec['acceptance']:.1f}%) "
+                  f"tokens/round {self.spec['tokens_per_round']:.2f}")
+        return s
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["decode_tok_s"] = self.decode_tok_s
+        return d
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    outputs: list[RequestOutput]
+    stats: GenerationStats
+
+
+class Ouro:
+    """A loaded model plus its KV pool and compiled programs."""
+
+    def __init__(self, cfg: OuroConfig, params: OuroParams, tokenizer: Optional[Tokenizer] = None,
+                 *, page_size: int = 16, attention: str = "auto",
+                 kv_pool_tokens: Optional[int] = None, prefill_chunk: int = 256,
+                 decode_chunk: int = 32):
+        if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
+            raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
+        self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
+        self.page_size = page_size
+        self.backend = resolve_backend(attention)
+        self.prefill_chunk = next_pow2(prefill_chunk)
+        self.decode_chunk = decode_chunk
+        self.fixed_pool_pages = (None if kv_pool_tokens is None
+                                 else 1 + pages_needed(kv_pool_tokens, page_size))
+        self.programs = ProgramCache()
+        self._planes = None
+
+    @classmethod
+    def load(cls, path: Optional[str] = None, dtype="fp32", **kw) -> "Ouro":
+        from convert.load import load_checkpoint
+
+        folder = path or DEMO_MODEL_DIR
+        ck = load_checkpoint(folder, dtype)
+        return cls(ck.config, ck.params, Tokenizer.from_folder(folder, ck.config), **kw)
+
+    # --- inputs -----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer.json: pass token ids "
+                                 "(--prompt-ids) instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        bad = sorted({t for t in ids if not 0 <= t < self.cfg.vocab_size})
+        if bad:
+            raise ValueError(f"unknown token id(s) {bad[:10]}: vocab_size is {self.cfg.vocab_size}")
+        return ids
+
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        bad = sorted({t for t in p.stop_token_ids if not 0 <= t < self.cfg.vocab_size})
+        if bad:
+            raise ValueError(f"unknown stop token id(s) {bad}: vocab_size is {self.cfg.vocab_size}")
+        ids = list(p.stop_token_ids)
+        if not p.ignore_eos:
+            ids.append(self.cfg.eos_token_id)
+        return sorted(set(ids))
+
+    def decode_text(self, ids: Sequence[int]) -> Optional[str]:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    # --- generation -------------------------------------------------------------------------
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+                 exit_at_step: Optional[int] = None, exit_threshold: Optional[float] = None,
+                 weighted_exit: bool = False, speculative=None,
+                 on_chunk: Optional[Callable[[list[list[int]]], None]] = None) -> GenerationResult:
+        """Generates for a batch. `on_chunk(new_tokens_per_request)` streams each host fetch."""
+        from ouro_jax.batch import run_batch
+
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("no prompts given")
+        if sampling is None:
+            sampling = SamplingParams()
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        spec = ExitSpec(exit_at_step, exit_threshold, weighted_exit).validate(self.cfg)
+        if speculative is not None:
+            speculative.validate(self.cfg)
+        ids = [self.encode(p) for p in prompts]
+        stops = [self._stop_ids(p) for p in params]
+        return run_batch(self, ids, params, stops, spec, speculative, on_chunk)
+
+    # --- KV pool ----------------------------------------------------------------------------
+    def planes_for(self, pages_total: int):
+        """The KV planes, (re)allocated to hold `pages_total` pages plus the trash page."""
+        if self.fixed_pool_pages is not None:
+            num_pages = self.fixed_pool_pages
+        else:
+            num_pages = next_pow2(pages_total + 1, 16)
+        if self._planes is None or self._planes[0].shape[1] < num_pages:
+            self._planes = None  # free the old pool before allocating the new one
+            self._planes = init_planes(self.cfg, num_pages, self.page_size, self.params.dtype)
+        return self._planes

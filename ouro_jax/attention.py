@@ -1,0 +1,76 @@
+"""Paged attention for the engine: writes the new K/V into the cache, then attends.
+
+`make_paged_attend` builds the `attend` function that `model.decoder_layer` calls, for a block
+of query positions [B, C] (C = 1 for decode, k+1 for verification, a chunk for prefill). The
+new tokens' K/V are written first, so a query reads its own key from the cache like any other
+and all callers share one code path.
+
+Backends:
+- "xla": gather each sequence's pages through its block table, mask by position, dense
+  attention. Simple and exact; moves the K/V bytes twice (gather, then read).
+- "pallas": the kernels in pallas_kernels/, which read pages in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ouro_jax.config import OuroConfig
+from ouro_jax.kv_cache import gather_kv, slot_indices, write_kv
+from ouro_jax.model import attention_core
+
+BACKENDS = ("auto", "xla", "pallas")
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and _pallas_available() else "xla"
+    return backend
+
+
+def _pallas_available() -> bool:
+    try:
+        import pallas_kernels.paged_attention  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.Array,
+                      page_size: int, backend: str = "xla"):
+    """attend(q, k, v, planes, loop, layer) over query positions [B, C] (all rows have C)."""
+    page, slot = slot_indices(block_tables, positions, page_size)
+    num_layers = cfg.num_hidden_layers
+
+    if backend == "pallas":
+        from pallas_kernels import paged_attention as pk
+
+        b, c = positions.shape
+        kv_lens = positions[:, -1] + 1
+
+        def attend(q, k, v, planes, loop, layer):
+            entry = loop * num_layers + layer
+            planes = write_kv(planes, entry, page, slot, k, v)
+            if c == 1:
+                out = pk.paged_decode_attention(q[:, 0], planes[0], planes[1], entry,
+                                                block_tables, kv_lens)[:, None]
+            else:
+                cu = jnp.arange(b + 1, dtype=jnp.int32) * c
+                out = pk.ragged_paged_attention(q.reshape(b * c, *q.shape[2:]), planes[0],
+                                                planes[1], entry, block_tables, kv_lens, cu)
+                out = out.reshape(q.shape)
+            return out, planes
+        return attend
+
+    key_pos = jnp.arange(block_tables.shape[1] * page_size, dtype=jnp.int32)
+    mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, C, S]
+
+    def attend(q, k, v, planes, loop, layer):
+        entry = loop * num_layers + layer
+        planes = write_kv(planes, entry, page, slot, k, v)
+        keys, values = gather_kv(planes, entry, block_tables)
+        return attention_core(q, keys, values, mask), planes
+    return attend

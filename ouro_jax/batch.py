@@ -1,0 +1,155 @@
+"""Host orchestration of one batch: admission, prefill, the decode (or speculative) loop.
+
+The host touches device results only once per chunk: one `jax.device_get` of the chunk's
+fixed-size token buffers plus the done flags. Everything else stays on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouro_jax import engine
+from ouro_jax.kv_cache import (PageAllocator, block_table_array, next_pow2, pages_needed)
+from ouro_jax.sampling import SamplingMode, sampling_arrays
+
+
+def _check_lengths(llm, ids, params, room):
+    limit = llm.cfg.max_position_embeddings
+    for i, (p, sp) in enumerate(zip(ids, params)):
+        need = len(p) + sp.max_tokens + room
+        if need > limit:
+            raise ValueError(
+                f"prompt {i} is too long: {len(p)} prompt tokens + max_tokens {sp.max_tokens}"
+                + (f" + {room} speculative slots" if room else "")
+                + f" = {need} positions, but the model supports {limit}")
+
+
+def admit(llm, ids, params, stops, room):
+    """Allocates pages and builds the padded device state. Raises before any device work."""
+    _check_lengths(llm, ids, params, room)
+    b = len(ids)
+    bp = next_pow2(b)
+    tokens_needed = [len(p) + sp.max_tokens + room for p, sp in zip(ids, params)]
+    total = sum(pages_needed(t, llm.page_size) for t in tokens_needed)
+    num_pages = llm.fixed_pool_pages or next_pow2(total + 1, 16)
+    pages = PageAllocator(num_pages, llm.page_size).allocate(tokens_needed)
+    max_pages = next_pow2(max(len(r) for r in pages))
+    planes = llm.planes_for(total)
+    bt = jnp.asarray(block_table_array(pages, bp, max_pages))
+    n_stop = next_pow2(max(len(s) for s in stops), 1)
+    stop_arr = np.full((bp, n_stop), -1, np.int32)
+    for i, s in enumerate(stops):
+        stop_arr[i, :len(s)] = s
+    pad = bp - b
+    state = engine.RowState(
+        tokens=jnp.zeros((bp,), jnp.int32),
+        lengths=jnp.asarray(np.array([len(p) for p in ids] + [0] * pad, np.int32)),
+        num_generated=jnp.zeros((bp,), jnp.int32),
+        max_tokens=jnp.asarray(np.array([sp.max_tokens for sp in params] + [1] * pad, np.int32)),
+        done=jnp.asarray(np.array([False] * b + [True] * pad)),
+        finish=jnp.zeros((bp,), jnp.int32),
+        stop_ids=jnp.asarray(stop_arr),
+        sampling=sampling_arrays(params, bp))
+    return planes, bt, state
+
+
+def prefill(llm, planes, bt, state, ids, spec, mode, want_lp):
+    """Runs all prompt chunks and picks each request's first token (kept on the device)."""
+    cfg, progs = llm.cfg, llm.programs
+    bp = state.tokens.shape[0]
+    longest = max(len(p) for p in ids)
+    chunk = min(next_pow2(longest, 16), llm.prefill_chunk)
+    padded = chunk * math.ceil(longest / chunk)
+    arr = np.zeros((bp, padded), np.int32)
+    for i, p in enumerate(ids):
+        arr[i, :len(p)] = p
+    last_idx = jnp.maximum(state.lengths - 1, 0)
+    last_h = jnp.zeros((cfg.total_ut_steps, bp, cfg.hidden_size), llm.params.dtype)
+    last_g = jnp.zeros((cfg.total_ut_steps, bp), llm.params.dtype)
+    static = dict(cfg=cfg, backend=llm.backend)
+    for start in range(0, padded, chunk):
+        planes, last_h, last_g = progs.call(
+            engine.prefill_chunk, static, (1, 6, 7), llm.params, planes, bt,
+            jnp.asarray(arr[:, start:start + chunk]), jnp.int32(start), last_idx, last_h, last_g)
+    static = dict(cfg=cfg, spec=spec, mode=mode, want_logprobs=want_lp)
+    state, first = progs.call(engine.prefill_finish, static, (), llm.params, last_h, last_g, state)
+    return planes, state, first
+
+
+def run_batch(llm, ids, params, stops, spec, speculative, on_chunk):
+    from ouro_jax.api import FINISH_NAMES, GenerationResult, GenerationStats, RequestOutput
+
+    mode = SamplingMode.for_requests(params)
+    want_lp = any(p.logprobs for p in params)
+    room = speculative.k + 1 if speculative is not None else 0
+    compile0, compiles0 = llm.programs.compile_seconds, llm.programs.compiles
+    planes, bt, state = admit(llm, ids, params, stops, room)
+    llm._planes = None  # the planes are donated below; never keep a stale reference
+
+    t0 = time.perf_counter()
+    planes, state, first = prefill(llm, planes, bt, state, ids, spec, mode, want_lp)
+    jax.block_until_ready(state.tokens)
+    prefill_s = time.perf_counter() - t0 - (llm.programs.compile_seconds - compile0)
+
+    b = len(ids)
+    toks = [[] for _ in range(b)]
+    exits = [[] for _ in range(b)]
+    lps = [[] for _ in range(b)]
+    fetches = 0
+    compile1 = llm.programs.compile_seconds
+    t1 = time.perf_counter()
+    if speculative is None:
+        step_fn, static = engine.decode_chunk, dict(
+            buffer=llm.decode_chunk, cfg=llm.cfg, spec=spec, mode=mode, want_logprobs=want_lp,
+            backend=llm.backend)
+        extra = None
+    else:
+        from ouro_jax import speculative as spec_mod
+        step_fn, static = spec_mod.spec_chunk, spec_mod.chunk_static(llm, speculative, spec, mode,
+                                                                    want_lp)
+        extra = spec_mod.init_counters(state)
+    while True:
+        if extra is None:
+            planes, state, bufs = llm.programs.call(step_fn, static, (1,), llm.params, planes, bt,
+                                                    state, jnp.int32(llm.decode_chunk))
+        else:
+            planes, state, extra, bufs = llm.programs.call(step_fn, static, (1,), llm.params,
+                                                           planes, bt, state, extra)
+        host = jax.device_get((first, bufs[:3], state.done, state.finish))  # the one fetch
+        fetches += 1
+        f, (o_tok, o_exit, o_lp), done, finish = host
+        new = [[] for _ in range(b)]
+        for i in range(b):
+            cols = [(f[0][i], f[1][i], f[2][i])] if f is not None else []
+            cols += [(o_tok[i, j], o_exit[i, j], o_lp[i, j]) for j in range(o_tok.shape[1])
+                     if o_tok[i, j] >= 0]
+            for t, e, lp in cols:
+                toks[i].append(int(t)); exits[i].append(int(e) + 1); lps[i].append(float(lp))
+                new[i].append(int(t))
+        first = None
+        if on_chunk is not None:
+            on_chunk(new)
+        if bool(np.all(done)):
+            break
+    decode_s = time.perf_counter() - t1 - (llm.programs.compile_seconds - compile1)
+    llm._planes = planes
+
+    spec_stats, per_req = (None, [None] * b)
+    if extra is not None:
+        spec_stats, per_req = spec_mod.summarize(jax.device_get(extra), b)
+    outputs = [RequestOutput(i, list(ids[i]), toks[i], llm.decode_text(toks[i]), exits[i],
+                             FINISH_NAMES.get(int(finish[i]), "length"),
+                             lps[i] if params[i].logprobs else None, per_req[i])
+               for i in range(b)]
+    gen = sum(len(t) for t in toks)
+    stats = GenerationStats(
+        prompt_tokens=sum(len(p) for p in ids), generated_tokens=gen, prefill_s=prefill_s,
+        decode_s=decode_s, compile_s=llm.programs.compile_seconds - compile0,
+        compiles=llm.programs.compiles - compiles0, host_fetches=fetches,
+        decode_tokens=gen - b, spec=spec_stats)
+    return GenerationResult(outputs, stats)

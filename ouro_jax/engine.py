@@ -1,0 +1,149 @@
+"""Device programs of plain (non-speculative) generation: prefill chunks and the decode loop.
+
+Each function here is pure and jit-compiled by `runner.Runner` with the KV planes donated,
+so the cache is updated in place. Invariant shared with speculative.py: for every row,
+`lengths` positions have final K/V in every loop, and `tokens` holds the last committed
+token, which sits at position `lengths` and has not been run through the model yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ouro_jax.attention import make_paged_attend
+from ouro_jax.config import OuroConfig
+from ouro_jax.model import ExitSpec, embed, rope_cos_sin, run_loops, select_exit
+from ouro_jax.params import OuroParams
+from ouro_jax.sampling import SamplingArrays, SamplingMode, sample, token_logprobs
+
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RowState:
+    """Per-row decode state, all [B] unless noted; lives on the device between calls."""
+    tokens: jax.Array  # last committed token (not yet processed)
+    lengths: jax.Array  # positions with final K/V
+    num_generated: jax.Array
+    max_tokens: jax.Array
+    done: jax.Array  # bool
+    finish: jax.Array  # FINISH_*
+    stop_ids: jax.Array  # [B, S] int32, -1 padded
+    sampling: SamplingArrays
+
+
+def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg: OuroConfig,
+                  loops, backend: str, h=None):
+    """Runs `loops` over a [B, C] block of tokens at `positions`, writing their K/V.
+
+    `h` overrides the embedding input (verification starts from the draft's states)."""
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
+    if h is None:
+        h = embed(params, ids, params.dtype)
+    attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], backend)
+    return run_loops(params, h, cos, sin, cfg, attend, planes, loops)
+
+
+def prefill_chunk(params, planes, block_tables, ids, start, last_idx, last_h, last_g, *,
+                  cfg: OuroConfig, backend: str):
+    """One prefill chunk: ids [B, C] at positions start..start+C-1, all loops.
+
+    Keeps, per row, the per-loop states of the row's last prompt token when it falls in this
+    chunk (last_h [T, B, D], last_g [T, B]); the LM head runs only on those."""
+    b, c = ids.shape
+    positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+    hidden, gates, planes = forward_block(params, planes, block_tables, ids, positions, cfg,
+                                          range(cfg.total_ut_steps), backend)
+    rel = last_idx - start
+    here = (rel >= 0) & (rel < c)
+    idx = jnp.clip(rel, 0, c - 1)
+    sel_h = jnp.take_along_axis(hidden, idx[None, :, None, None], axis=2)[:, :, 0]
+    sel_g = jnp.take_along_axis(gates, idx[None, :, None], axis=2)[:, :, 0]
+    last_h = jnp.where(here[None, :, None], sel_h, last_h)
+    last_g = jnp.where(here[None, :], sel_g, last_g)
+    return planes, last_h, last_g
+
+
+def choose_tokens(params, hidden, gates, sampling: SamplingArrays, positions, *,
+                  cfg: OuroConfig, spec: ExitSpec, mode: SamplingMode, want_logprobs: bool):
+    """Exit selection + sampling for per-loop states hidden [T, B, D]."""
+    logits, steps = select_exit(params, hidden, gates, cfg, spec)
+    tokens = sample(logits, sampling, mode, positions)
+    lps = token_logprobs(logits, tokens) if want_logprobs else jnp.zeros(tokens.shape, jnp.float32)
+    return tokens, steps, lps
+
+
+def commit_one(state: RowState, new_tokens) -> tuple[RowState, jax.Array]:
+    """Applies one generated token per active row: lengths, counts, stop conditions."""
+    active = ~state.done
+    num_generated = state.num_generated + active
+    is_stop = jnp.any(new_tokens[:, None] == state.stop_ids, axis=-1)
+    at_limit = num_generated >= state.max_tokens
+    newly_done = active & (is_stop | at_limit)
+    finish = jnp.where(newly_done, jnp.where(is_stop, FINISH_STOP, FINISH_LENGTH), state.finish)
+    state = dataclasses.replace(
+        state, tokens=jnp.where(active, new_tokens, state.tokens),
+        lengths=state.lengths + active, num_generated=num_generated,
+        done=state.done | newly_done, finish=finish)
+    return state, active
+
+
+def start_rows(state: RowState, first_tokens) -> RowState:
+    """Counts the prefill's token as generated token 1. Its K/V are not written yet, so
+    `lengths` stays at the prompt length."""
+    lengths = state.lengths
+    state, _ = commit_one(state, first_tokens)
+    return dataclasses.replace(state, lengths=lengths)
+
+
+def decode_step(params, planes, block_tables, state: RowState, *, cfg, spec, mode,
+                want_logprobs, backend):
+    positions = state.lengths[:, None]
+    hidden, gates, planes = forward_block(params, planes, block_tables, state.tokens[:, None],
+                                          positions, cfg, range(cfg.total_ut_steps), backend)
+    new, steps, lps = choose_tokens(params, hidden[:, :, 0], gates[:, :, 0], state.sampling,
+                                    state.lengths + 1, cfg=cfg, spec=spec, mode=mode,
+                                    want_logprobs=want_logprobs)
+    state, active = commit_one(state, new)
+    return planes, state, (new, steps, lps, active)
+
+
+def decode_chunk(params, planes, block_tables, state: RowState, num_steps, *, buffer: int,
+                 cfg, spec, mode, want_logprobs, backend):
+    """Up to min(num_steps, buffer) decode steps in one `lax.while_loop`, stopping early when
+    every row is done. Returns fixed [B, buffer] buffers; -1 marks 'no token this step'."""
+    b = state.tokens.shape[0]
+    out_tok = jnp.full((b, buffer), -1, jnp.int32)
+    out_exit = jnp.zeros((b, buffer), jnp.int32)
+    out_lp = jnp.zeros((b, buffer), jnp.float32)
+    limit = jnp.minimum(num_steps, buffer)
+
+    def cond(carry):
+        i, _, st, *_ = carry
+        return (i < limit) & ~jnp.all(st.done)
+
+    def body(carry):
+        i, planes, st, out_tok, out_exit, out_lp = carry
+        planes, st, (new, steps, lps, active) = decode_step(
+            params, planes, block_tables, st, cfg=cfg, spec=spec, mode=mode,
+            want_logprobs=want_logprobs, backend=backend)
+        out_tok = out_tok.at[:, i].set(jnp.where(active, new, -1))
+        out_exit = out_exit.at[:, i].set(steps)
+        out_lp = out_lp.at[:, i].set(lps)
+        return i + 1, planes, st, out_tok, out_exit, out_lp
+
+    carry = (jnp.int32(0), planes, state, out_tok, out_exit, out_lp)
+    steps_run, planes, state, out_tok, out_exit, out_lp = lax.while_loop(cond, body, carry)
+    return planes, state, (out_tok, out_exit, out_lp, steps_run)
+
+
+def prefill_finish(params, last_h, last_g, state: RowState, *, cfg, spec, mode, want_logprobs):
+    """First generated token of every row from the prompt's last per-loop states."""
+    tokens, steps, lps = choose_tokens(params, last_h, last_g, state.sampling, state.lengths,
+                                       cfg=cfg, spec=spec, mode=mode, want_logprobs=want_logprobs)
+    return start_rows(state, tokens), (tokens, steps, lps)

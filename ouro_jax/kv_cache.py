@@ -1,0 +1,139 @@
+"""Paged KV cache: a registered pytree of device buffers, plus a host-side page allocator.
+
+Layout (the Pallas kernels in pallas_kernels/ read exactly this):
+
+    k, v          [E, P, page_size, KVH, head_dim]   E = T * L planes, plane index ut * L + l
+    block_tables  [B, max_pages]  int32               physical page of each logical page
+    lengths       [B]             int32               tokens whose K/V are final in every loop
+
+Why this layout:
+- One plane per (loop, layer) with a shared page table: a token's page is the same in every
+  plane, so one block table serves all T*L planes and the speculative draft (loops < d) and
+  verification (loops >= d) write the same pages without any bookkeeping of their own.
+- Token-major pages ([page_size, KVH, head_dim]): writing one token is one contiguous
+  KVH*head_dim row, and a kernel reading a page gets every KV head of it in one block, which
+  suits GQA (all query heads of a KV head served from one load).
+- Page 0 is a trash page that no sequence owns. Block-table slots past a sequence's
+  allocation point at it, so padded rows and padded positions write there harmlessly and
+  every gather stays in bounds. Reads past a sequence's length are masked.
+- Rollback is by length alone: positions >= length may hold stale K/V (rejected speculative
+  tokens) and are overwritten before they are ever read, because a query at position p only
+  attends to positions <= p and position p is written before it is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouro_jax.config import OuroConfig
+
+TRASH_PAGE = 0
+
+
+class KVPoolExhausted(RuntimeError):
+    """The requests of a batch need more KV pages than the pool holds."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: jax.Array
+    v: jax.Array
+    block_tables: jax.Array
+    lengths: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+
+def pages_needed(tokens: int, page_size: int) -> int:
+    return max(1, math.ceil(tokens / page_size))
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def init_planes(cfg: OuroConfig, num_pages: int, page_size: int, dtype) -> tuple[jax.Array, jax.Array]:
+    shape = (cfg.kv_entries, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def kv_bytes_per_token(cfg: OuroConfig, dtype) -> int:
+    return 2 * cfg.kv_entries * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+class PageAllocator:
+    """Host-side free list. Allocation happens once per batch at admission, before any device
+    work, so running out of pages is an error up front and never a crash mid-run."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError("a KV pool needs at least 2 pages (page 0 is the trash page)")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free = list(range(num_pages - 1, TRASH_PAGE, -1))  # pop() gives low ids first
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def allocate(self, token_counts: list[int]) -> list[list[int]]:
+        need = [pages_needed(t, self.page_size) for t in token_counts]
+        if sum(need) > len(self._free):
+            raise KVPoolExhausted(
+                f"KV pool exhausted: the batch needs {sum(need)} pages of {self.page_size} tokens "
+                f"({sum(token_counts)} tokens incl. room for generation), but only "
+                f"{len(self._free)} of {self.num_pages - 1} usable pages are free; raise the pool "
+                f"size (kv_pool_tokens) or send fewer/shorter requests")
+        return [[self._free.pop() for _ in range(n)] for n in need]
+
+    def release(self, pages: list[list[int]]) -> None:
+        for row in pages:
+            self._free.extend(reversed(row))
+
+
+def block_table_array(pages: list[list[int]], batch: int, max_pages: int) -> np.ndarray:
+    """[batch, max_pages] int32, padded with the trash page (also for padding rows)."""
+    table = np.full((batch, max_pages), TRASH_PAGE, np.int32)
+    for i, row in enumerate(pages):
+        table[i, :len(row)] = row
+    return table
+
+
+def slot_indices(block_tables: jax.Array, positions: jax.Array, page_size: int):
+    """(page, slot) of token positions [B, C] through the block table [B, max_pages]."""
+    max_pages = block_tables.shape[1]
+    logical = jnp.clip(positions // page_size, 0, max_pages - 1)
+    page = jnp.take_along_axis(block_tables, logical, axis=1)
+    # Positions past the table (padding) go to the trash page.
+    page = jnp.where(positions // page_size < max_pages, page, TRASH_PAGE)
+    return page, positions % page_size
+
+
+def write_kv(planes: tuple[jax.Array, jax.Array], entry, page, slot, k, v):
+    """Scatter k, v [B, C, KVH, hd] into plane `entry` at (page, slot) [B, C]."""
+    kc, vc = planes
+    kc = kc.at[entry, page, slot].set(k.astype(kc.dtype))
+    vc = vc.at[entry, page, slot].set(v.astype(vc.dtype))
+    return kc, vc
+
+
+def gather_kv(planes: tuple[jax.Array, jax.Array], entry, block_tables):
+    """The XLA gather path: [B, max_pages * page_size, KVH, hd] for plane `entry`."""
+    kc, vc = planes
+    b, mp = block_tables.shape
+    ps = kc.shape[2]
+    k = kc[entry, block_tables].reshape(b, mp * ps, *kc.shape[3:])
+    v = vc[entry, block_tables].reshape(b, mp * ps, *vc.shape[3:])
+    return k, v

@@ -1,0 +1,134 @@
+"""Token selection in fp32: greedy, temperature, top-k, top-p; per-request seeded draws.
+
+Every random draw uses a key derived from (request seed, token position, purpose), never from
+a batch-wide key, so a request's tokens depend only on its own seed and position: batch order,
+batch size and padding cannot change them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+# Purposes keep draws for the same position independent of each other.
+PURPOSE_SAMPLE = 0
+PURPOSE_DRAFT = 1
+PURPOSE_ACCEPT = 2
+PURPOSE_RESIDUAL = 3
+PURPOSE_BONUS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings. temperature 0 means greedy."""
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Sequence[int] = ()
+    logprobs: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not 0 <= int(self.seed) < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
+
+
+class SamplingArrays(NamedTuple):
+    """Device-side per-row sampling parameters [B]."""
+    temperature: jax.Array  # f32
+    top_k: jax.Array  # i32, 0 = off
+    top_p: jax.Array  # f32
+    seed: jax.Array  # u32
+
+
+class SamplingMode(NamedTuple):
+    """Static (compile-time) switches so greedy batches compile no sampling code."""
+    sample: bool = False
+    top_k: bool = False
+    top_p: bool = False
+
+    @classmethod
+    def for_requests(cls, params: Sequence[SamplingParams]) -> "SamplingMode":
+        sample = any(p.temperature > 0 for p in params)
+        return cls(sample=sample, top_k=sample and any(p.top_k > 0 for p in params),
+                   top_p=sample and any(p.top_p < 1.0 for p in params))
+
+
+def row_keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
+    """One key per row from (seed, position, purpose)."""
+    def one(s, p):
+        key = jax.random.fold_in(jax.random.PRNGKey(s), p)
+        return jax.random.fold_in(key, purpose)
+    return jax.vmap(one)(seed.astype(jnp.uint32), position.astype(jnp.int32))
+
+
+def processed_logits(logits: jax.Array, arrays: SamplingArrays, mode: SamplingMode) -> jax.Array:
+    """fp32 logits after temperature, top-k and top-p; filtered entries are -inf.
+
+    Rows with temperature 0 are left unscaled (their argmax is what counts)."""
+    x = logits.astype(jnp.float32)
+    temp = arrays.temperature[:, None]
+    x = jnp.where(temp > 0, x / jnp.where(temp > 0, temp, 1.0), x)
+    vocab = x.shape[-1]
+    if mode.top_k or mode.top_p:
+        sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
+    if mode.top_k:
+        k = jnp.clip(arrays.top_k, 1, vocab)
+        kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)
+        keep = (arrays.top_k[:, None] == 0) | (x >= kth)
+        x = jnp.where(keep, x, -jnp.inf)
+        sorted_x = jnp.where(jnp.arange(vocab)[None] < jnp.where(arrays.top_k == 0, vocab, k)[:, None],
+                             sorted_x, -jnp.inf)
+    if mode.top_p:
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+        keep_sorted = before < arrays.top_p[:, None]
+        # Smallest kept logit is the cut-off; ties at the cut-off are kept.
+        cutoff = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x >= cutoff, x, -jnp.inf)
+    return x
+
+
+def sample(logits: jax.Array, arrays: SamplingArrays, mode: SamplingMode, positions: jax.Array,
+           purpose: int = PURPOSE_SAMPLE) -> jax.Array:
+    """Token per row [B]: argmax for greedy rows, a seeded draw from the processed
+    distribution for the others. `positions` is the position the new token will occupy."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not mode.sample:
+        return greedy
+    x = processed_logits(logits, arrays, mode)
+    keys = row_keys(arrays.seed, positions, purpose)
+    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, x).astype(jnp.int32)
+    return jnp.where(arrays.temperature > 0, drawn, greedy)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Raw log_softmax of the (unprocessed) logits at the chosen tokens, fp32."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+
+
+def sampling_arrays(params: Sequence[SamplingParams], batch: int) -> SamplingArrays:
+    """Host -> device per-row arrays, padded to `batch` with greedy rows."""
+    import numpy as np
+
+    pad = batch - len(params)
+    return SamplingArrays(
+        temperature=jnp.asarray(np.array([p.temperature for p in params] + [0.0] * pad, np.float32)),
+        top_k=jnp.asarray(np.array([p.top_k for p in params] + [0] * pad, np.int32)),
+        top_p=jnp.asarray(np.array([p.top_p for p in params] + [1.0] * pad, np.float32)),
+        seed=jnp.asarray(np.array([p.seed for p in params] + [0] * pad, np.uint32)),
+    )
