@@ -1,0 +1,79 @@
+"""The shipped demo model (ouro_jax/demo_model): loads, gives its recorded figures, and
+behaves like a looped model should (loss falls with depth, the draft is accepted, the exit
+gate picks different depths for different tokens)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from convert import demo_card, demo_corpus, demo_eval
+from convert.load import load_checkpoint
+
+FOLDER = os.path.join(os.path.dirname(__file__), "..", "ouro_jax", "demo_model")
+
+
+@pytest.fixture(scope="module")
+def demo():
+    loaded = load_checkpoint(FOLDER, "fp32")
+    tok, windows = demo_card.heldout_setup(FOLDER)
+    with open(os.path.join(FOLDER, "demo_metrics.json")) as f:
+        metrics = json.load(f)
+    return loaded, tok, windows, metrics
+
+
+def test_folder_layout_and_size():
+    names = set(os.listdir(FOLDER))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= names
+    total = sum(os.path.getsize(os.path.join(FOLDER, n)) for n in names)
+    assert total < 8_000_000
+    with open(os.path.join(FOLDER, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["total_ut_steps"] == 4
+    assert cfg["bos_token_id"] == cfg["eos_token_id"] == demo_corpus.EOT_ID
+
+
+def test_tokenizer_round_trip(demo):
+    _, tok, _, _ = demo
+    assert tok.token_to_id(demo_corpus.EOT) == demo_corpus.EOT_ID
+    for text in ("In the beginning God created the heaven and the earth.\n",
+                 "Zebedee's 12 sons; café, naïve — ünïcödé & tabs\t!"):
+        assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_recorded_heldout_loss_and_depth(demo):
+    loaded, _, windows, metrics = demo
+    rec = metrics["test"]
+    loss, _ = demo_eval.heldout_loss(loaded.params, loaded.config, windows[:rec["windows"]])
+    np.testing.assert_allclose(loss, rec["loss_per_loop"], rtol=2e-4)
+    full = metrics["heldout"]["loss_per_loop"]
+    assert full[-1] < full[0] - 0.02  # loop 4 beats loop 1 on the whole held-out set
+    assert loss[-1] < loss[0]
+
+
+def test_draft_acceptance_d2_k4(demo):
+    loaded, _, windows, metrics = demo
+    rec = metrics["test"]
+    prompts = demo_eval.prompts_from_windows(windows, rec["prompts"], demo_card.PROMPT_LEN)
+    table, seqs = demo_eval.acceptance_table(loaded.params, loaded.config, prompts,
+                                             rec["new_tokens"], k=4, depths=(2,))
+    rate = table[2]["rate"]
+    assert rate >= 0.6
+    assert abs(rate - rec["acceptance_d2_k4"]) < 0.02
+    assert metrics["acceptance_k4"]["2"]["rate"] >= 0.6
+    # the one-forward count equals the literal round-by-round draft (two rows suffice)
+    fast = demo_eval.acceptance_fast(loaded.params, loaded.config, seqs[:2],
+                                     demo_card.PROMPT_LEN, 2, 4)
+    literal = demo_eval.acceptance_literal(loaded.params, loaded.config, seqs[:2],
+                                           demo_card.PROMPT_LEN, 2, 4)
+    assert fast == literal
+
+
+def test_exit_gate_depth_differs_across_tokens(demo):
+    loaded, _, windows, _ = demo
+    stats = demo_eval.exit_depth_stats(loaded.params, loaded.config, windows[:4],
+                                       thresholds=(0.5,))
+    frac = stats["exit_fraction"]["0.5"]
+    assert sum(f > 0.02 for f in frac) >= 2, frac  # at least two depths in real use
+    assert stats["expected_depth"]["std"] > 0.05
