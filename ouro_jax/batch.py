@@ -89,6 +89,7 @@ def run_batch(llm, ids, params, stops, spec, speculative, on_chunk):
     room = speculative.k + 1 if speculative is not None else 0
     compile0, compiles0 = llm.programs.compile_seconds, llm.programs.compiles
     planes, bt, state = admit(llm, ids, params, stops, room)
+    llm.last_block_tables = bt  # kept for inspection (tests compare K/V planes)
     llm._planes = None  # the planes are donated below; never keep a stale reference
 
     t0 = time.perf_counter()
@@ -120,9 +121,10 @@ def run_batch(llm, ids, params, stops, spec, speculative, on_chunk):
         else:
             planes, state, extra, bufs = llm.programs.call(step_fn, static, (1,), llm.params,
                                                            planes, bt, state, extra)
-        host = jax.device_get((first, bufs[:3], state.done, state.finish))  # the one fetch
+        # The one device-to-host fetch of the chunk (speculative counters ride along).
+        f, (o_tok, o_exit, o_lp), done, finish, counters = jax.device_get(
+            (first, bufs[:3], state.done, state.finish, extra))
         fetches += 1
-        f, (o_tok, o_exit, o_lp), done, finish = host
         new = [[] for _ in range(b)]
         for i in range(b):
             cols = [(f[0][i], f[1][i], f[2][i])] if f is not None else []
@@ -141,7 +143,7 @@ def run_batch(llm, ids, params, stops, spec, speculative, on_chunk):
 
     spec_stats, per_req = (None, [None] * b)
     if extra is not None:
-        spec_stats, per_req = spec_mod.summarize(jax.device_get(extra), b)
+        spec_stats, per_req = spec_mod.summarize(counters, b)
     outputs = [RequestOutput(i, list(ids[i]), toks[i], llm.decode_text(toks[i]), exits[i],
                              FINISH_NAMES.get(int(finish[i]), "length"),
                              lps[i] if params[i].logprobs else None, per_req[i])

@@ -25,6 +25,10 @@ from ouro_jax.params import LayerParams, OuroParams
 # attend(q [..., S, H, hd], k [..., S, KVH, hd], v, state, loop, layer) -> (out [..., S, H, hd], state)
 AttendFn = Callable[..., tuple[jax.Array, Any]]
 
+# Test instrumentation: when set, called at trace time as hook(loop, hidden_shape) for every
+# loop a program contains (tests use it to prove no (position, loop) is computed twice).
+TRACE_HOOK: Optional[Callable[[int, tuple], None]] = None
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
@@ -115,6 +119,8 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
 
 def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop):
     """One recurrent step: all L layers (a `lax.scan`), then `model.norm`."""
+    if TRACE_HOOK is not None:
+        TRACE_HOOK(loop, tuple(h.shape))
 
     def body(carry, xs):
         x, st = carry

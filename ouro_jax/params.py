@@ -117,7 +117,7 @@ def random_params_numpy(cfg: OuroConfig, seed: int = 0, dtype=np.float32,
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in expected_hf_shapes(cfg).items():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "norm_2.weight")):
             scale = branch_scale if name.endswith("_2.weight") else 1.0
             arr = scale * (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32))
         elif name.endswith("early_exit_gate.bias"):

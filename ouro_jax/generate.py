@@ -1,0 +1,152 @@
+"""Command-line generation: `python -m ouro_jax.generate --prompt "..."`.
+
+With no --model it runs the embedded demo model that ships with the package. Human output
+streams text as each chunk arrives and ends with a stats line; --json prints one object per
+request plus the stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ouro_jax.sampling import SamplingParams
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ouro_jax.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF Ouro checkpoint folder (default: embedded demo model)")
+    src = p.add_argument_group("prompts (any mix; at least one)")
+    src.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable)")
+    src.add_argument("--prompts-file", help='JSONL: {"prompt": "..."} or {"prompt_ids": [...]}')
+    src.add_argument("--prompt-ids", action="append", type=_int_list, default=[],
+                     help="comma-separated token ids (repeatable)")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=0, help="0 = off")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--stop-token-ids", type=_int_list, default=[])
+    s.add_argument("--logprobs", action="store_true", help="report raw log-probs of chosen tokens")
+    e = p.add_argument_group("exit (default: the reference's threshold rule, all loops run)")
+    e.add_argument("--exit-at-step", type=int, default=None, help="use this loop's logits (0-based)")
+    e.add_argument("--exit-threshold", type=float, default=None,
+                   help="cumulative exit probability threshold (default: config's)")
+    e.add_argument("--weighted-exit", action="store_true",
+                   help="mix every loop's logits by the exit probabilities")
+    sp = p.add_argument_group("speculative decoding (exact)")
+    sp.add_argument("--speculative-k", type=int, default=0, help="draft tokens per round (0 = off)")
+    sp.add_argument("--draft-loops", type=int, default=2)
+    sp.add_argument("--rounds-per-fetch", type=int, default=16)
+    r = p.add_argument_group("runtime")
+    r.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    r.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"])
+    r.add_argument("--page-size", type=int, default=16)
+    r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
+    r.add_argument("--kv-pool-tokens", type=int, default=None,
+                   help="fixed KV pool size in tokens (default: sized to each batch)")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def _load_prompts(args) -> list:
+    prompts: list = list(args.prompt) + list(args.prompt_ids)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+                if "prompt" in obj:
+                    prompts.append(obj["prompt"])
+                elif "prompt_ids" in obj:
+                    prompts.append([int(t) for t in obj["prompt_ids"]])
+                else:
+                    raise ValueError(f"{args.prompts_file}:{n}: needs 'prompt' or 'prompt_ids'")
+    if not prompts:
+        raise ValueError("no prompt given: use --prompt, --prompt-ids or --prompts-file")
+    return prompts
+
+
+class _Streamer:
+    """Prints each request's new text as chunks arrive (decoding whole sequences so multi-byte
+    characters split across chunks come out right)."""
+
+    def __init__(self, llm, n, echo: str = ""):
+        self.llm, self.ids, self.shown = llm, [[] for _ in range(n)], [""] * n
+        self.echo = echo
+
+    def __call__(self, new):
+        if self.echo:  # the prompt, once generation has really started
+            print(self.echo, end="", flush=True)
+            self.echo = ""
+        for i, toks in enumerate(new):
+            if not toks:
+                continue
+            self.ids[i].extend(toks)
+            text = self.llm.decode_text(self.ids[i])
+            text = str(self.ids[i]) if text is None else text.rstrip("\ufffd")
+            delta = text[len(self.shown[i]):] if text.startswith(self.shown[i]) else "\n" + text
+            self.shown[i] = text
+            if len(new) > 1:
+                print(f"[{i}] {delta}", flush=True)
+            else:
+                print(delta, end="", flush=True)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from ouro_jax.api import Ouro
+    from ouro_jax.speculative import SpeculativeConfig
+
+    try:
+        prompts = _load_prompts(args)
+        params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
+                                 ignore_eos=args.ignore_eos, stop_token_ids=tuple(args.stop_token_ids),
+                                 logprobs=args.logprobs) for i in range(len(prompts))]
+        spec = (SpeculativeConfig(args.speculative_k, args.draft_loops,
+                                  rounds_per_fetch=args.rounds_per_fetch)
+                if args.speculative_k else None)
+        t0 = time.perf_counter()
+        llm = Ouro.load(args.model, args.dtype, page_size=args.page_size, attention=args.attention,
+                        decode_chunk=args.decode_chunk, kv_pool_tokens=args.kv_pool_tokens)
+        load_s = time.perf_counter() - t0
+        if args.model is None and not args.json:
+            print(f"(embedded demo model: {llm.cfg.num_params() / 1e6:.2f}M parameters; "
+                  f"see ouro_jax/demo_model/README.md)", file=sys.stderr)
+        echo = prompts[0] if len(prompts) == 1 and isinstance(prompts[0], str) else ""
+        streamer = None if args.json else _Streamer(llm, len(prompts), echo)
+        res = llm.generate(prompts, params, exit_at_step=args.exit_at_step,
+                           exit_threshold=args.exit_threshold, weighted_exit=args.weighted_exit,
+                           speculative=spec, on_chunk=streamer)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        for out in res.outputs:
+            print(json.dumps(out.to_json()))
+        print(json.dumps({"stats": dict(res.stats.to_json(), load_s=load_s)}))
+    else:
+        print()
+        for out in res.outputs:
+            if len(prompts) > 1:
+                print(f"[{out.index}] finish={out.finish_reason} tokens={len(out.token_ids)}")
+        print(f"stats: {res.stats.line()} | load {load_s:.2f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Shared helpers for engine tests: cached tiny checkpoints and reference greedy decoding."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import numpy as np
+
+from convert.load import load_checkpoint
+from convert.synthesize import synthesize
+
+_ROOT = tempfile.mkdtemp(prefix="ouro_engine_tests_")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_checkpoint(preset: str = "tiny-gqa", seed: int = 0, branch_scale: float = 1.0,
+                    **overrides) -> str:
+    folder = os.path.join(_ROOT, f"{preset}-{seed}-{branch_scale}-" +
+                          "-".join(f"{k}{v}" for k, v in sorted(overrides.items())))
+    synthesize(folder, preset, seed=seed, dtype="fp32", branch_scale=branch_scale, **overrides)
+    return folder
+
+
+def load(folder: str, dtype="fp32"):
+    ck = load_checkpoint(folder, dtype)
+    return ck.config, ck.params
+
+
+def reference_greedy(model, prompt, max_tokens, stop_ids=()):
+    """No-cache greedy decoding with the PyTorch reference: full recompute every token."""
+    import torch
+
+    seq = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([seq])).logits[0, -1]
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            seq.append(tok)
+            if tok in stop_ids:
+                break
+    return out
+
+
+def ragged_prompts(vocab: int, lengths, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, vocab, n)] for n in lengths]

@@ -1,0 +1,167 @@
+"""The paged engine (prefill chunks + on-device decode loop) against the PyTorch reference."""
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from convert.torch_reference import load_reference
+from engine_helpers import load, ragged_prompts, reference_greedy, tiny_checkpoint
+from ouro_jax.api import Ouro
+from ouro_jax.kv_cache import KVPoolExhausted
+from ouro_jax.sampling import SamplingParams
+
+
+def _engine(folder, **kw):
+    cfg, params = load(folder)
+    return Ouro(cfg, params, None, **kw)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-mqa"])
+def test_greedy_matches_reference_full_recompute(preset):
+    """Ragged batch, EOS for one row and a stop id for another inside the batch, 32+ tokens,
+    prompts spanning several pages and prefill chunks."""
+    folder = tiny_checkpoint(preset)
+    cfg, params = load(folder)
+    ref = load_reference(folder)
+    prompts = ragged_prompts(cfg.vocab_size, [5, 37, 1, 20])
+    probe = Ouro(cfg, params, None, page_size=4, prefill_chunk=16, decode_chunk=8)
+    free = probe.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True)).outputs
+    eos = free[1].token_ids[12]  # becomes the model's EOS: row 1 stops early
+    stop = free[2].token_ids[20]  # a request-level stop id for row 2
+    llm = Ouro(cfg.replace(eos_token_id=eos), params, None, page_size=4, prefill_chunk=16,
+               decode_chunk=8)
+    sps = [SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=40),
+           SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(stop,)),
+           SamplingParams(max_tokens=33)]
+    res = llm.generate(prompts, sps)
+    stops = [(), (eos,), (stop,), (eos,)]
+    for p, sp, st, out in zip(prompts, sps, stops, res.outputs):
+        want = reference_greedy(ref, p, sp.max_tokens, st)
+        assert out.token_ids == want
+        assert out.finish_reason == ("stop" if want[-1] in st else "length")
+        assert len(out.exit_depths) == len(want)
+    assert res.outputs[1].finish_reason == "stop" and len(res.outputs[1].token_ids) <= 13
+    assert res.outputs[0].finish_reason == "length" and len(res.outputs[0].token_ids) == 40
+
+
+def test_exit_modes_match_dense_forward():
+    """exit_at_step and a low threshold select the same logits as the dense forward."""
+    import jax.numpy as jnp
+
+    from ouro_jax.model import ExitSpec, forward_dense
+
+    folder = tiny_checkpoint("tiny-gqa")
+    cfg, params = load(folder)
+    llm = Ouro(cfg, params, None, page_size=4)
+    prompt = ragged_prompts(cfg.vocab_size, [6])[0]
+    for kw, spec in [(dict(exit_at_step=1), ExitSpec(exit_at_step=1)),
+                     (dict(exit_threshold=0.5), ExitSpec(threshold=0.5))]:
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True), **kw).outputs[0]
+        seq, depths = list(prompt), []
+        for _ in range(12):
+            o = forward_dense(params, jnp.asarray([seq]), cfg, spec)
+            seq.append(int(jnp.argmax(o.logits[0, -1])))
+            depths.append(int(o.exit_steps[0, -1]) + 1)
+        assert out.token_ids == seq[len(prompt):]
+        assert out.exit_depths == depths
+
+
+def test_seeded_sampling_reproducible_and_batch_independent():
+    folder = tiny_checkpoint("tiny-gqa")
+    llm = _engine(folder, page_size=4, decode_chunk=8)
+    prompts = ragged_prompts(llm.cfg.vocab_size, [3, 9, 5])
+    sps = [SamplingParams(max_tokens=16, temperature=0.9, top_k=20, top_p=0.9, seed=s,
+                          ignore_eos=True) for s in (11, 22, 33)]
+    a = [o.token_ids for o in llm.generate(prompts, sps).outputs]
+    assert a == [o.token_ids for o in llm.generate(prompts, sps).outputs]  # reproducible
+    rev = llm.generate(prompts[::-1], sps[::-1]).outputs  # other order
+    assert [o.token_ids for o in rev][::-1] == a
+    alone = llm.generate([prompts[1]], [sps[1]]).outputs[0]  # batch size 1
+    assert alone.token_ids == a[1]
+    bigger = llm.generate(prompts + prompts[:2], sps + sps[:2]).outputs  # batch of 5 (bucket 8)
+    assert [o.token_ids for o in bigger[:3]] == a
+    other_seed = llm.generate([prompts[1]], [SamplingParams(
+        max_tokens=16, temperature=0.9, top_k=20, top_p=0.9, seed=23, ignore_eos=True)])
+    assert other_seed.outputs[0].token_ids != a[1]
+
+
+def test_logprobs_are_raw_log_softmax():
+    import jax.numpy as jnp
+
+    from ouro_jax.model import forward_dense
+
+    folder = tiny_checkpoint("tiny-gqa")
+    cfg, params = load(folder)
+    llm = Ouro(cfg, params, None, page_size=4)
+    prompt = [3, 4, 5]
+    out = llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=True,
+                                                temperature=0.7, seed=3)).outputs[0]
+    seq = prompt + out.token_ids
+    logits = forward_dense(params, jnp.asarray([seq]), cfg).logits[0]
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    want = [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(out.token_ids)]
+    np.testing.assert_allclose(out.logprobs, want, atol=1e-5)
+
+
+class _CompileLog(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        if "Compiling" in record.getMessage() or "compiling" in record.getMessage():
+            self.records.append(record.getMessage())
+
+
+def test_one_fetch_per_chunk_and_no_recompile(monkeypatch):
+    from ouro_jax import batch
+
+    folder = tiny_checkpoint("tiny-gqa")
+    llm = _engine(folder, page_size=4, decode_chunk=4)
+    fetches = []
+    real_get = jax.device_get
+    monkeypatch.setattr(batch.jax, "device_get", lambda x: fetches.append(1) or real_get(x))
+    sp = SamplingParams(max_tokens=15, ignore_eos=True)  # first token + 14 decode steps
+    llm.generate(ragged_prompts(llm.cfg.vocab_size, [4, 6, 2]), sp)  # warm-up compiles
+    fetches.clear()
+    handler = _CompileLog()
+    logging.getLogger("jax").addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with jax.transfer_guard_device_to_host("disallow"):
+            res = llm.generate(ragged_prompts(llm.cfg.vocab_size, [5, 7, 3], seed=9), sp)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logging.getLogger("jax").removeHandler(handler)
+    assert len(fetches) == 4 == res.stats.host_fetches  # ceil(14 / 4) chunks
+    assert res.stats.compiles == 0 and handler.records == []
+    assert all(len(o.token_ids) == 15 for o in res.outputs)
+
+
+def test_bad_inputs_are_clear_errors_and_change_nothing():
+    folder = tiny_checkpoint("tiny-gqa")
+    cfg, params = load(folder)
+    llm = Ouro(cfg, params, None, page_size=4, kv_pool_tokens=64)
+    ok = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True)).outputs[0]
+    with pytest.raises(ValueError, match="too long"):
+        llm.generate([[1] * 500], SamplingParams(max_tokens=20))
+    with pytest.raises(KVPoolExhausted, match="KV pool exhausted"):
+        llm.generate([[1] * 40, [2] * 40], SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.1)
+    with pytest.raises(ValueError, match="unknown token id"):
+        llm.generate([[1, cfg.vocab_size]])
+    with pytest.raises(ValueError, match="unknown stop token"):
+        llm.generate([[1]], SamplingParams(stop_token_ids=(-3,)))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["some text"])
+    with pytest.raises(ValueError, match="exit_at_step"):
+        llm.generate([[1]], exit_at_step=cfg.total_ut_steps)
+    again = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True)).outputs[0]
+    assert again.token_ids == ok.token_ids
