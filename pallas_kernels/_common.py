@@ -1,0 +1,89 @@
+"""Helpers shared by the Pallas (Triton-lowering) paged-attention kernels."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+NEG_INF = -1e30  # finite: empty splits/rows stay NaN-free through the combine
+TARGET_PROGRAMS = 512  # ~4 programs per SM on a 132-SM H200
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def choose_num_splits(work_items: int, max_tokens: int, block_t: int) -> int:
+    """Flash-decoding split count: enough programs to fill the GPU, >= 2 key blocks per split."""
+    want = cdiv(TARGET_PROGRAMS, max(1, work_items))
+    cap = max(1, max_tokens // (2 * block_t))
+    return int(max(1, min(want, cap)))
+
+
+def _col(x):
+    """x[..., None] for arrays; scalars broadcast as they are."""
+    return x[..., None] if x.ndim else x
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def split_range(kv_end, split, num_splits: int, block_t: int):
+    """Keys [start, end) of split `split` when [0, kv_end) is cut into num_splits block-aligned parts."""
+    per = cdiv(cdiv(kv_end, num_splits), block_t) * block_t
+    start = split * per
+    end = jnp.minimum(start + per, kv_end)
+    n_blocks = cdiv(jnp.maximum(end - start, 0), block_t)
+    return start, end, n_blocks
+
+
+def load_kv_block(k_ref, v_ref, bt_ref, entry, seq, kvh, t, last, page_size: int):
+    """K, V rows for token positions t [block_t] (clamped to <= last, so every read is in bounds:
+    the clamped duplicates hit cache lines already being read). Pointer gather through the
+    block table, straight from plane `entry` of the full cache."""
+    tc = jnp.minimum(t, last)
+    pages = bt_ref[seq, lax.div(tc, page_size)]
+    slots = lax.rem(tc, page_size)
+    k = k_ref[entry, pages, slots, kvh, :]
+    v = v_ref[entry, pages, slots, kvh, :]
+    return k, v
+
+
+def online_softmax_step(m, l, sc, mask):
+    """One flash step on scores sc [..., T] (fp32) with validity mask; returns (m_new, alpha, p, l_new)."""
+    sc = jnp.where(mask, sc, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(sc - _col(m_new)), 0.0)
+    l_new = l * alpha + jnp.sum(p, axis=-1)
+    return m_new, alpha, p, l_new
+
+
+def finish(acc, m, l):
+    """Normalised partial output and its log-sum-exp (NEG_INF where the split saw no key)."""
+    o = acc / _col(jnp.where(l > 0, l, 1.0))
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG_INF)
+    return o, lse
+
+
+def combine_splits(o, lse, axis: int):
+    """Merge flash-decoding partials: o [..., S, M, hd] fp32 normalised, lse [..., S, M]."""
+    if o.shape[axis] == 1:
+        return jnp.squeeze(o, axis)
+    m = jnp.max(lse, axis=axis, keepdims=True)
+    w = jnp.exp(lse - m)  # all-empty rows: every w == 1 and every o == 0 -> 0
+    num = jnp.sum(w[..., None] * o, axis=axis)
+    den = jnp.sum(w, axis=axis)
+    return num / den[..., None]
+
+
+__all__ = ["pl", "plt", "NEG_INF", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
+           "split_range", "load_kv_block", "online_softmax_step", "finish", "combine_splits"]

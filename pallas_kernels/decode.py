@@ -1,0 +1,168 @@
+"""Paged decode attention: one query per sequence, flash-decoding splits, GQA per KV head.
+
+Pallas with the Triton lowering (docs/kernels.md says why). Grid (B, KVH, S): program
+(b, h, s) reads the keys of split s of sequence b for KV head h (all `group` query heads of
+that KV head share each K/V tile), gathering token rows through the block table straight
+out of plane `entry` of the full cache (the plane is a pointer offset, never a copy). Each
+program writes a normalised partial output and its log-sum-exp; a small XLA combine merges
+the S partials (skipped when S == 1).
+
+Two inner products:
+  * group <= 2 (MHA, e.g. Ouro): fp32 multiply-reduce on the CUDA cores. Decode is a GEMV;
+    tensor cores need M >= 16 rows and would waste 16x the arithmetic for MHA. By default
+    (rowwise) every token slot of the tile keeps its own softmax state, so the loop body has
+    no cross-warp reduction; rowwise=False is the classic per-block online softmax.
+  * group > 2: tensor-core dots on a [max(16, group_padded), head_dim] query tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import (NEG_INF, choose_num_splits, combine_splits, compiler_params,
+                                    finish, load_kv_block, next_pow2, online_softmax_step, pl,
+                                    split_range)
+
+_DOT_DIMS_QK = (((1,), (1,)), ((), ()))  # [M, d] x [T, d] -> [M, T]
+_DOT_DIMS_PV = (((1,), (0,)), ((), ()))  # [M, T] x [T, d] -> [M, d]
+
+
+def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                   group: int, group_pad: int, use_dot: bool, page_size: int, block_t: int,
+                   num_splits: int, scale: float, rowwise: bool):
+    b = pl.program_id(0)
+    kvh = pl.program_id(1)
+    sp = pl.program_id(2)
+    entry = entry_ref[0]
+    kv_len = lens_ref[b]
+    start, end, n_blocks = split_range(kv_len, sp, num_splits, block_t)
+    hd = q_ref.shape[-1]
+    offs = lax.iota(jnp.int32, block_t)
+
+    def kv_block(i):
+        t = start + i * block_t + offs
+        k, v = load_kv_block(k_ref, v_ref, bt_ref, entry, b, kvh, t, end - 1, page_size)
+        return t < end, k, v
+
+    if use_dot:
+        heads = kvh * group + jnp.minimum(lax.iota(jnp.int32, group_pad), group - 1)
+        qt = q_ref[b, heads, :]  # [Gp, hd]
+
+        def body(i, carry):
+            m, l, acc = carry
+            mask, k, v = kv_block(i)
+            sc = lax.dot_general(qt.astype(k.dtype), k, _DOT_DIMS_QK,
+                                 preferred_element_type=jnp.float32) * scale
+            m, alpha, p, l = online_softmax_step(m, l, sc, mask[None, :])
+            pv = lax.dot_general(p.astype(v.dtype), v, _DOT_DIMS_PV,
+                                 preferred_element_type=jnp.float32)
+            return m, l, acc * alpha[:, None] + pv
+
+        init = (jnp.full((group_pad,), NEG_INF, jnp.float32), jnp.zeros((group_pad,), jnp.float32),
+                jnp.zeros((group_pad, hd), jnp.float32))
+        m, l, acc = lax.fori_loop(0, n_blocks, body, init)
+        o, lse = finish(acc, m, l)
+        o_ref[b, kvh, sp, :, :] = o
+        lse_ref[b, kvh, sp, :] = lse
+        return
+
+    qs = [q_ref[b, kvh * group + g, :].astype(jnp.float32) * scale for g in range(group)]
+
+    if rowwise:
+        # Per-row online softmax: token slot j of the tile keeps its own (m, l, acc[hd]) across
+        # iterations, so the loop body has no cross-thread reduction except the q.k dot over hd
+        # (inside a warp); the block_t partial states are merged once after the loop.
+        def body(i, carry):
+            mask, k, v = kv_block(i)
+            k = k.astype(jnp.float32)
+            v = v.astype(jnp.float32)
+            out = []
+            for g in range(group):
+                m, l, acc = carry[g]
+                sc = jnp.sum(k * qs[g][None, :], axis=1)  # [T]
+                m_new = jnp.where(mask, jnp.maximum(m, sc), m)
+                alpha = jnp.exp(m - m_new)
+                p = jnp.where(mask, jnp.exp(sc - m_new), 0.0)
+                out.append((m_new, l * alpha + p, acc * alpha[:, None] + p[:, None] * v))
+            return tuple(out)
+
+        init = tuple((jnp.full((block_t,), NEG_INF, jnp.float32), jnp.zeros((block_t,), jnp.float32),
+                      jnp.zeros((block_t, hd), jnp.float32)) for _ in range(group))
+        carry = lax.fori_loop(0, n_blocks, body, init)
+        for g in range(group):
+            m_rows, l_rows, acc_rows = carry[g]
+            m = jnp.max(m_rows)
+            w = jnp.exp(m_rows - m)
+            o, lse = finish(jnp.sum(acc_rows * w[:, None], axis=0), m, jnp.sum(l_rows * w))
+            o_ref[b, kvh, sp, g, :] = o
+            lse_ref[b, kvh, sp, g] = lse
+        return
+
+    def body(i, carry):
+        mask, k, v = kv_block(i)
+        k = k.astype(jnp.float32)
+        v = v.astype(jnp.float32)
+        out = []
+        for g in range(group):
+            m, l, acc = carry[g]
+            sc = jnp.sum(k * qs[g][None, :], axis=1)  # [T]
+            m, alpha, p, l = online_softmax_step(m, l, sc, mask)
+            acc = acc * alpha + jnp.sum(p[:, None] * v, axis=0)
+            out.append((m, l, acc))
+        return tuple(out)
+
+    init = tuple((jnp.full((), NEG_INF, jnp.float32), jnp.zeros((), jnp.float32),
+                  jnp.zeros((hd,), jnp.float32)) for _ in range(group))
+    carry = lax.fori_loop(0, n_blocks, body, init)
+    for g in range(group):
+        m, l, acc = carry[g]
+        o, lse = finish(acc, m, l)
+        o_ref[b, kvh, sp, g, :] = o
+        lse_ref[b, kvh, sp, g] = lse
+
+
+def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
+                           interpret: bool = False, block_t=None, num_splits=None,
+                           num_warps: int = 4, num_stages: int = 2, use_dot=None,
+                           rowwise: bool = True):
+    """Decode attention over a paged KV cache.
+
+    q [B, H, hd]; k_cache/v_cache [E, P, page_size, KVH, hd]; entry int32 scalar (plane);
+    block_tables [B, max_pages] int32; kv_lens [B] int32 (the new token included; 0 gives
+    zeros). Returns [B, H, hd] in q.dtype; scale hd**-0.5, fp32 softmax.
+
+    Tuning: block_t keys per inner step (power of 2), num_splits flash-decoding splits per
+    sequence (default: enough programs to fill the GPU), num_warps / num_stages (Triton),
+    use_dot (tensor-core path; default when group > 2), rowwise (see module doc).
+    """
+    bsz, h, hd = q.shape
+    _, _, page_size, kvh, hd_c = k_cache.shape
+    assert hd == hd_c and h % kvh == 0, (q.shape, k_cache.shape)
+    group = h // kvh
+    use_dot = group > 2 if use_dot is None else bool(use_dot)
+    if block_t is None:
+        block_t = 64 if (use_dot or group == 1) else 32
+    group_pad = max(16, next_pow2(group)) if use_dot else group
+    max_tokens = block_tables.shape[1] * page_size
+    if num_splits is None:
+        num_splits = choose_num_splits(bsz * kvh, max_tokens, block_t)
+
+    kernel = functools.partial(
+        _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,
+        block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise)
+    o, lse = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((bsz, kvh, num_splits, group_pad, hd), jnp.float32),
+                   jax.ShapeDtypeStruct((bsz, kvh, num_splits, group_pad), jnp.float32)),
+        grid=(bsz, kvh, num_splits),
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(jnp.reshape(jnp.asarray(entry, jnp.int32), (1,)), block_tables.astype(jnp.int32),
+      kv_lens.astype(jnp.int32), q, k_cache, v_cache)
+    out = combine_splits(o, lse, axis=2)[:, :, :group]  # [B, KVH, G, hd]
+    return out.reshape(bsz, h, hd).astype(q.dtype)
