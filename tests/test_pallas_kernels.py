@@ -1,0 +1,204 @@
+"""Paged-attention kernels vs the plain-JAX reference, and the reference vs a NumPy oracle.
+
+CPU: the Pallas kernels run in interpret mode on tiny shapes. Every test poisons the trash
+page 0 and every slot at or past kv_len with NaN, so a kernel that reads a slot it must not
+(or lets 0 * NaN through) fails. GPU tests (marked `gpu`) compile the real Triton kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (paged_decode_attention, paged_decode_attention_reference,
+                            ragged_paged_attention, ragged_paged_attention_reference)
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+gpu = pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def make_case(rng, *, kv_lens, kvh, group, hd, page_size, dtype, planes=3, n_q=None,
+              spare_pages=3):
+    """Cache [E, P, ps, KVH, hd] with shuffled non-contiguous pages; NaN in page 0 and past kv_len."""
+    kv_lens = np.asarray(kv_lens, np.int32)
+    nseq = len(kv_lens)
+    max_pages = max(1, int(-(-kv_lens.max() // page_size))) + 1  # one spare table column
+    n_pages = 1 + nseq * max_pages + spare_pages
+    shape = (planes, n_pages, page_size, kvh, hd)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    perm = rng.permutation(np.arange(1, n_pages))[: nseq * max_pages]
+    tables = perm.reshape(nseq, max_pages).astype(np.int32)
+    for b in range(nseq):  # unused table columns point at the trash page, as in the engine
+        tables[b, -(-kv_lens[b] // page_size):] = 0
+        for p in range(kv_lens[b], max_pages * page_size):
+            if tables[b, p // page_size] != 0:
+                k[:, tables[b, p // page_size], p % page_size] = np.nan
+                v[:, tables[b, p // page_size], p % page_size] = np.nan
+    k[:, 0] = np.nan
+    v[:, 0] = np.nan
+    h = kvh * group
+    q_shape = (nseq, h, hd) if n_q is None else (n_q, h, hd)
+    q = rng.standard_normal(q_shape).astype(np.float32)
+    cast = lambda x: jnp.asarray(x, dtype)
+    return cast(q), cast(k), cast(v), jnp.asarray(tables), jnp.asarray(kv_lens)
+
+
+def numpy_attention(q_rows, positions, k_seq, v_seq, group):
+    """fp64 oracle for one sequence: q_rows [n, H, hd] at positions [n]; k/v [T, KVH, hd]."""
+    n, h, hd = q_rows.shape
+    out = np.zeros((n, h, hd))
+    for i in range(n):
+        for head in range(h):
+            keys = k_seq[: positions[i] + 1, head // group].astype(np.float64)
+            vals = v_seq[: positions[i] + 1, head // group].astype(np.float64)
+            if len(keys) == 0:
+                continue
+            s = keys @ q_rows[i, head].astype(np.float64) * hd ** -0.5
+            p = np.exp(s - s.max())
+            out[i, head] = (p / p.sum()) @ vals
+    return out
+
+
+def seq_kv(cache, entry, tables, b, length):
+    ps = cache.shape[2]
+    c = np.asarray(cache.astype(jnp.float32))
+    return np.stack([c[entry, tables[b, p // ps], p % ps] for p in range(length)]) if length else \
+        np.zeros((0,) + c.shape[3:])
+
+
+def check(out, ref, dtype):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    ref = np.asarray(jnp.asarray(ref, jnp.float32))
+    assert np.all(np.isfinite(out)), "non-finite output"
+    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-6)
+    assert err < TOL[dtype], err
+
+
+# ---------------------------------------------------------------- reference vs NumPy oracle
+def test_reference_decode_matches_numpy():
+    rng = np.random.default_rng(0)
+    q, k, v, bt, lens = make_case(rng, kv_lens=[0, 1, 4, 9], kvh=2, group=2, hd=8, page_size=4,
+                                  dtype=jnp.float32)
+    out = np.asarray(paged_decode_attention_reference(q, k, v, 1, bt, lens))
+    tables = np.asarray(bt)
+    for b, n in enumerate(np.asarray(lens)):
+        want = numpy_attention(np.asarray(q)[b:b + 1], [n - 1], seq_kv(k, 1, tables, b, n),
+                               seq_kv(v, 1, tables, b, n), 2)
+        np.testing.assert_allclose(out[b:b + 1], want, atol=2e-5)
+
+
+def test_reference_ragged_matches_numpy():
+    rng = np.random.default_rng(1)
+    q_lens, kv_lens = [2, 0, 1, 4], [6, 3, 1, 4]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q, k, v, bt, lens = make_case(rng, kv_lens=kv_lens, kvh=1, group=2, hd=8, page_size=2,
+                                  dtype=jnp.float32, n_q=int(cu[-1]) + 2)
+    out = np.asarray(ragged_paged_attention_reference(q, k, v, 2, bt, lens, jnp.asarray(cu),
+                                                      max_q_len=4))
+    tables = np.asarray(bt)
+    for b in range(len(q_lens)):
+        rows = slice(cu[b], cu[b + 1])
+        pos = [kv_lens[b] - q_lens[b] + i for i in range(q_lens[b])]
+        want = numpy_attention(np.asarray(q)[rows], pos, seq_kv(k, 2, tables, b, kv_lens[b]),
+                               seq_kv(v, 2, tables, b, kv_lens[b]), 2)
+        np.testing.assert_allclose(out[rows], want, atol=2e-5)
+    assert np.all(out[cu[-1]:] == 0)
+
+
+# ---------------------------------------------------------------- kernels, interpret mode (CPU)
+# kv_lens: empty, single token, exact page ends (4, 8), ragged, > one split
+DECODE_CASES = [
+    # (dtype, kvh, group, kwargs)
+    (jnp.float32, 2, 1, dict(block_t=4, num_splits=2)),                  # MHA, rowwise, split
+    (jnp.float32, 2, 1, dict(block_t=4, num_splits=1, rowwise=False)),   # per-block softmax
+    (jnp.bfloat16, 1, 2, dict(block_t=8, num_splits=3)),                 # GQA 2, CUDA-core path
+    (jnp.bfloat16, 2, 4, dict(block_t=4, num_splits=2)),                 # GQA 4, tensor-core path
+]
+
+
+@pytest.mark.parametrize("dtype,kvh,group,kw", DECODE_CASES)
+def test_decode_kernel_interpret(dtype, kvh, group, kw):
+    rng = np.random.default_rng(2)
+    q, k, v, bt, lens = make_case(rng, kv_lens=[0, 1, 4, 8, 13, 23], kvh=kvh, group=group, hd=16,
+                                  page_size=4, dtype=dtype)
+    out = paged_decode_attention(q, k, v, jnp.int32(2), bt, lens, interpret=True, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    check(out, paged_decode_attention_reference(q, k, v, 2, bt, lens), dtype)
+    assert np.all(np.asarray(out[0], np.float32) == 0)  # kv_len 0 -> zeros
+
+
+RAGGED_CASES = [
+    # (dtype, kvh, group, q_lens, kv_lens, kwargs)
+    (jnp.float32, 2, 1, [0, 1, 5, 3, 8], [2, 1, 8, 12, 8], dict(block_q=4, block_t=4, num_splits=2)),
+    (jnp.bfloat16, 1, 2, [3, 3, 3], [3, 7, 16], dict(block_t=4)),        # verification-like
+    (jnp.bfloat16, 2, 4, [6, 1], [17, 9], dict(block_t=8, num_splits=1)),
+]
+
+
+@pytest.mark.parametrize("dtype,kvh,group,q_lens,kv_lens,kw", RAGGED_CASES)
+def test_ragged_kernel_interpret(dtype, kvh, group, q_lens, kv_lens, kw):
+    rng = np.random.default_rng(3)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    n_q = int(cu[-1]) + 3  # padding rows
+    q, k, v, bt, lens = make_case(rng, kv_lens=kv_lens, kvh=kvh, group=group, hd=16, page_size=4,
+                                  dtype=dtype, n_q=n_q)
+    out = ragged_paged_attention(q, k, v, jnp.int32(1), bt, lens, cu, interpret=True, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = ragged_paged_attention_reference(q, k, v, 1, bt, lens, cu)
+    check(out[: int(cu[-1])], ref[: int(cu[-1])], dtype)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+def test_decode_equals_ragged_with_one_query():
+    rng = np.random.default_rng(4)
+    q, k, v, bt, lens = make_case(rng, kv_lens=[5, 1, 12], kvh=2, group=1, hd=16, page_size=4,
+                                  dtype=jnp.float32)
+    cu = jnp.arange(4, dtype=jnp.int32)
+    a = paged_decode_attention_reference(q, k, v, 0, bt, lens)
+    b = ragged_paged_attention_reference(q, k, v, 0, bt, lens, cu, max_q_len=1)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+# ---------------------------------------------------------------- real kernels on the GPU
+def _gpu_case(seed, dtype, kvh, group, kv_lens, page_size=16, n_q=None):
+    return make_case(np.random.default_rng(seed), kv_lens=kv_lens, kvh=kvh, group=group, hd=128,
+                     page_size=page_size, dtype=dtype, n_q=n_q, planes=2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kvh,group", [(16, 1), (4, 4), (2, 16)])
+def test_decode_kernel_gpu(dtype, kvh, group):
+    kv_lens = [0, 1, 16, 17, 300, 1024, 2047, 4096]
+    q, k, v, bt, lens = _gpu_case(5, dtype, kvh, group, kv_lens)
+    for kw in (dict(), dict(num_splits=1), dict(num_splits=7, block_t=32)):
+        out = jax.jit(lambda *a: paged_decode_attention(*a, **kw))(q, k, v, jnp.int32(1), bt, lens)
+        check(out, paged_decode_attention_reference(q, k, v, 1, bt, lens), dtype)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kvh,group", [(16, 1), (4, 4)])
+def test_ragged_kernel_gpu(dtype, kvh, group):
+    q_lens = [5, 5, 1, 0, 64, 300, 5]
+    kv_lens = [5, 900, 1, 10, 2048, 300, 4097]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q, k, v, bt, lens = _gpu_case(6, dtype, kvh, group, kv_lens, n_q=int(cu[-1]) + 7)
+    ref = ragged_paged_attention_reference(q, k, v, 1, bt, lens, cu)
+    for kw in (dict(), dict(block_q=64, num_splits=1), dict(num_splits=4, block_t=32)):
+        out = jax.jit(lambda *a: ragged_paged_attention(*a, **kw))(q, k, v, jnp.int32(1), bt, lens, cu)
+        check(out[: int(cu[-1])], ref[: int(cu[-1])], dtype)
+        assert np.all(np.isfinite(np.asarray(out, np.float32)))
