@@ -69,6 +69,9 @@ class DiffReport:
     errors: dict = dataclasses.field(default_factory=dict)  # item -> max abs error
     scales: dict = dataclasses.field(default_factory=dict)  # item -> max abs of the torch side
     step_mismatches: dict = dataclasses.field(default_factory=dict)  # mode -> tokens
+    # mode -> max over mismatched tokens of |reference cdf - threshold| at the earlier of the
+    # two chosen loops: a mismatch is only a rounding near-tie when this is tiny.
+    step_margins: dict = dataclasses.field(default_factory=dict)
 
     def add(self, name, ours, theirs, where=None):
         a, b = _f64(ours), _f64(theirs)
@@ -90,6 +93,25 @@ def _f64(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().float().cpu().numpy().astype(np.float64)
     return np.asarray(jnp.asarray(x).astype(jnp.float32), dtype=np.float64)
+
+
+def _threshold_agreement(rep: DiffReport, name: str, ours_steps, ref_probs: torch.Tensor,
+                         q: float) -> np.ndarray:
+    """Compares exit loops; records mismatches and their margin; returns the agreement mask."""
+    if not isinstance(ours_steps, torch.Tensor):
+        ours_steps = torch.from_numpy(np.array(ours_steps))
+    ours_steps = ours_steps.long()
+    ref_steps = threshold_exit_steps(ref_probs, q)
+    agree = ours_steps == ref_steps
+    rep.step_mismatches[name] = int((~agree).sum())
+    margin = 0.0
+    if not agree.all():
+        cdf = torch.cumsum(ref_probs.float(), dim=0)
+        first = torch.minimum(ours_steps, ref_steps)
+        at = torch.gather(cdf, 0, first[None])[0]
+        margin = float((at - q).abs()[~agree].max())
+    rep.step_margins[name] = margin
+    return agree.numpy()
 
 
 class LoopRecorder:
@@ -154,12 +176,10 @@ def compare_dense(model, params, cfg: OuroConfig, ids, thresholds=(None, 0.5)) -
         out, _, _ = run_torch(model, ids, use_cache=False, **kwargs)
         spec = spec_of(kwargs)
         logits, steps = select_exit(params, jout.hidden_states, jout.gate_logits, cfg, spec)
-        where = None
+        where = None  # tokens whose chosen loop differs are counted, not diffed
         if spec.mode() == "threshold":
             q = cfg.early_exit_threshold if spec.threshold is None else spec.threshold
-            agree = np.asarray(steps) == threshold_exit_steps(tprobs, q).numpy()
-            rep.step_mismatches[name] = int((~agree).sum())
-            where = agree  # tokens whose chosen loop differs are counted, not diffed
+            where = _threshold_agreement(rep, name, steps, tprobs, q)
         rep.add(f"logits/{name}", logits, out.logits, where)
     return rep
 
@@ -167,7 +187,8 @@ def compare_dense(model, params, cfg: OuroConfig, ids, thresholds=(None, 0.5)) -
 def compare_incremental(model, params, cfg: OuroConfig, ids, prefill: int) -> DiffReport:
     """The torch model's cached decode (prefill, then one token at a time with its own KV
     cache) against its own dense forward ('cached_vs_dense/...') and ours ('cached_vs_jax/...').
-    Logits use the default exit mode (the config's threshold)."""
+    Logits use the default exit mode (the config's threshold); tokens whose exit loop differs
+    are counted in step_mismatches, not diffed."""
     ids = np.asarray(ids)
     seq = ids.shape[1]
     if not 0 < prefill < seq:
@@ -186,14 +207,23 @@ def compare_incremental(model, params, cfg: OuroConfig, ids, prefill: int) -> Di
     gates = torch.cat([p[2] for p in pieces], dim=2)
     jout = jax_forward(params, jnp.asarray(ids), cfg)
     rep = DiffReport()
-    for tag, ref_h, ref_g, ref_l in (("cached_vs_dense", dhidden, dgates, dense.logits),
-                                     ("cached_vs_jax", jout.hidden_states, jout.gate_logits,
-                                      jout.logits)):
+    q = cfg.early_exit_threshold
+    cached_steps = threshold_exit_steps(exit_probabilities(gates), q)
+    for tag, ref_h, ref_g, ref_l, ref_probs in (
+            ("cached_vs_dense", dhidden, dgates, dense.logits, exit_probabilities(dgates)),
+            ("cached_vs_jax", jout.hidden_states, jout.gate_logits, jout.logits,
+             _to_torch(jout.exit_probs, gates.dtype))):
         for t in range(cfg.total_ut_steps):
             rep.add(f"{tag}/hidden[{t}]", hidden[t], ref_h[t])
         rep.add(f"{tag}/gate_logits", gates, ref_g)
-        rep.add(f"{tag}/logits", logits, ref_l)
+        where = _threshold_agreement(rep, tag, cached_steps, ref_probs, q)
+        rep.add(f"{tag}/logits", logits, ref_l, where)
     return rep
+
+
+def _to_torch(x, dtype) -> torch.Tensor:
+    """A JAX array as a torch tensor of `dtype` (exact for values of that dtype)."""
+    return torch.from_numpy(np.array(jnp.asarray(x).astype(jnp.float32))).to(dtype)
 
 
 def main(argv=None) -> int:

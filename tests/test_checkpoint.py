@@ -21,6 +21,7 @@ from convert.load import CheckpointError, load_checkpoint
 from convert.safetensors_io import open_tensors
 from convert.save import save_checkpoint
 from convert.torch_reference import OuroForCausalLM, load_reference, torch_to_numpy
+from ouro_jax import model as M
 from ouro_jax.config import TINY_GQA, TINY_MQA_ODD
 from ouro_jax.params import GLOBAL_TENSORS, LAYER_TENSORS, random_params_numpy
 
@@ -61,13 +62,17 @@ def test_reference_round_trip(tmp_path, dtype):
     for name, arr in param_views(ck.params, cfg).items():
         assert_bits_equal(arr, torch_to_numpy(ref.state_dict()[name]), name)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
-    ours = jax_forward(ck.params, jnp.asarray(ids), cfg)
-    theirs = ref(torch.as_tensor(ids))
-    # fp32 ~1e-6 observed; bf16 within the differential tests' bf16 bound (3e-2 relative).
-    tol = 1e-5 if dtype == "fp32" else 3e-2
-    scale = theirs.logits.float().abs().max().item()
-    err = np.abs(np.asarray(ours.logits, np.float32) - theirs.logits.float().numpy()).max()
-    assert err <= tol * scale, (err, scale)
+    # fp32 ~1e-6 observed; bf16 within the differential tests' bf16 bound (5e-2 relative).
+    # Every loop's logits (exit_at_step): a bf16 threshold exit may pick a different loop for
+    # a near-tie token, which test_model_vs_reference covers; here the weights are the point.
+    tol = 1e-5 if dtype == "fp32" else 5e-2
+    hidden = jax_forward(ck.params, jnp.asarray(ids), cfg).hidden_states
+    per_loop = M.loop_logits(ck.params, hidden)
+    for step in range(cfg.total_ut_steps):
+        ours = per_loop[step]
+        theirs = ref(torch.as_tensor(ids), exit_at_step=step).logits.float()
+        err = np.abs(np.asarray(ours, np.float32) - theirs.numpy()).max()
+        assert err <= tol * theirs.abs().max().item(), (step, err)
     back = load_reference(tmp_path, t_dt)  # and the reference reads its own output back
     for name, t in ref.state_dict().items():
         assert torch.equal(back.state_dict()[name], t), name
