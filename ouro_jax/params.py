@@ -141,3 +141,32 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: OuroConfig, dtype) -> Ou
     glob = {field: jnp.asarray(np.asarray(tensors[name]).astype(dtype, copy=False))
             for name, field in GLOBAL_TENSORS.items()}
     return OuroParams(layers=LayerParams(**layers), **glob)
+
+
+def random_params(cfg: OuroConfig, seed: int = 0, dtype=jnp.bfloat16,
+                  branch_scale: float = 1.0) -> OuroParams:
+    """Random weights drawn on the device (same recipe as random_params_numpy, other draws):
+    a 1.4B-shaped model in a second, for benchmarks that need no checkpoint file."""
+    key = jax.random.PRNGKey(seed)
+    lshapes, gshapes = layer_tensor_shapes(cfg), global_tensor_shapes(cfg)
+    n = cfg.num_hidden_layers
+
+    def draw(i, shape, kind):
+        k = jax.random.fold_in(key, i)
+        x = jax.random.normal(k, shape, jnp.float32)
+        if kind == "norm":
+            return (1.0 + 0.1 * x).astype(dtype)
+        if kind == "branch":
+            return (branch_scale * (1.0 + 0.1 * x)).astype(dtype)
+        if kind == "embed":
+            return x.astype(dtype)
+        return (x * shape[-1] ** -0.5).astype(dtype)
+
+    layers = {}
+    for i, (field, shape) in enumerate(lshapes.items()):
+        kind = ("branch" if field.endswith("_2") else "norm" if "norm" in field else "w")
+        layers[field] = draw(i, (n, *shape), kind)
+    glob = {field: draw(100 + i, shape, {"embed_tokens": "embed", "norm": "norm",
+                                         "exit_gate_b": "embed"}.get(field, "w"))
+            for i, (field, shape) in enumerate(gshapes.items())}
+    return OuroParams(layers=LayerParams(**layers), **glob)

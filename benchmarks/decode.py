@@ -1,0 +1,233 @@
+"""Decode throughput on the reference protocol: native vs speculative, greedy vs sampling.
+
+    python -m benchmarks.decode --synthetic 1.4b --batch 1,8,32,64 --out results.json
+    python -m benchmarks.decode --model DIR --batch 8 --k 4 --temperature 0,0.8
+
+Protocol (OURO.md): prompt 128 tokens, 64 new tokens, ignore_eos; decode-only time after every
+request's first token (prefill + first token excluded), and end-to-end time with prefill.
+Each configuration runs `--warmup` untimed calls (compiles happen there and are reported
+apart), then `--repeats` timed calls; the median and the spread are reported. For native
+decode the roofline fraction is computed from the bytes one decode step must read (weights
+once per loop, the LM head, and every loop's K/V) and the copy bandwidth measured in-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def copy_bandwidth(gbytes: float = 2.0) -> float:
+    """Device copy bandwidth in bytes/s (read + write counted), median of 10."""
+    n = int(gbytes * 2**30 / 4)
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a + 1)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n * 4 / statistics.median(times)
+
+
+def step_bytes(cfg, batch: int, context: float, dtype_bytes: int = 2) -> float:
+    """Bytes one native decode step must read: the layer stack once per loop, the LM head
+    and final norm, and every loop's K/V over the context."""
+    per_layer = (cfg.num_params() - 2 * cfg.vocab_size * cfg.hidden_size) / cfg.num_hidden_layers
+    weights = cfg.total_ut_steps * cfg.num_hidden_layers * per_layer * dtype_bytes
+    head = cfg.vocab_size * cfg.hidden_size * dtype_bytes
+    kv = batch * context * 2 * cfg.kv_entries * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    return weights + head + kv
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def make_engine(args):
+    from ouro_jax.api import Ouro
+    from ouro_jax.config import PRESETS
+    from ouro_jax.params import random_params
+
+    kw = dict(page_size=args.page_size, attention=args.attention,
+              decode_chunk=args.new_tokens, prefill_chunk=256)
+    if args.model:
+        return Ouro.load(args.model, args.dtype, **kw)
+    cfg = PRESETS[args.synthetic]
+    dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
+    params = random_params(cfg, args.seed, dtype, args.branch_scale)
+    return Ouro(cfg, params, None, **kw)
+
+
+def run_config(llm, batch, k, temp, args):
+    from ouro_jax.sampling import SamplingParams
+    from ouro_jax.speculative import SpeculativeConfig
+
+    rng = np.random.default_rng(batch)
+    prompts = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt_len)]
+               for _ in range(batch)]
+    sps = [SamplingParams(max_tokens=args.new_tokens, temperature=temp, top_p=1.0, seed=i,
+                          ignore_eos=True) for i in range(batch)]
+    spec = (SpeculativeConfig(k, args.draft_loops, rounds_per_fetch=args.new_tokens)
+            if k else None)
+    compile_s = 0.0
+    for _ in range(args.warmup):
+        compile_s += llm.generate(prompts, sps, speculative=spec).stats.compile_s
+    runs = [llm.generate(prompts, sps, speculative=spec) for _ in range(args.repeats)]
+    dec = [r.stats.decode_tok_s for r in runs]
+    e2e = [r.stats.generated_tokens / (r.stats.prefill_s + r.stats.decode_s) for r in runs]
+    row = dict(batch=batch, mode="speculative" if k else "native", k=k,
+               draft_loops=args.draft_loops if k else None, temperature=temp,
+               decode_tok_s=statistics.median(dec), decode_tok_s_min=min(dec),
+               decode_tok_s_max=max(dec), e2e_tok_s=statistics.median(e2e),
+               prefill_s=statistics.median(r.stats.prefill_s for r in runs),
+               decode_s=statistics.median(r.stats.decode_s for r in runs),
+               compile_s=compile_s, host_fetches=runs[-1].stats.host_fetches)
+    if k:
+        s = runs[-1].stats.spec
+        row.update(acceptance=s["acceptance"], tokens_per_round=s["tokens_per_round"],
+                   rounds=s["rounds"])
+    else:
+        steps = args.new_tokens - 1
+        ctx = args.prompt_len + args.new_tokens / 2
+        nbytes = step_bytes(llm.cfg, batch, ctx)
+        step_s = row["decode_s"] / steps
+        row.update(step_ms=1e3 * step_s, step_bytes=nbytes,
+                   roofline_fraction=nbytes / step_s / args.copy_bw)
+    return row, runs[-1]
+
+
+def token_match(native, spec) -> dict:
+    """Greedy speculative vs native tokens: identical sequences, and per-position agreement
+    up to each sequence's first divergence (bf16 rounding can flip near-ties)."""
+    same = sum(a == b for a, b in zip(native, spec))
+    agree = total = 0
+    for a, b in zip(native, spec):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        agree += n
+        total += len(a)
+    return dict(identical_sequences=same, sequences=len(native),
+                prefix_match_rate=agree / total if total else 1.0)
+
+
+def sweep_branch_scale(args) -> list:
+    """Measures acceptance (batch 8, k=4, greedy) per branch scale; sets args.branch_scale."""
+    out, programs = [], None
+    for scale in [float(x) for x in args.sweep_branch_scale.split(",")]:
+        args.branch_scale = scale
+        llm = make_engine(args)
+        if programs is not None:
+            llm.programs = programs  # same shapes: reuse the compiled programs
+        programs = llm.programs
+        saved = (args.warmup, args.repeats)
+        args.warmup, args.repeats = 1, 1
+        row, _ = run_config(llm, 8, 4, 0.0, args)
+        args.warmup, args.repeats = saved
+        out.append(dict(branch_scale=scale, acceptance=row["acceptance"],
+                        decode_tok_s=row["decode_tok_s"]))
+        print(json.dumps(out[-1]), flush=True)
+        del llm
+    best = min(out, key=lambda r: abs(r["acceptance"] - args.target_acceptance))
+    args.branch_scale = best["branch_scale"]
+    return out
+
+
+def _fmt(r: dict, key: str, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return format(scale * r[key], spec) + suffix if key in r else "-"
+
+
+def table(rows) -> str:
+    head = (f"{'B':>3} {'mode':<12} {'k':>2} {'T':>4} {'decode tok/s':>13} {'spread':>17} "
+            f"{'e2e tok/s':>10} {'accept':>7} {'tok/rnd':>7} {'roofline':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        spread = f"{r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f}"
+        lines.append(
+            f"{r['batch']:>3} {r['mode']:<12} {r['k'] or '-':>2} {r['temperature']:>4} "
+            f"{r['decode_tok_s']:>13.1f} {spread:>17} {r['e2e_tok_s']:>10.1f} "
+            f"{_fmt(r, 'acceptance', '.1f', 100, '%'):>7} {_fmt(r, 'tokens_per_round', '.2f'):>7} "
+            f"{_fmt(r, 'roofline_fraction', '.1f', 100, '%'):>8}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint folder")
+    src.add_argument("--synthetic", default="1.4b", help="preset for random weights on device")
+    p.add_argument("--branch-scale", type=float, default=1.0,
+                   help="post-branch norm scale of synthetic weights (sets draft acceptance)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--batch", default="1,8,32,64")
+    p.add_argument("--k", default="0,2,4", help="0 = native decode")
+    p.add_argument("--draft-loops", type=int, default=2)
+    p.add_argument("--temperature", default="0,0.8")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sweep-branch-scale", default=None,
+                   help="synthetic only: try these scales at batch 8, k=4 greedy and keep the "
+                        "one whose acceptance is closest to --target-acceptance")
+    p.add_argument("--target-acceptance", type=float, default=0.8)
+    p.add_argument("--out", help="JSON result path")
+    args = p.parse_args(argv)
+    args.copy_bw = copy_bandwidth()
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth "
+          f"{args.copy_bw / 1e12:.2f} TB/s", flush=True)
+    sweep = sweep_branch_scale(args) if args.sweep_branch_scale else None
+    t0 = time.perf_counter()
+    llm = make_engine(args)
+    print(f"model ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    rows, matches = [], []
+    for b in [int(x) for x in args.batch.split(",")]:
+        greedy_outs = {}
+        for k in [int(x) for x in args.k.split(",")]:
+            for temp in [float(x) for x in args.temperature.split(",")]:
+                row, res = run_config(llm, b, k, temp, args)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if temp == 0:
+                    greedy_outs[k] = [o.token_ids for o in res.outputs]
+        for k, outs in greedy_outs.items():
+            if k and 0 in greedy_outs:
+                matches.append(dict(batch=b, k=k, **token_match(greedy_outs[0], outs)))
+                print(json.dumps(matches[-1]), flush=True)
+    print(table(rows))
+    result = dict(
+        command="python -m benchmarks.decode " + " ".join(argv if argv is not None else sys.argv[1:]),
+        device=jax.devices()[0].device_kind, platform=platform.platform(),
+        jax_version=jax.__version__, git_commit=git_commit(), copy_bandwidth_Bps=args.copy_bw,
+        model=args.model or f"synthetic {args.synthetic} (branch_scale {args.branch_scale})",
+        dtype=args.dtype, attention=llm.backend, prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens, repeats=args.repeats, compiles_total=llm.programs.compiles,
+        branch_scale=args.branch_scale, branch_scale_sweep=sweep, greedy_token_match=matches,
+        compile_s_total=llm.programs.compile_seconds, rows=rows, table=table(rows))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
