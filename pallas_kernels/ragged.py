@@ -98,14 +98,15 @@ def _tile_map(cu_q_lens, num_tiles: int, block_q: int):
 
 
 def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu_q_lens, *,
-                           interpret: bool = False, block_q=None, block_t: int = 64,
+                           interpret: bool = False, block_q=None, block_t=None,
                            num_splits=None, num_warps=None, num_stages: int = 2):
     """Packed ragged paged attention. q [N, H, hd] -> [N, H, hd] in q.dtype.
 
     k_cache/v_cache [E, P, page_size, KVH, hd]; entry int32 scalar; block_tables [B, max_pages];
     kv_lens [B] (new tokens included); cu_q_lens [B+1] (cu_q_lens[0] == 0). Rows past
     cu_q_lens[B] return zeros. Tuning: block_q query rows per tile (power of 2; default 16
-    rows of M for short queries, up to 64 for long chunks), block_t keys per step, num_splits,
+    rows of M for short queries, up to 64 for long chunks), block_t keys per step (64 for 16-bit
+    caches, 32 for fp32), num_splits,
     num_warps (default 4, or 8 when M > 32), num_stages.
     """
     n_rows, h, hd = q.shape
@@ -114,6 +115,8 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
     nseq = kv_lens.shape[0]
     group = h // kvh
     group_pad = next_pow2(group)
+    if block_t is None:  # fp32 tiles are twice the shared memory of bf16 ones
+        block_t = 64 if jnp.dtype(k_cache.dtype).itemsize <= 2 else 32
     if block_q is None:  # M = block_q * group_pad rows per dot: >= 16 for the tensor cores
         target_m = 16 if cdiv(n_rows, nseq) <= 16 else 64
         block_q = max(1, target_m // group_pad)

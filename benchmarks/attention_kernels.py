@@ -1,0 +1,251 @@
+"""Microbenchmark: Pallas paged-attention kernels vs the XLA gather path (pallas_kernels.reference).
+
+    PYTHONPATH=. python benchmarks/attention_kernels.py --out $OUT/attention_kernels.json
+
+Ouro-1.4B attention shapes: 16 query heads, 16 KV heads, head_dim 128, bf16. Decode at batch
+{1, 8, 64} x context {512, 2048, 8192}; verification with 5 queries per sequence at batch
+{8, 64} (same contexts). Context = kv_len, the new tokens included; every sequence has it.
+
+Timing: R calls unrolled in one jit (each reads a different cache plane `entry`, so small
+problems are not served from L2), outputs reduced into one scalar; median of several runs,
+minus the median time of the same jit doing no attention (dispatch + sync), divided by R.
+K/V bandwidth = B * context * KVH * head_dim * 2 B * 2 (K and V) / time: the fewest bytes any
+implementation must read. Copy bandwidth (read + write bytes of a 2 GiB x+1) is measured in
+the same run. `--smoke` runs tiny shapes in interpret mode on CPU to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import (paged_decode_attention, paged_decode_attention_reference,
+                            ragged_paged_attention, ragged_paged_attention_reference)
+
+HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 16, 128, jnp.bfloat16
+L2_DEFEAT_BYTES = 256 << 20  # K/V touched across the R unrolled calls: >> the 50 MB L2
+
+
+def median_time(fn, *args, runs=7):
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def copy_bandwidth(smoke: bool):
+    n = (1 << 20) if smoke else (1 << 30)  # bf16 elements: 2 GiB
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    jax.block_until_ready(f(x))
+    reps = 20
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            y = f(x)
+        jax.block_until_ready(y)
+        ts.append((time.perf_counter() - t0) / reps)
+    return 2 * n * 2 / statistics.median(ts)
+
+
+def make_problem(batch, ctx, n_q_per_seq, page_size, seed=0, smoke=False):
+    pages_per_seq = -(-ctx // page_size)
+    n_pages = batch * pages_per_seq + 1
+    plane_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
+    planes = int(min(64, max(2, math.ceil(L2_DEFEAT_BYTES / plane_bytes))))
+    if smoke:
+        planes = 2
+    key = jax.random.PRNGKey(seed)
+    kk, kv, kq = jax.random.split(key, 3)
+    shape = (planes, n_pages, page_size, KV_HEADS, HEAD_DIM)
+    k_cache = jax.random.normal(kk, shape, DTYPE)
+    v_cache = jax.random.normal(kv, shape, DTYPE)
+    rng = np.random.default_rng(seed)
+    tables = jnp.asarray(rng.permutation(np.arange(1, n_pages)).reshape(batch, pages_per_seq),
+                         jnp.int32)
+    kv_lens = jnp.full((batch,), ctx, jnp.int32)
+    q = jax.random.normal(kq, (batch * n_q_per_seq, HEADS, HEAD_DIM), DTYPE)
+    cu = jnp.arange(batch + 1, dtype=jnp.int32) * n_q_per_seq
+    return dict(q=q, k=k_cache, v=v_cache, bt=tables, lens=kv_lens, cu=cu, planes=planes,
+                kv_bytes=plane_bytes)
+
+
+def unrolled(fn, reps, ragged):
+    """jit of `reps` calls on planes entries[i]; returns the sum of all outputs (fp32)."""
+    def run(q, k, v, bt, lens, cu, entries):
+        acc = jnp.zeros((), jnp.float32)
+        for i in range(reps):
+            args = (q, k, v, entries[i], bt, lens) + ((cu,) if ragged else ())
+            acc = acc + jnp.sum(fn(*args).astype(jnp.float32))
+        return acc
+    return jax.jit(run)
+
+
+def empty(q, k, v, bt, lens, cu, entries):
+    return jnp.sum(q[:1].astype(jnp.float32)) + entries[0]
+
+
+def time_impl(fn, p, ragged, reps, overhead):
+    entries = jnp.arange(reps, dtype=jnp.int32) % p["planes"]
+    f = unrolled(fn, reps, ragged)
+    t = median_time(f, p["q"], p["k"], p["v"], p["bt"], p["lens"], p["cu"], entries)
+    return max(t - overhead, 1e-9) / reps
+
+
+def rel_err(a, b):
+    a = np.asarray(a.astype(jnp.float32), np.float64)
+    b = np.asarray(b.astype(jnp.float32), np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def bench_point(kind, batch, ctx, page_size, copy_bw, smoke, variants):
+    nq = 1 if kind == "decode" else 5
+    p = make_problem(batch, ctx, nq, page_size, smoke=smoke)
+    ragged = kind != "decode"
+    if ragged:
+        ref = functools.partial(ragged_paged_attention_reference, max_q_len=nq)
+        kern = ragged_paged_attention
+    else:
+        ref, kern = paged_decode_attention_reference, paged_decode_attention
+    # R so that each timed jit runs for >= ~1.5 ms of K/V traffic at ~4 TB/s
+    est = p["kv_bytes"] / 4e12 + 5e-6
+    reps = int(min(16, max(4, math.ceil(1.5e-3 / est))))
+    if smoke:
+        reps = 2
+    e_entries = jnp.arange(reps, dtype=jnp.int32)
+    overhead = median_time(jax.jit(empty), p["q"], p["k"], p["v"], p["bt"], p["lens"], p["cu"],
+                           e_entries)
+    base_args = (p["q"], p["k"], p["v"], jnp.int32(1), p["bt"], p["lens"]) + \
+        ((p["cu"],) if ragged else ())
+    want = jax.jit(ref)(*base_args)
+    rows = []
+    impls = [("xla", ref)] + [(f"pallas{name}", functools.partial(kern, interpret=smoke, **kw))
+                              for name, kw in variants]
+    t_xla = None
+    for name, fn in impls:
+        rec = dict(kernel=kind, batch=batch, context=ctx, q_per_seq=nq, impl=name,
+                   page_size=page_size, reps=reps, planes=p["planes"])
+        try:
+            err = 0.0 if name == "xla" else rel_err(jax.jit(fn)(*base_args), want)
+            t = time_impl(fn, p, ragged, reps, overhead)
+        except Exception as e:  # keep the table going; the failure is recorded
+            rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+            rows.append(rec)
+            print(f"  {name}: FAILED {rec['error']}", flush=True)
+            continue
+        bw = p["kv_bytes"] / t
+        if name == "xla":
+            t_xla = t
+        rec.update(time_us=t * 1e6, kv_bytes=p["kv_bytes"], kv_GBps=bw / 1e9,
+                   frac_copy_bw=bw / copy_bw, rel_err_vs_xla=err,
+                   speedup_vs_xla=(t_xla / t) if t_xla else None)
+        rows.append(rec)
+    del p
+    return rows
+
+
+def fmt_table(rows, copy_bw):
+    lines = [f"copy bandwidth (read+write): {copy_bw / 1e9:.0f} GB/s",
+             f"{'kernel':8} {'B':>3} {'ctx':>5} {'impl':22} {'time us':>9} {'KV GB/s':>8} "
+             f"{'%copy':>6} {'vs xla':>7} {'relerr':>8}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['kernel']:8} {r['batch']:>3} {r['context']:>5} {r['impl']:22} "
+                         f"FAILED {r['error'][:60]}")
+            continue
+        sp = f"{r['speedup_vs_xla']:.2f}x" if r.get("speedup_vs_xla") else "-"
+        lines.append(f"{r['kernel']:8} {r['batch']:>3} {r['context']:>5} {r['impl']:22} "
+                     f"{r['time_us']:9.1f} {r['kv_GBps']:8.0f} {100 * r['frac_copy_bw']:5.1f}% "
+                     f"{sp:>7} {r['rel_err_vs_xla']:8.1e}")
+    return "\n".join(lines)
+
+
+# Tuning variants tried at a few decode points (name suffix, kwargs).
+DECODE_SWEEP = [
+    ("[bt32]", dict(block_t=32)),
+    ("[bt128,w8]", dict(block_t=128, num_warps=8)),
+    ("[blockwise]", dict(rowwise=False)),
+    ("[stages1]", dict(num_stages=1)),
+    ("[splits x2]", None),  # filled per point: twice the default split count
+]
+RAGGED_SWEEP = [("[bt32]", dict(block_t=32)), ("[stages1]", dict(num_stages=1)),
+                ("[bt32,stages1]", dict(block_t=32, num_stages=1)), ("[stages3]", dict(num_stages=3))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                  "attention_kernels.json"))
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    global HEADS, KV_HEADS, HEAD_DIM
+    if args.smoke:
+        HEADS, KV_HEADS, HEAD_DIM = 2, 2, 16
+    batches = (1, 8, 64) if not args.smoke else (1, 2)
+    contexts = (512, 2048, 8192) if not args.smoke else (16, 40)
+    verify_batches = (8, 64) if not args.smoke else (2,)
+
+    copy_bw = copy_bandwidth(args.smoke)
+    rows, sweep = [], []
+
+    def save():  # after every point, so a run cut short still leaves its numbers
+        result = dict(jax_version=jax.__version__, device=str(jax.devices()[0].device_kind),
+                      python=platform.python_version(), command=" ".join(sys.argv),
+                      shapes=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                  dtype="bfloat16", page_size=args.page_size),
+                      copy_bandwidth_GBps=copy_bw / 1e9, results=rows, decode_sweep=sweep)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    print(f"jax {jax.__version__}  device {jax.devices()[0].device_kind}  "
+          f"copy {copy_bw / 1e9:.0f} GB/s  page_size {args.page_size}", flush=True)
+    for b in batches:
+        for c in contexts:
+            rows += bench_point("decode", b, c, args.page_size, copy_bw, args.smoke, [("", {})])
+            print("\n".join(fmt_table(rows[-2:], copy_bw).splitlines()[-2:]), flush=True)
+            save()
+    for b in verify_batches:
+        for c in contexts:
+            rows += bench_point("verify", b, c, args.page_size, copy_bw, args.smoke, [("", {})])
+            print("\n".join(fmt_table(rows[-2:], copy_bw).splitlines()[-2:]), flush=True)
+            save()
+
+    if not args.no_sweep:
+        points = [(64, 2048), (8, 2048), (1, 8192)] if not args.smoke else [(2, 40)]
+        from pallas_kernels._common import choose_num_splits
+        for b, c in points:
+            base = choose_num_splits(b * KV_HEADS, -(-c // args.page_size) * args.page_size, 64)
+            variants = [(n, kw if kw is not None else dict(num_splits=2 * base))
+                        for n, kw in DECODE_SWEEP]
+            sweep += bench_point("decode", b, c, args.page_size, copy_bw, args.smoke, variants)
+            save()
+        for b, c in ([(8, 2048), (64, 2048)] if not args.smoke else [(2, 40)]):
+            sweep += bench_point("verify", b, c, args.page_size, copy_bw, args.smoke, RAGGED_SWEEP)
+            save()
+        print("\ntuning sweep:\n" + fmt_table(sweep, copy_bw), flush=True)
+
+    print("\n" + fmt_table(rows, copy_bw))
+    save()
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
