@@ -70,7 +70,7 @@ def make_engine(args):
         return Ouro.load(args.model, args.dtype, **kw)
     cfg = PRESETS[args.synthetic]
     dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
-    params = random_params(cfg, args.seed, dtype, args.branch_scale)
+    params = random_params(cfg, args.seed, dtype, args.branch_scale, args.norm_jitter)
     return Ouro(cfg, params, None, **kw)
 
 
@@ -173,6 +173,8 @@ def main(argv=None) -> int:
     src.add_argument("--synthetic", default="1.4b", help="preset for random weights on device")
     p.add_argument("--branch-scale", type=float, default=1.0,
                    help="post-branch norm scale of synthetic weights (sets draft acceptance)")
+    p.add_argument("--norm-jitter", type=float, default=0.0,
+                   help="spread of synthetic norm weights around 1 (0: HF's init)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--attention", default="auto")
@@ -206,6 +208,9 @@ def main(argv=None) -> int:
                 row, res = run_config(llm, b, k, temp, args)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if args.out:  # partial results survive a time-out
+                    with open(args.out + ".partial", "a") as f:
+                        f.write(json.dumps(row) + "\n")
                 if temp == 0:
                     greedy_outs[k] = [o.token_ids for o in res.outputs]
         for k, outs in greedy_outs.items():

@@ -30,13 +30,14 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
 def synthesize(out: str, preset: str = "tiny-gqa", seed: int = 0, dtype: str = "bf16",
                branch_scale: float = 1.0, fmt: str = "safetensors",
                shard_mb: float | None = None, gate_bias: float | None = None,
-               **overrides) -> OuroConfig:
+               norm_jitter: float = 0.1, **overrides) -> OuroConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if dtype not in _NP_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose bf16 or fp32")
     cfg = PRESETS[preset].replace(**{k: v for k, v in overrides.items() if v is not None})
-    tensors = random_params_numpy(cfg, seed=seed, dtype=np.float32, branch_scale=branch_scale)
+    tensors = random_params_numpy(cfg, seed=seed, dtype=np.float32, branch_scale=branch_scale,
+                                  norm_jitter=norm_jitter)
     if gate_bias is not None:
         tensors["model.early_exit_gate.bias"][:] = gate_bias
     tensors = {k: v.astype(_NP_DTYPES[dtype]) for k, v in tensors.items()}
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--branch-scale", type=float, default=1.0,
                    help="scale of the post-branch norms; small values raise draft acceptance")
     p.add_argument("--gate-bias", type=float, default=None, help="fixed exit-gate bias")
+    p.add_argument("--norm-jitter", type=float, default=0.1,
+                   help="spread of norm weights around 1 (use 0 with --branch-scale, as the "
+                        "reference engine's 0.003 setup does)")
     for name in _SHAPE_FIELDS:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     args = p.parse_args(argv)
@@ -64,7 +68,7 @@ def main(argv=None) -> int:
     kw = {k: getattr(args, k) for k in _SHAPE_FIELDS}
     try:
         cfg = synthesize(args.out, args.preset, args.seed, args.dtype, args.branch_scale,
-                         args.fmt, args.shard_mb, args.gate_bias, **kw)
+                         args.fmt, args.shard_mb, args.gate_bias, args.norm_jitter, **kw)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -101,7 +101,9 @@ class Ouro:
                  decode_chunk: int = 32):
         if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
             raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
-        self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
+        from ouro_jax.model import unstack_layers
+
+        self.cfg, self.params, self.tokenizer = cfg, unstack_layers(params), tokenizer
         self.page_size = page_size
         self.backend = resolve_backend(attention)
         self.prefill_chunk = next_pow2(prefill_chunk)

@@ -13,6 +13,7 @@ copy of the layer math for the dense, prefill, decode and speculative paths.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -118,9 +119,16 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
 
 
 def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop):
-    """One recurrent step: all L layers (a `lax.scan`), then `model.norm`."""
-    if TRACE_HOOK is not None:
-        TRACE_HOOK(loop, tuple(h.shape))
+    """One recurrent step: all L layers, then `model.norm`. `loop` may be traced.
+
+    Stacked layer weights ([L, ...] arrays) run as a `lax.scan` (small programs, quick
+    compiles: tests, training). A tuple of per-layer weights (`unstack_layers`, what the
+    engine uses) is unrolled, so every GEMM reads its weight in place; slicing a stacked
+    weight inside a loop makes XLA copy it first, tripling the weight traffic of decode."""
+    if isinstance(params.layers, (tuple, list)):
+        for layer, lp in enumerate(params.layers):
+            h, state = decoder_layer(lp, h, cos, sin, cfg, attend, state, loop, layer)
+        return rms_norm(h, params.norm, cfg.rms_norm_eps), state
 
     def body(carry, xs):
         x, st = carry
@@ -131,6 +139,15 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
     layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
     (h, state), _ = lax.scan(body, (h, state), (params.layers, layer_ids))
     return rms_norm(h, params.norm, cfg.rms_norm_eps), state
+
+
+def unstack_layers(params: OuroParams) -> OuroParams:
+    """Stacked [L, ...] layer weights -> a tuple of per-layer LayerParams (see run_loop)."""
+    if isinstance(params.layers, (tuple, list)):
+        return params
+    n = params.layers.q_proj.shape[0]
+    layers = tuple(jax.tree.map(lambda x, i=i: x[i], params.layers) for i in range(n))
+    return dataclasses.replace(params, layers=layers)
 
 
 def exit_gate_logit(params: OuroParams, h: jax.Array) -> jax.Array:
@@ -149,13 +166,24 @@ def lm_head(params: OuroParams, h: jax.Array) -> jax.Array:
 
 
 def run_loops(params, h, cos, sin, cfg, attend, state, loops):
-    """Runs the given loop indices in order; returns stacked states [n, ...] and gate logits."""
-    hs, gates = [], []
-    for loop in loops:
-        h, state = run_loop(params, h, cos, sin, cfg, attend, state, loop)
-        hs.append(h)
-        gates.append(exit_gate_logit(params, h))
-    return jnp.stack(hs), jnp.stack(gates), state
+    """Runs a contiguous range of loops in a `lax.fori_loop` (one copy of the loop body in
+    the program, whatever the range). Returns states [n, ...], gate logits [n, ...], state."""
+    loops = list(loops)
+    start, n = loops[0], len(loops)
+    if loops != list(range(start, start + n)):
+        raise ValueError(f"loops must be a contiguous range, got {loops}")
+    if TRACE_HOOK is not None:
+        TRACE_HOOK(tuple(loops), tuple(h.shape))
+    hs = jnp.zeros((n, *h.shape), h.dtype)
+    gs = jnp.zeros((n, *h.shape[:-1]), h.dtype)
+
+    def body(i, carry):
+        h, state, hs, gs = carry
+        h, state = run_loop(params, h, cos, sin, cfg, attend, state, start + i)
+        return h, state, hs.at[i].set(h), gs.at[i].set(exit_gate_logit(params, h))
+
+    _, state, hs, gs = lax.fori_loop(0, n, body, (h, state, hs, gs))
+    return hs, gs, state
 
 
 # --- exit selection ------------------------------------------------------------------------

@@ -106,20 +106,23 @@ def expected_hf_shapes(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
 
 
 def random_params_numpy(cfg: OuroConfig, seed: int = 0, dtype=np.float32,
-                        branch_scale: float = 1.0) -> dict[str, np.ndarray]:
+                        branch_scale: float = 1.0, norm_jitter: float = 0.1) -> dict[str, np.ndarray]:
     """Random weights in HF names (numpy), the source of synthetic checkpoints.
 
     `branch_scale` multiplies the two post-branch norms (input_layernorm_2 and
     post_attention_layernorm_2). Values well below 1 shrink every residual update, so the
     later loops change the hidden state little and a shallow draft agrees with the full
     depth: the knob that sets speculative acceptance on random weights.
+    `norm_jitter` is the spread of norm weights around 1. Use 0 with a small branch_scale:
+    model.norm's weight multiplies the state once per loop, so jittered norm weights alone
+    make the loops diverge and cap acceptance (HF initialises norm weights to exactly 1).
     """
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in expected_hf_shapes(cfg).items():
         if name.endswith(("norm.weight", "norm_2.weight")):
             scale = branch_scale if name.endswith("_2.weight") else 1.0
-            arr = scale * (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32))
+            arr = scale * (1.0 + norm_jitter * rng.standard_normal(shape, dtype=np.float32))
         elif name.endswith("early_exit_gate.bias"):
             arr = rng.standard_normal(shape, dtype=np.float32)
         else:
@@ -144,7 +147,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: OuroConfig, dtype) -> Ou
 
 
 def random_params(cfg: OuroConfig, seed: int = 0, dtype=jnp.bfloat16,
-                  branch_scale: float = 1.0) -> OuroParams:
+                  branch_scale: float = 1.0, norm_jitter: float = 0.1) -> OuroParams:
     """Random weights drawn on the device (same recipe as random_params_numpy, other draws):
     a 1.4B-shaped model in a second, for benchmarks that need no checkpoint file."""
     key = jax.random.PRNGKey(seed)
@@ -155,9 +158,9 @@ def random_params(cfg: OuroConfig, seed: int = 0, dtype=jnp.bfloat16,
         k = jax.random.fold_in(key, i)
         x = jax.random.normal(k, shape, jnp.float32)
         if kind == "norm":
-            return (1.0 + 0.1 * x).astype(dtype)
+            return (1.0 + norm_jitter * x).astype(dtype)
         if kind == "branch":
-            return (branch_scale * (1.0 + 0.1 * x)).astype(dtype)
+            return (branch_scale * (1.0 + norm_jitter * x)).astype(dtype)
         if kind == "embed":
             return x.astype(dtype)
         return (x * shape[-1] ** -0.5).astype(dtype)

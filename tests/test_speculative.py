@@ -72,10 +72,11 @@ def test_work_accounting_each_position_loop_once():
     finally:
         model_mod.TRACE_HOOK = None
     b, h = state.tokens.shape[0], cfg.hidden_size
-    # fori_loop body traced once (runs k times) + the final offset; then verification.
-    draft_body = [(l, (b, 1, h)) for l in range(d)]
-    verify = [(l, (b, k + 1, h)) for l in range(d, cfg.total_ut_steps)]
-    assert calls == draft_body + draft_body + verify
+    # Draft loops 0..d-1 on one token: in the fori_loop body (traced once, runs k times) and
+    # for the final offset; then verification runs loops d..D-1 on k+1 rows, once.
+    draft = (tuple(range(d)), (b, 1, h))
+    verify = (tuple(range(d, cfg.total_ut_steps)), (b, k + 1, h))
+    assert calls == [draft, draft, verify]
     executed = {l: 0 for l in range(cfg.total_ut_steps)}
     for l in range(d):
         executed[l] += k * 1 + 1  # k fori iterations + last offset, one position each
