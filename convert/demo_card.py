@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+import time
 
 import ml_dtypes
 import numpy as np
@@ -21,6 +21,8 @@ SEQ = 128            # held-out window length
 TEST_WINDOWS = 8     # windows the test recomputes
 PROMPT_LEN = 32
 TEST_PROMPTS, TEST_NEW = 8, 32  # the acceptance setting the test recomputes
+EXIT_EXAMPLE = ("And the LORD spake unto Moses, saying, Speak unto the children of Israel, "
+                "that they bring me an offering: of every man that giveth it willingly.")
 
 
 def heldout_setup(folder: str, tok=None):
@@ -41,7 +43,17 @@ def test_metrics(params, cfg, windows):
             "new_tokens": TEST_NEW, "acceptance_d2_k4": acc[2]["rate"]}
 
 
+def canonical_command(args) -> str:
+    """The command that rebuilds the shipped folder: non-default options only."""
+    from convert.train_demo import parse_args
+    defaults = vars(parse_args([]))
+    extra = "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                    if k != "out" and v != defaults[k])
+    return "nice -n 10 python -m convert.train_demo --out ouro_jax/demo_model" + extra
+
+
 def finish_folder(args, cfg, params, tok, held_docs, train_seconds, tensors):
+    cpu_seconds = time.process_time()  # CPU time of all threads so far: contention-free cost
     out = args.out
     np_dtype = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bf16" else np.dtype(np.float32)
     save_checkpoint({k: v.astype(np_dtype) for k, v in tensors.items()}, cfg, out,
@@ -55,15 +67,21 @@ def finish_folder(args, cfg, params, tok, held_docs, train_seconds, tensors):
     with open(os.path.join(out, "heldout.json"), "w") as f:
         json.dump({"source": "every 40th KJV chapter (offset 17), never trained on",
                    "chapters": held_docs}, f)
+    return evaluate_folder(out, args, train_seconds, cpu_seconds)
 
+
+def evaluate_folder(out: str, args, train_seconds: float, cpu_seconds: float):
+    """Measures the saved folder and writes demo_metrics.json and README.md."""
+    t_eval = time.perf_counter()
     loaded = load_checkpoint(out, "fp32")
     p, cfg = loaded.params, loaded.config
-    _, windows = heldout_setup(out, tok)
+    tok, windows = heldout_setup(out)
     print(f"evaluating on {len(windows)} held-out windows of {SEQ} tokens", flush=True)
     loss, expected = demo_eval.heldout_loss(p, cfg, windows)
     prompts = demo_eval.prompts_from_windows(windows, args.eval_prompts, PROMPT_LEN)
     acc, seqs = demo_eval.acceptance_table(p, cfg, prompts, args.new_tokens, k=4)
     exits = demo_eval.exit_depth_stats(p, cfg, windows)
+    example = demo_eval.token_exit_depths(p, cfg, tok, EXIT_EXAMPLE, 0.5)
     samples = []
     for prompt in ("And God said", "The LORD is my shepherd", "In the beginning was"):
         ids = np.asarray([[demo_corpus.EOT_ID] + tok.encode(prompt).ids], np.int32)
@@ -78,10 +96,13 @@ def finish_folder(args, cfg, params, tok, held_docs, train_seconds, tensors):
         "exit": exits,
         "test": test_metrics(p, cfg, windows),
         "train_seconds": round(train_seconds, 1),
+        "train_cpu_seconds": round(cpu_seconds, 1),
         "num_params": cfg.num_params(),
-        "command": "nice -n 10 python -m convert.train_demo " + " ".join(sys.argv[1:]),
+        "command": canonical_command(args),
+        "eval_seconds": round(time.perf_counter() - t_eval, 1),
         "args": vars(args),
         "samples": samples,
+        "exit_example": example,
     }
     with open(os.path.join(out, "demo_metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
@@ -103,6 +124,7 @@ def card(cfg, m, weight_bytes) -> str:
         for q, fr in ex["exit_fraction"].items())
     dep = ex["expected_depth"]
     samples = "\n".join(f"    {s!r}" for s in m["samples"])
+    exit_line = "".join(f"{piece}^{step}" for piece, step, _ in m["exit_example"])
     s = m["acceptance_setting"]
     return f"""# ouro_jax demo model (tiny Ouro, trained on the King James Bible)
 
@@ -129,9 +151,10 @@ EOS and padding (`bos_token_id = eos_token_id = 0`, as in the Ouro checkpoints).
 ## Training
     {m['command']}
 Corpus download and decoding (`apt-get download bible-kjv-text bible-kjv`, sha256-checked),
-tokenizer, {a['steps']} + {a['gate_steps']} steps of batch {a['batch']} x {a['seq']} tokens, evaluation
-and this card: {m['train_seconds'] / 60:.1f} min of training wall time on 2 shared CPU cores
-(`nice -n 10`). Seeded (seed {a['seed']}); fp32; hand-written AdamW (b1 0.9, b2 0.95,
+tokenizer and {a['steps']} + {a['gate_steps']} steps (stage I + stage II) of batch {a['batch']} x {a['seq']} tokens took
+{m['train_seconds'] / 60:.1f} min wall time on 2 CPU cores shared with other work (`nice -n 10`), using
+{m['train_cpu_seconds'] / 60:.1f} CPU-minutes over all threads (wall time depends on the other load);
+the evaluation below took another {m['eval_seconds'] / 60:.1f} min. Seeded (seed {a['seed']}); fp32; hand-written AdamW (b1 0.9, b2 0.95,
 weight decay 0.1 on matrices, clip 1.0, lr {a['lr']} with {a['warmup']} warm-up steps and cosine decay to 10%).
 
 Objective, following the Ouro paper as far as it is published:
@@ -140,10 +163,12 @@ Objective, following the Ouro paper as far as it is published:
   beta = {a['beta']}, aux = {a['aux']}. The first two terms are Ouro's entropy-regularised expected loss
   (entropy = KL to a uniform prior over exit steps, up to a constant); the third trains every
   loop's head directly, so shallow loops (the speculative draft) predict well.
-- Stage II (exit gate only, LM frozen): Ouro's focused gate training. Per token and loop
-  t < T-1, I_t = max(0, CE_t - CE_(t+1)) (detached), target continuation probability
-  w_t = sigmoid(k (I_t - gamma)) with k = {a['k']}, gamma = {a['gamma']} (our choice of constants), and binary
-  cross-entropy of the gate's exit probability lambda_t against 1 - w_t.
+- Stage II (exit gate only, LM frozen): Ouro's focused gate training as the paper gives it.
+  Per token and loop t = 2..T, the improvement over the previous loop
+  I_t = max(0, CE_(t-1) - CE_t) (detached) gives the ideal continuation probability
+  w_t = sigmoid(k (I_t - gamma)), k = {a['k']}, gamma = {a['gamma']} (the paper's constants); the gate's exit
+  probability lambda_t is fitted to 1 - w_t with binary cross-entropy. Loop 1's gate keeps
+  what stage I taught it.
 
 ## Held-out loss per loop ({m['heldout']['windows']} windows x {m['heldout']['seq_len']} tokens)
 | loop | CE (nats/token) | perplexity |
@@ -171,6 +196,11 @@ is loop 1..{cfg.total_ut_steps}:
 
 Expected exit depth sum_t t p_t across tokens: mean {dep['mean']:.2f}, std {dep['std']:.2f},
 10th/50th/90th percentile {dep['p10']:.2f} / {dep['p50']:.2f} / {dep['p90']:.2f}.
+Per token of one sentence (the loop after `^` is where the token exits at q = 0.5; `python -m convert.demo_eval
+"TEXT" [q]` prints this for any text):
+
+    {exit_line}
+
 The shipped config keeps Ouro's `early_exit_threshold = 1.0` (all tokens use the last loop);
 pass a threshold to see early exits.
 
@@ -180,3 +210,16 @@ pass a threshold to see early exits.
 `demo_metrics.json` holds every figure above, plus the small subset that
 `tests/test_demo_model.py` recomputes.
 """
+
+
+if __name__ == "__main__":
+    # Re-measure a folder and rewrite its card (same options as recorded in its metrics):
+    #   python -m convert.demo_card ouro_jax/demo_model
+    import argparse
+    import sys
+
+    folder = sys.argv[1]
+    with open(os.path.join(folder, "demo_metrics.json")) as f:
+        old = json.load(f)
+    evaluate_folder(folder, argparse.Namespace(**dict(old["args"], out=folder)),
+                    old["train_seconds"], old.get("train_cpu_seconds", float("nan")))

@@ -195,3 +195,34 @@ def exit_depth_stats(params, cfg, windows: np.ndarray, thresholds=(0.3, 0.5, 0.7
                              "p50": float(np.percentile(dep, 50)),
                              "p90": float(np.percentile(dep, 90))}
     return out
+
+
+def token_exit_depths(params, cfg, tok, text: str, threshold: float = 0.5):
+    """[(token text, exit loop 1..T, expected depth)] for each token of `text` (BOS first)."""
+    ids = np.asarray([[cfg.bos_token_id] + tok.encode(text).ids], np.int32)
+    _, gates = loop_states(params, jnp.asarray(ids), cfg, cfg.total_ut_steps)
+    gates = gates.astype(jnp.float32)
+    steps = np.asarray(threshold_exit_step(gates, threshold))[0]
+    p = np.asarray(exit_probabilities(gates))[:, 0]
+    depth = (p * np.arange(1, p.shape[0] + 1)[:, None]).sum(0)
+    return [(tok.decode([int(i)]), int(s) + 1, float(e))
+            for i, s, e in zip(ids[0, 1:], steps[1:], depth[1:])]
+
+
+if __name__ == "__main__":
+    # Notebook-free look at the exit gate: per-token exit depth of a text.
+    #   python -m convert.demo_eval "And the LORD spake unto Moses, saying" [threshold]
+    import os
+    import sys
+
+    from tokenizers import Tokenizer
+
+    from convert.load import load_checkpoint
+
+    folder = os.path.join(os.path.dirname(__file__), "..", "ouro_jax", "demo_model")
+    text = sys.argv[1] if len(sys.argv) > 1 else "And the LORD spake unto Moses, saying,"
+    q = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
+    ck = load_checkpoint(folder, "fp32")
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    for piece, step, depth in token_exit_depths(ck.params, ck.config, tok, text, q):
+        print(f"{piece!r:>16}  exits after loop {step}  (expected depth {depth:.2f})")

@@ -13,10 +13,12 @@ Objective (documented in the model card):
   The first two terms are Ouro's entropy-regularised expected loss (the entropy term is the
   KL to a uniform prior over exit steps, up to a constant); the last one trains every loop's
   head directly, so shallow loops predict well even where the gate puts little mass.
-  Stage II (gate only; LM frozen): Ouro's focused gate training. With the per-token loss
-  improvement I_t = max(0, CE_t - CE_{t+1}) (detached), the target continuation probability
-  is w_t = sigmoid(k (I_t - gamma)) and the gate's exit probability lambda_t is fitted with
-  binary cross-entropy: -[w_t log(1 - lambda_t) + (1 - w_t) log lambda_t], t < T-1.
+  Stage II (gate only; LM frozen): Ouro's focused gate training, as published. With the
+  per-token loss improvement of loop t over loop t-1, I_t = max(0, CE_{t-1} - CE_t)
+  (detached), the ideal continuation probability is w_t = sigmoid(k (I_t - gamma)), k = 50,
+  gamma = 0.005, and the gate's exit probability lambda_t at loop t is fitted with binary
+  cross-entropy -[w_t log(1 - lambda_t) + (1 - w_t) log lambda_t], averaged over t = 2..T
+  (loop 1's gate keeps what stage I taught it).
 """
 
 from __future__ import annotations
@@ -110,8 +112,8 @@ def stage2_loss(gate, params, batch, cfg, k, gamma):
     hidden = jax.lax.stop_gradient(hidden)
     ce = jax.lax.stop_gradient(_token_ce(params, hidden, batch[:, 1:]))
     w, b = gate
-    logit = jnp.einsum("tbsd,d->tbs", hidden[:-1], w[0]) + b[0]  # exit logit of loops < T-1
-    improve = jnp.maximum(0.0, ce[:-1] - ce[1:])
+    logit = jnp.einsum("tbsd,d->tbs", hidden[1:], w[0]) + b[0]  # exit logit of loops 2..T
+    improve = jnp.maximum(0.0, ce[:-1] - ce[1:])  # I_t: gain of loop t over loop t-1
     cont = jax.nn.sigmoid(k * (improve - gamma))  # ideal probability of continuing
     bce = -(cont * jax.nn.log_sigmoid(-logit) + (1 - cont) * jax.nn.log_sigmoid(logit))
     lam = jax.nn.sigmoid(logit)
@@ -191,7 +193,7 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=384)
-    ap.add_argument("--steps", type=int, default=1200, help="stage I steps")
+    ap.add_argument("--steps", type=int, default=1000, help="stage I steps")
     ap.add_argument("--gate-steps", type=int, default=150, help="stage II steps")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
