@@ -67,6 +67,18 @@ def online_softmax_step(m, l, sc, mask):
     return m_new, alpha, p, l_new
 
 
+def dot(a, b, contract):
+    """fp32-accumulating dot for the kernels; fp32 operands get IEEE fp32 (Precision.HIGHEST:
+    the Triton lowering's default for fp32 is TF32, ~3e-4 relative error)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+QK = ((1,), (1,))  # [M, d] x [T, d] -> [M, T]
+PV = ((1,), (0,))  # [M, T] x [T, d] -> [M, d]
+
+
 def finish(acc, m, l):
     """Normalised partial output and its log-sum-exp (NEG_INF where the split saw no key)."""
     o = acc / _col(jnp.where(l > 0, l, 1.0))
@@ -86,4 +98,4 @@ def combine_splits(o, lse, axis: int):
 
 
 __all__ = ["pl", "plt", "NEG_INF", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
-           "split_range", "load_kv_block", "online_softmax_step", "finish", "combine_splits"]
+           "split_range", "load_kv_block", "dot", "QK", "PV", "online_softmax_step", "finish", "combine_splits"]

@@ -8,11 +8,14 @@ program writes a normalised partial output and its log-sum-exp; a small XLA comb
 the S partials (skipped when S == 1).
 
 Two inner products:
-  * group <= 2 (MHA, e.g. Ouro): fp32 multiply-reduce on the CUDA cores. Decode is a GEMV;
-    tensor cores need M >= 16 rows and would waste 16x the arithmetic for MHA. By default
-    (rowwise) every token slot of the tile keeps its own softmax state, so the loop body has
-    no cross-warp reduction; rowwise=False is the classic per-block online softmax.
-  * group > 2: tensor-core dots on a [max(16, group_padded), head_dim] query tile.
+  * use_dot=True (default, any group): tensor-core dots on a [max(16, group_padded), head_dim]
+    query tile (MHA pads the single query row to 16; the wasted MMA work is free in a
+    memory-bound kernel). Triton software-pipelines the K/V tile loads that feed dots
+    (cp.async, num_stages deep), which keeps enough bytes in flight to hide HBM/TLB latency.
+  * use_dot=False (group <= 8 sensible): fp32 multiply-reduce on the CUDA cores, loads into
+    registers with no pipelining; rowwise=True keeps a softmax state per token slot of the tile
+    (no cross-warp reduction in the loop), rowwise=False is the classic per-block online
+    softmax. Measured slower on the H200 at long contexts (docs/kernels.md), kept as an option.
 """
 
 from __future__ import annotations
@@ -23,12 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (NEG_INF, choose_num_splits, combine_splits, compiler_params,
-                                    finish, load_kv_block, next_pow2, online_softmax_step, pl,
-                                    split_range)
+from pallas_kernels._common import (NEG_INF, PV, QK, choose_num_splits, combine_splits,
+                                    compiler_params, dot, finish, load_kv_block, next_pow2,
+                                    online_softmax_step, pl, split_range)
 
-_DOT_DIMS_QK = (((1,), (1,)), ((), ()))  # [M, d] x [T, d] -> [M, T]
-_DOT_DIMS_PV = (((1,), (0,)), ((), ()))  # [M, T] x [T, d] -> [M, d]
 
 
 def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
@@ -55,11 +56,9 @@ def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_
         def body(i, carry):
             m, l, acc = carry
             mask, k, v = kv_block(i)
-            sc = lax.dot_general(qt.astype(k.dtype), k, _DOT_DIMS_QK,
-                                 preferred_element_type=jnp.float32) * scale
+            sc = dot(qt.astype(k.dtype), k, QK) * scale
             m, alpha, p, l = online_softmax_step(m, l, sc, mask[None, :])
-            pv = lax.dot_general(p.astype(v.dtype), v, _DOT_DIMS_PV,
-                                 preferred_element_type=jnp.float32)
+            pv = dot(p.astype(v.dtype), v, PV)
             return m, l, acc * alpha[:, None] + pv
 
         init = (jnp.full((group_pad,), NEG_INF, jnp.float32), jnp.zeros((group_pad,), jnp.float32),
@@ -127,8 +126,8 @@ def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_
 
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
                            interpret: bool = False, block_t=None, num_splits=None,
-                           num_warps: int = 4, num_stages: int = 2, use_dot=None,
-                           rowwise: bool = True):
+                           num_warps: int = 4, num_stages: int = 2, use_dot: bool = True,
+                           rowwise: bool = False):
     """Decode attention over a paged KV cache.
 
     q [B, H, hd]; k_cache/v_cache [E, P, page_size, KVH, hd]; entry int32 scalar (plane);
@@ -137,13 +136,13 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
 
     Tuning: block_t keys per inner step (power of 2), num_splits flash-decoding splits per
     sequence (default: enough programs to fill the GPU), num_warps / num_stages (Triton),
-    use_dot (tensor-core path; default when group > 2), rowwise (see module doc).
+    use_dot (tensor-core path, default) and rowwise (see module doc).
     """
     bsz, h, hd = q.shape
     _, _, page_size, kvh, hd_c = k_cache.shape
     assert hd == hd_c and h % kvh == 0, (q.shape, k_cache.shape)
     group = h // kvh
-    use_dot = group > 2 if use_dot is None else bool(use_dot)
+    use_dot = bool(use_dot)
     if block_t is None:
         block_t = 64 if (use_dot or group == 1) else 32
     group_pad = max(16, next_pow2(group)) if use_dot else group

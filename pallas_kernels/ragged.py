@@ -23,13 +23,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (NEG_INF, cdiv, choose_num_splits, combine_splits,
-                                    compiler_params, finish, load_kv_block, next_pow2,
+from pallas_kernels._common import (NEG_INF, PV, QK, cdiv, choose_num_splits, combine_splits,
+                                    compiler_params, dot, finish, load_kv_block, next_pow2,
                                     online_softmax_step, pl, split_range)
 from pallas_kernels.reference import ragged_rows
 
-_DOT_DIMS_QK = (((1,), (1,)), ((), ()))
-_DOT_DIMS_PV = (((1,), (0,)), ((), ()))
 _NO_TILE = 1 << 30
 
 
@@ -65,12 +63,10 @@ def _ragged_kernel(entry_ref, bt_ref, lens_ref, cu_ref, tseq_ref, tq0_ref, q_ref
         m, l, acc = carry
         t = start + i * block_t + offs
         k, v = load_kv_block(k_ref, v_ref, bt_ref, entry, b, kvh, t, end - 1, page_size)
-        sc = lax.dot_general(qt.astype(k.dtype), k, _DOT_DIMS_QK,
-                             preferred_element_type=jnp.float32) * scale  # [M, T]
+        sc = dot(qt.astype(k.dtype), k, QK) * scale  # [M, T]
         mask = (t[None, :] <= pos[:, None]) & (t[None, :] < end)
         m, alpha, p, l = online_softmax_step(m, l, sc, mask)
-        pv = lax.dot_general(p.astype(v.dtype), v, _DOT_DIMS_PV,
-                             preferred_element_type=jnp.float32)
+        pv = dot(p.astype(v.dtype), v, PV)
         return m, l, acc * alpha[:, None] + pv
 
     mdim = block_q * group_pad

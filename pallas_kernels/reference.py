@@ -52,7 +52,12 @@ def _softmax_pv(s: jax.Array, mask: jax.Array, v: jax.Array, v_spec: str, out_sp
     pv_dtype = v.dtype if jnp.dtype(v.dtype).itemsize == 2 else jnp.float32
     s_spec = out_spec.replace("d", "t")
     return jnp.einsum(f"{s_spec},{v_spec}->{out_spec}", p.astype(pv_dtype), v.astype(pv_dtype),
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=jnp.float32, precision=_precision(pv_dtype))
+
+
+def _precision(dtype):
+    """fp32 in full precision (GPU default for fp32 matmuls is TF32); 16-bit as is."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def paged_decode_attention_reference(q, k_cache, v_cache, entry, block_tables, kv_lens):
@@ -66,7 +71,7 @@ def paged_decode_attention_reference(q, k_cache, v_cache, entry, block_tables, k
     qg = q.reshape(b, kvh, group, hd)
     cdt = jnp.promote_types(q.dtype, k.dtype)
     s = jnp.einsum("bkgd,btkd->bkgt", qg.astype(cdt), k.astype(cdt),
-                   preferred_element_type=jnp.float32) * (hd ** -0.5)
+                   preferred_element_type=jnp.float32, precision=_precision(cdt)) * (hd ** -0.5)
     mask = (jnp.arange(t, dtype=jnp.int32)[None, :] < kv_lens[:, None])[:, None, None, :]
     o = _softmax_pv(s, mask, v, "btkd", "bkgd")
     return o.reshape(b, h, hd).astype(q.dtype)
@@ -111,7 +116,7 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, entry, block_tables, k
     t = jnp.arange(k.shape[1], dtype=jnp.int32)
     cdt = jnp.promote_types(q.dtype, k.dtype)
     s = jnp.einsum("bqkgd,btkd->bkgqt", qp.astype(cdt), k.astype(cdt),
-                   preferred_element_type=jnp.float32) * (hd ** -0.5)
+                   preferred_element_type=jnp.float32, precision=_precision(cdt)) * (hd ** -0.5)
     mask = (t[None, None, :] <= pos[:, :, None]) & (t[None, None, :] < kv_lens[:, None, None])
     mask = mask[:, None, None, :, :]  # [B, 1, 1, Qm, T]
     o = _softmax_pv(s, mask, v, "btkd", "bkgqd")  # [B, KVH, G, Qm, hd]

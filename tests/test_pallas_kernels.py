@@ -120,10 +120,10 @@ def test_reference_ragged_matches_numpy():
 # kv_lens: empty, single token, exact page ends (4, 8), ragged, > one split
 DECODE_CASES = [
     # (dtype, kvh, group, kwargs)
-    (jnp.float32, 2, 1, dict(block_t=4, num_splits=2)),                  # MHA, rowwise, split
-    (jnp.float32, 2, 1, dict(block_t=4, num_splits=1, rowwise=False)),   # per-block softmax
-    (jnp.bfloat16, 1, 2, dict(block_t=8, num_splits=3)),                 # GQA 2, CUDA-core path
-    (jnp.bfloat16, 2, 4, dict(block_t=4, num_splits=2)),                 # GQA 4, tensor-core path
+    (jnp.float32, 2, 1, dict(block_t=4, num_splits=2)),                  # MHA, dot path, split
+    (jnp.float32, 2, 1, dict(block_t=4, num_splits=1, use_dot=False, rowwise=True)),
+    (jnp.bfloat16, 1, 2, dict(block_t=8, num_splits=3, use_dot=False)),  # CUDA-core path
+    (jnp.bfloat16, 2, 4, dict(block_t=4, num_splits=2)),                 # GQA 4, dot path
 ]
 
 
@@ -184,7 +184,10 @@ def _gpu_case(seed, dtype, kvh, group, kv_lens, page_size=16, n_q=None):
 def test_decode_kernel_gpu(dtype, kvh, group):
     kv_lens = [0, 1, 16, 17, 300, 1024, 2047, 2100]
     q, k, v, bt, lens = _gpu_case(5, dtype, kvh, group, kv_lens)
-    for kw in (dict(), dict(num_splits=1), dict(num_splits=7, block_t=32)):
+    for kw in (dict(), dict(num_splits=1, num_stages=3), dict(num_splits=7, block_t=32),
+               dict(use_dot=False), dict(use_dot=False, rowwise=True, num_splits=3)):
+        if not kw.get("use_dot", True) and group > 4:  # CUDA-core path: small groups only
+            continue
         out = jax.jit(lambda *a: paged_decode_attention(*a, **kw))(q, k, v, jnp.int32(1), bt, lens)
         check(out, paged_decode_attention_reference(q, k, v, 1, bt, lens), dtype)
 
