@@ -137,8 +137,9 @@ something. It writes pseudo-King-James prose; it knows nothing else.
 {demo_corpus.SOURCE}
 Documents are the 1,189 chapters (verse texts without references, one verse a line, each
 chapter preceded by `<|endoftext|>`). Every 40th chapter (offset 17; 30 chapters, ~31k tokens)
-is held out; `heldout.json` carries those chapters. The weights, the tokenizer and this card
-are released into the public domain like the text (CC0-1.0).
+is held out; `heldout.json` carries those chapters. The text is in the public domain, so
+the corpus puts no restriction on the weights or the tokenizer; the decoder program (GPL) only
+produced the plain text and is not part of anything shipped.
 
 ## Shape
 hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} query heads /
