@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
     r.add_argument("--kv-pool-tokens", type=int, default=None,
                    help="fixed KV pool size in tokens (default: sized to each batch)")
+    r.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/ouro_jax/xla"),
+                   help="persistent XLA compilation cache folder ('' disables): a second run "
+                        "of the same shapes loads programs instead of compiling")
     r.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
@@ -106,8 +110,19 @@ class _Streamer:
                 print(delta, end="", flush=True)
 
 
+def enable_compile_cache(folder: str) -> None:
+    import jax
+
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.compile_cache:
+        enable_compile_cache(args.compile_cache)
     from ouro_jax.api import Ouro
     from ouro_jax.speculative import SpeculativeConfig
 
