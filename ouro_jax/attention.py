@@ -33,7 +33,7 @@ def resolve_backend(backend: str) -> str:
 
 def _pallas_available() -> bool:
     try:
-        import pallas_kernels.paged_attention  # noqa: F401
+        import pallas_kernels  # noqa: F401
     except Exception:
         return False
     return True
@@ -46,21 +46,24 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     num_layers = cfg.num_hidden_layers
 
     if backend == "pallas":
-        from pallas_kernels import paged_attention as pk
+        import pallas_kernels as pk
 
         b, c = positions.shape
         kv_lens = positions[:, -1] + 1
+        interpret = jax.default_backend() != "gpu"  # CPU: the kernels' interpret mode
 
         def attend(q, k, v, planes, loop, layer):
             entry = loop * num_layers + layer
             planes = write_kv(planes, entry, page, slot, k, v)
             if c == 1:
                 out = pk.paged_decode_attention(q[:, 0], planes[0], planes[1], entry,
-                                                block_tables, kv_lens)[:, None]
+                                                block_tables, kv_lens,
+                                                interpret=interpret)[:, None]
             else:
                 cu = jnp.arange(b + 1, dtype=jnp.int32) * c
                 out = pk.ragged_paged_attention(q.reshape(b * c, *q.shape[2:]), planes[0],
-                                                planes[1], entry, block_tables, kv_lens, cu)
+                                                planes[1], entry, block_tables, kv_lens, cu,
+                                                interpret=interpret)
                 out = out.reshape(q.shape)
             return out, planes
         return attend
