@@ -37,7 +37,7 @@ HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 16, 128, jnp.bfloat16
 L2_DEFEAT_BYTES = 256 << 20  # K/V touched across the R unrolled calls: >> the 50 MB L2
 
 
-def median_time(fn, *args, runs=7):
+def median_time(fn, *args, runs=11):
     jax.block_until_ready(fn(*args))  # compile + warm up
     ts = []
     for _ in range(runs):
