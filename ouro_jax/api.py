@@ -25,8 +25,8 @@ import numpy as np
 from ouro_jax import engine
 from ouro_jax.attention import resolve_backend
 from ouro_jax.config import OuroConfig
-from ouro_jax.kv_cache import (PageAllocator, block_table_array, init_planes, next_pow2,
-                               pages_needed)
+from ouro_jax.kv_cache import (PageAllocator, block_table_array, bucket_pages, init_planes,
+                               next_pow2, pages_needed)
 from ouro_jax.model import ExitSpec
 from ouro_jax.params import OuroParams
 from ouro_jax.programs import ProgramCache
@@ -180,7 +180,7 @@ class Ouro:
         if self.fixed_pool_pages is not None:
             num_pages = self.fixed_pool_pages
         else:
-            num_pages = next_pow2(pages_total + 1, 16)
+            num_pages = bucket_pages(pages_total + 1)
         if self._planes is None or self._planes[0].shape[1] < num_pages:
             self._planes = None  # free the old pool before allocating the new one
             self._planes = init_planes(self.cfg, num_pages, self.page_size, self.params.dtype)

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouro_jax import engine
-from ouro_jax.kv_cache import (PageAllocator, block_table_array, next_pow2, pages_needed)
+from ouro_jax.kv_cache import (PageAllocator, block_table_array, bucket_pages, next_pow2,
+                               pages_needed)
 from ouro_jax.sampling import SamplingMode, sampling_arrays
 
 
@@ -36,9 +37,9 @@ def admit(llm, ids, params, stops, room):
     bp = next_pow2(b)
     tokens_needed = [len(p) + sp.max_tokens + room for p, sp in zip(ids, params)]
     total = sum(pages_needed(t, llm.page_size) for t in tokens_needed)
-    num_pages = llm.fixed_pool_pages or next_pow2(total + 1, 16)
+    num_pages = llm.fixed_pool_pages or bucket_pages(total + 1)
     pages = PageAllocator(num_pages, llm.page_size).allocate(tokens_needed)
-    max_pages = next_pow2(max(len(r) for r in pages))
+    max_pages = bucket_pages(max(len(r) for r in pages), minimum=1)
     planes = llm.planes_for(total)
     bt = jnp.asarray(block_table_array(pages, bp, max_pages))
     n_stop = next_pow2(max(len(s) for s in stops), 1)

@@ -64,6 +64,14 @@ def next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
 
 
+def bucket_pages(n: int, minimum: int = 16) -> int:
+    """Pool size bucket: quarter-octave steps (at most 25% waste, few distinct shapes, so
+    few compiles), unlike a power of two that could double a 100 GB pool."""
+    n = max(int(n), minimum)
+    step = max(1, 1 << max(0, n.bit_length() - 3))
+    return -(-n // step) * step
+
+
 def init_planes(cfg: OuroConfig, num_pages: int, page_size: int, dtype) -> tuple[jax.Array, jax.Array]:
     shape = (cfg.kv_entries, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
