@@ -65,7 +65,8 @@ def make_engine(args):
     from ouro_jax.params import random_params
 
     kw = dict(page_size=args.page_size, attention=args.attention,
-              decode_chunk=args.new_tokens, prefill_chunk=256)
+              decode_chunk=args.new_tokens, prefill_chunk=256,
+              fuse_projections=not args.no_fuse)
     if args.model:
         return Ouro.load(args.model, args.dtype, **kw)
     cfg = PRESETS[args.synthetic]
@@ -179,6 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--attention", default="auto")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs")
     p.add_argument("--batch", default="1,8,32,64")
     p.add_argument("--k", default="0,2,4", help="0 = native decode")
     p.add_argument("--draft-loops", type=int, default=2)
@@ -223,7 +225,8 @@ def main(argv=None) -> int:
         device=jax.devices()[0].device_kind, platform=platform.platform(),
         jax_version=jax.__version__, git_commit=git_commit(), copy_bandwidth_Bps=args.copy_bw,
         model=args.model or f"synthetic {args.synthetic} (branch_scale {args.branch_scale})",
-        dtype=args.dtype, attention=llm.backend, prompt_len=args.prompt_len,
+        dtype=args.dtype, attention=llm.backend, fused_projections=not args.no_fuse,
+        xla_flags=os.environ.get("XLA_FLAGS", ""), prompt_len=args.prompt_len,
         new_tokens=args.new_tokens, repeats=args.repeats, compiles_total=llm.programs.compiles,
         branch_scale=args.branch_scale, branch_scale_sweep=sweep, greedy_token_match=matches,
         compile_s_total=llm.programs.compile_seconds, rows=rows, table=table(rows))

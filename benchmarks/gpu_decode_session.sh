@@ -14,3 +14,5 @@ XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WH
 timeout 200 python3 -m benchmarks.decode --synthetic 1.4b --attention xla --batch 1,8 \
   --k 0,4 --temperature 0 --repeats 3 --branch-scale $SCALE \
   --out $OUT/decode_xla_cmdbuf_h200.json 2>&1 | tee $OUT/decode_xla_cmdbuf_h200.log
+timeout 60 python3 -m benchmarks.decode --synthetic 1.4b --attention xla --batch 1 --no-fuse \
+  --k 0 --temperature 0 --repeats 3 --out $OUT/decode_xla_unfused_h200.json 2>&1 | tail -4

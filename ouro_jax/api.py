@@ -98,12 +98,14 @@ class Ouro:
     def __init__(self, cfg: OuroConfig, params: OuroParams, tokenizer: Optional[Tokenizer] = None,
                  *, page_size: int = 16, attention: str = "auto",
                  kv_pool_tokens: Optional[int] = None, prefill_chunk: int = 256,
-                 decode_chunk: int = 32):
+                 decode_chunk: int = 32, fuse_projections: bool = True):
         if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
             raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
         from ouro_jax.model import unstack_layers
 
-        self.cfg, self.params, self.tokenizer = cfg, unstack_layers(params), tokenizer
+        # Per-layer weights (no in-loop slicing copies), q/k/v and gate/up fused.
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.params = unstack_layers(params, fuse=fuse_projections)
         self.page_size = page_size
         self.backend = resolve_backend(attention)
         self.prefill_chunk = next_pow2(prefill_chunk)

@@ -106,15 +106,26 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     eps = cfg.rms_norm_eps
     hx = rms_norm(x, lp.input_layernorm, eps)
     lead = hx.shape[:-1]
-    q = linear(hx, lp.q_proj).reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
-    k = linear(hx, lp.k_proj).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-    v = linear(hx, lp.v_proj).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    if lp.qkv_proj is not None:
+        qkv = linear(hx, lp.qkv_proj)
+        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+    else:
+        q, k, v = linear(hx, lp.q_proj), linear(hx, lp.k_proj), linear(hx, lp.v_proj)
+    q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn, state = attend(q, k, v, state, loop, layer)
     attn = linear(attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim), lp.o_proj)
     h = x + rms_norm(attn, lp.input_layernorm_2, eps)
     m = rms_norm(h, lp.post_attention_layernorm, eps)
-    m = linear(silu(linear(m, lp.gate_proj)) * linear(m, lp.up_proj), lp.down_proj)
+    if lp.gate_up_proj is not None:
+        gu = linear(m, lp.gate_up_proj)
+        gate, up = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+    else:
+        gate, up = linear(m, lp.gate_proj), linear(m, lp.up_proj)
+    m = linear(silu(gate) * up, lp.down_proj)
     return h + rms_norm(m, lp.post_attention_layernorm_2, eps), state
 
 
@@ -141,13 +152,22 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
     return rms_norm(h, params.norm, cfg.rms_norm_eps), state
 
 
-def unstack_layers(params: OuroParams) -> OuroParams:
-    """Stacked [L, ...] layer weights -> a tuple of per-layer LayerParams (see run_loop)."""
+def unstack_layers(params: OuroParams, fuse: bool = False) -> OuroParams:
+    """Stacked [L, ...] layer weights -> a tuple of per-layer LayerParams (see run_loop).
+    With `fuse`, q/k/v and gate/up are concatenated so each is one GEMM."""
     if isinstance(params.layers, (tuple, list)):
         return params
     n = params.layers.q_proj.shape[0]
-    layers = tuple(jax.tree.map(lambda x, i=i: x[i], params.layers) for i in range(n))
-    return dataclasses.replace(params, layers=layers)
+    layers = []
+    for i in range(n):
+        lp = jax.tree.map(lambda x, i=i: x[i], params.layers)
+        if fuse:
+            lp = dataclasses.replace(
+                lp, qkv_proj=jnp.concatenate([lp.q_proj, lp.k_proj, lp.v_proj], axis=0),
+                gate_up_proj=jnp.concatenate([lp.gate_proj, lp.up_proj], axis=0),
+                q_proj=None, k_proj=None, v_proj=None, gate_proj=None, up_proj=None)
+        layers.append(lp)
+    return dataclasses.replace(params, layers=tuple(layers))
 
 
 def exit_gate_logit(params: OuroParams, h: jax.Array) -> jax.Array:

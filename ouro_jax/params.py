@@ -9,6 +9,7 @@ axis so one `lax.scan` body serves every layer (small programs, fast compiles).
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from ouro_jax.config import OuroConfig
 
 
 def _register(cls):
-    fields = [f.name for f in dataclasses.fields(cls)]
+    fields = [f.name for f in dataclasses.fields(cls)]  # None-valued fields are empty subtrees
     return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
 
 
@@ -37,6 +38,10 @@ class LayerParams:
     input_layernorm_2: jax.Array  # [L, D]
     post_attention_layernorm: jax.Array  # [L, D]
     post_attention_layernorm_2: jax.Array  # [L, D]
+    # Engine-only fused forms (see model.fuse_projections); when set, the separate
+    # q/k/v and gate/up weights are None. One GEMM instead of three (two) per layer.
+    qkv_proj: Optional[jax.Array] = None  # [(H + 2*KVH)*hd, D]
+    gate_up_proj: Optional[jax.Array] = None  # [2*I, D]
 
 
 @_register
