@@ -204,6 +204,8 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--quick-sweep", action="store_true",
+                    help="sweep 3 decode variants at 64x8k and 1x8k only, no ragged sweep")
     args = ap.parse_args()
     global HEADS, KV_HEADS, HEAD_DIM
     if args.smoke:
@@ -243,14 +245,19 @@ def main():
 
     if not args.no_sweep:
         points = [(64, 8192), (64, 2048), (8, 2048), (1, 8192)] if not args.smoke else [(2, 40)]
+        decode_sweep = DECODE_SWEEP
+        if args.quick_sweep:
+            points = [(64, 8192), (1, 8192)]
+            decode_sweep = [v for v in DECODE_SWEEP if v[0] in ("[cuda-core]", "[stages3]",
+                                                                 "[splits x2]")]
         from pallas_kernels._common import choose_num_splits
         for b, c in points:
             base = choose_num_splits(b * KV_HEADS, -(-c // args.page_size) * args.page_size, 64)
             variants = [(n, kw if kw is not None else dict(num_splits=2 * base))
-                        for n, kw in DECODE_SWEEP]
+                        for n, kw in decode_sweep]
             sweep += bench_point("decode", b, c, args.page_size, copy_bw, args.smoke, variants)
             save()
-        for b, c in ([(8, 2048)] if not args.smoke else [(2, 40)]):
+        for b, c in ([] if args.quick_sweep else [(8, 2048)] if not args.smoke else [(2, 40)]):
             sweep += bench_point("verify", b, c, args.page_size, copy_bw, args.smoke, RAGGED_SWEEP)
             save()
         print("\ntuning sweep:\n" + fmt_table(sweep, copy_bw), flush=True)

@@ -1,0 +1,139 @@
+"""Where the time goes: one native decode step and one speculative round, split into parts.
+
+    python -m benchmarks.profile_round --synthetic 1.4b --batch 1,8,64 --out prof.json
+
+Each part (native step; draft of k+1 offsets; verification of loops d..D-1; acceptance and
+commit) is compiled as its own program over the same state and timed (median of --iters, after
+a warm-up), and the kernels of each compiled program are counted from its optimized HLO
+(fusions, GEMM/custom calls, copies). The sum of the parts is compared with the fused round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _time(fn, *args, iters=20):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def kernel_counts(compiled_text: str) -> dict:
+    """Instructions that launch work on a GPU, counted in the optimized HLO (loop bodies are
+    counted once, whatever their trip count)."""
+    text = re.sub(r"metadata=\{[^}]*\}", "", compiled_text)
+    return {
+        "fusions": len(re.findall(r" fusion\(", text)),
+        "custom_calls": len(re.findall(r" custom-call\(", text)),
+        "copies": len(re.findall(r" copy\(", text)),
+        "while_loops": len(re.findall(r" while\(", text)),
+        "gemm_targets": sorted(set(re.findall(r'custom_call_target="([^"]+)"', text))),
+    }
+
+
+def profile(llm, batch, k, d, prompt_len, iters):
+    from ouro_jax import engine, speculative as sm
+    from ouro_jax.batch import admit, prefill
+    from ouro_jax.model import ExitSpec
+    from ouro_jax.sampling import SamplingMode, SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, prompt_len)]
+               for _ in range(batch)]
+    sps = [SamplingParams(max_tokens=64, ignore_eos=True)] * batch
+    sc = sm.SpeculativeConfig(k, d)
+    planes, bt, state = admit(llm, prompts, sps, [[0]] * batch, k + 1)
+    llm._planes = None
+    mode, spec = SamplingMode(), ExitSpec()
+    planes, state, _ = prefill(llm, planes, bt, state, prompts, spec, mode, False)
+    p, cfg, be = llm.params, llm.cfg, llm.backend
+    kw = dict(cfg=cfg, spec=spec, mode=mode, want_logprobs=False, backend=be)
+    # No donation here: each part is re-run on the same inputs.
+    native = jax.jit(lambda pl, st: engine.decode_step(p, pl, bt, st, **kw))
+    draft = jax.jit(lambda pl, st: sm._draft(p, pl, bt, st, cfg=cfg, sc=sc, mode=mode,
+                                             backend=be))
+    pl2, hs, gs, cands, qlp = draft(planes, state)
+    verify = jax.jit(lambda pl, st, hs, gs: sm._verify(p, pl, bt, st, hs, gs, cfg=cfg, sc=sc,
+                                                       spec=spec, backend=be))
+    _, logits, steps = verify(pl2, state, hs, gs)
+    ctr = sm.init_counters(state)
+
+    def accept_commit(logits, cands, qlp, st, ctr, steps):
+        a, out = sm._accept(logits, cands, qlp, st, sc=sc, mode=mode)
+        return sm._commit(st, ctr, a, out, logits, steps, sc=sc, want_logprobs=False)
+    accept = jax.jit(accept_commit)
+    rnd = jax.jit(lambda pl, st, c: sm.spec_round(p, pl, bt, st, c, sc=sc, **kw))
+    parts = {
+        "native_step": (_time(native, planes, state, iters=iters),
+                        native.lower(planes, state).compile().as_text()),
+        "draft": (_time(draft, planes, state, iters=iters),
+                  draft.lower(planes, state).compile().as_text()),
+        "verify": (_time(verify, pl2, state, hs, gs, iters=iters),
+                   verify.lower(pl2, state, hs, gs).compile().as_text()),
+        "accept_commit": (_time(accept, logits, cands, qlp, state, ctr, steps, iters=iters),
+                          accept.lower(logits, cands, qlp, state, ctr, steps).compile().as_text()),
+        "round": (_time(rnd, planes, state, ctr, iters=iters),
+                  rnd.lower(planes, state, ctr).compile().as_text()),
+    }
+    row = {"batch": batch, "k": k, "draft_loops": d, "prompt_len": prompt_len}
+    for name, (sec, text) in parts.items():
+        row[name + "_ms"] = 1e3 * sec
+        row[name + "_kernels"] = kernel_counts(text)
+    row["parts_sum_ms"] = sum(row[n + "_ms"] for n in ("draft", "verify", "accept_commit"))
+    row["round_vs_native_steps"] = row["round_ms"] / row["native_step_ms"]
+    return row
+
+
+def main(argv=None) -> int:
+    from benchmarks.decode import git_commit, make_engine
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_round", description=__doc__)
+    ap.add_argument("--synthetic", default="1.4b")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--attention", default="xla")
+    ap.add_argument("--batch", default="1,8,64")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--draft-loops", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=160)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    ns = argparse.Namespace(model=args.model, synthetic=args.synthetic, dtype=args.dtype,
+                            attention=args.attention, page_size=16, new_tokens=64, seed=0,
+                            branch_scale=0.003, norm_jitter=0.0, no_fuse=False)
+    llm = make_engine(ns)
+    rows = []
+    for b in [int(x) for x in args.batch.split(",")]:
+        row = profile(llm, b, args.k, args.draft_loops, args.prompt_len, args.iters)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_kernels")}), flush=True)
+        print("  kernels:", {n: row[n + "_kernels"]["fusions"] + row[n + "_kernels"]["custom_calls"]
+                             for n in ("native_step", "draft", "verify", "accept_commit", "round")},
+              flush=True)
+    res = dict(command="python -m benchmarks.profile_round " + " ".join(sys.argv[1:] if argv is None else argv),
+               device=jax.devices()[0].device_kind, jax_version=jax.__version__,
+               git_commit=git_commit(), rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
