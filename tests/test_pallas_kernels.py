@@ -184,8 +184,8 @@ def _gpu_case(seed, dtype, kvh, group, kv_lens, page_size=16, n_q=None):
 def test_decode_kernel_gpu(dtype, kvh, group):
     kv_lens = [0, 1, 16, 17, 300, 1024, 2047, 2100]
     q, k, v, bt, lens = _gpu_case(5, dtype, kvh, group, kv_lens)
-    for kw in (dict(), dict(num_splits=1, num_stages=3), dict(num_splits=7, block_t=32),
-               dict(use_dot=False), dict(use_dot=False, rowwise=True, num_splits=3)):
+    for kw in (dict(), dict(num_splits=7, block_t=32, num_stages=3),
+               dict(use_dot=False, rowwise=(group == 1), num_splits=3)):
         if not kw.get("use_dot", True) and group > 4:  # CUDA-core path: small groups only
             continue
         out = jax.jit(lambda *a: paged_decode_attention(*a, **kw))(q, k, v, jnp.int32(1), bt, lens)
