@@ -66,7 +66,7 @@ def make_engine(args):
 
     kw = dict(page_size=args.page_size, attention=args.attention,
               decode_chunk=args.new_tokens, prefill_chunk=256,
-              fuse_projections=not args.no_fuse)
+              fuse_projections=not args.no_fuse, unroll_loops=args.unroll_loops)
     if args.model:
         return Ouro.load(args.model, args.dtype, **kw)
     cfg = PRESETS[args.synthetic]
@@ -181,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="auto")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs")
+    p.add_argument("--unroll-loops", action="store_true",
+                   help="unroll the T loops in the program instead of a fori_loop")
     p.add_argument("--batch", default="1,8,32,64")
     p.add_argument("--k", default="0,2,4", help="0 = native decode")
     p.add_argument("--draft-loops", type=int, default=2)

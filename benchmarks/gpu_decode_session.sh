@@ -19,3 +19,6 @@ timeout 110 python3 -m benchmarks.decode --synthetic 1.4b --attention xla --batc
   --out $OUT/decode_xla_cmdbuf_h200.json 2>&1 | tail -6
 timeout 45 python3 -m benchmarks.decode --synthetic 1.4b --attention xla --batch 1 --no-fuse \
   --k 0 --temperature 0 --repeats 3 --out $OUT/decode_xla_unfused_h200.json 2>&1 | tail -3
+timeout 70 python3 -m benchmarks.decode --synthetic 1.4b --attention xla --batch 1 --unroll-loops \
+  --k 0,4 --temperature 0 --repeats 3 --branch-scale $SCALE \
+  --out $OUT/decode_xla_unrolled_h200.json 2>&1 | tail -4

@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     ns = argparse.Namespace(model=args.model, synthetic=args.synthetic, dtype=args.dtype,
                             attention=args.attention, page_size=16, new_tokens=64, seed=0,
-                            branch_scale=0.003, norm_jitter=0.0, no_fuse=False)
+                            branch_scale=0.003, norm_jitter=0.0, no_fuse=False,
+                            unroll_loops=False)
     llm = make_engine(ns)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:

@@ -98,7 +98,8 @@ class Ouro:
     def __init__(self, cfg: OuroConfig, params: OuroParams, tokenizer: Optional[Tokenizer] = None,
                  *, page_size: int = 16, attention: str = "auto",
                  kv_pool_tokens: Optional[int] = None, prefill_chunk: int = 256,
-                 decode_chunk: int = 32, fuse_projections: bool = True):
+                 decode_chunk: int = 32, fuse_projections: bool = True,
+                 unroll_loops: bool = False):
         if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
             raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
         from ouro_jax.model import unstack_layers
@@ -107,7 +108,8 @@ class Ouro:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.params = unstack_layers(params, fuse=fuse_projections)
         self.page_size = page_size
-        self.backend = resolve_backend(attention)
+        # "+unroll": loops unrolled in the program rather than a device while loop.
+        self.backend = resolve_backend(attention) + ("+unroll" if unroll_loops else "")
         self.prefill_chunk = next_pow2(prefill_chunk)
         self.decode_chunk = decode_chunk
         self.fixed_pool_pages = (None if kv_pool_tokens is None

@@ -185,15 +185,23 @@ def lm_head(params: OuroParams, h: jax.Array) -> jax.Array:
     return linear(h, params.lm_head)
 
 
-def run_loops(params, h, cos, sin, cfg, attend, state, loops):
+def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = False):
     """Runs a contiguous range of loops in a `lax.fori_loop` (one copy of the loop body in
-    the program, whatever the range). Returns states [n, ...], gate logits [n, ...], state."""
+    the program, whatever the range), or unrolled in Python with `unroll`.
+    Returns states [n, ...], gate logits [n, ...], state."""
     loops = list(loops)
     start, n = loops[0], len(loops)
     if loops != list(range(start, start + n)):
         raise ValueError(f"loops must be a contiguous range, got {loops}")
     if TRACE_HOOK is not None:
         TRACE_HOOK(tuple(loops), tuple(h.shape))
+    if unroll:
+        hs, gs = [], []
+        for loop in loops:
+            h, state = run_loop(params, h, cos, sin, cfg, attend, state, loop)
+            hs.append(h)
+            gs.append(exit_gate_logit(params, h))
+        return jnp.stack(hs), jnp.stack(gs), state
     hs = jnp.zeros((n, *h.shape), h.dtype)
     gs = jnp.zeros((n, *h.shape[:-1]), h.dtype)
 

@@ -168,8 +168,8 @@ def test_bad_inputs_are_clear_errors_and_change_nothing():
 
 
 def test_pallas_backend_matches_xla_end_to_end():
-    """The engine wired to the Pallas kernels (interpret mode on CPU) generates the same greedy
-    tokens as the XLA gather path, plain and speculative."""
+    """The engine wired to the Pallas kernels (interpret mode on CPU), and with unrolled loops,
+    generates the same greedy tokens as the XLA gather path, plain and speculative."""
     from ouro_jax.speculative import SpeculativeConfig
 
     folder = tiny_checkpoint("tiny-gqa", branch_scale=0.3)
@@ -177,7 +177,10 @@ def test_pallas_backend_matches_xla_end_to_end():
     prompts = ragged_prompts(cfg.vocab_size, [6, 3], seed=3)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     sc = SpeculativeConfig(k=2, draft_loops=2)
+    variants = [dict(attention="xla"), dict(attention="pallas"),
+                dict(attention="xla", unroll_loops=True)]
     for spec in (None, sc):
-        outs = [Ouro(cfg, params, None, page_size=4, attention=a).generate(
-            prompts, sp, speculative=spec).outputs for a in ("xla", "pallas")]
-        assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+        outs = [Ouro(cfg, params, None, page_size=4, **v).generate(
+            prompts, sp, speculative=spec).outputs for v in variants]
+        for other in outs[1:]:
+            assert [o.token_ids for o in other] == [o.token_ids for o in outs[0]]
