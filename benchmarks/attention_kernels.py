@@ -204,6 +204,7 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--decode-only", action="store_true", help="skip the verification table")
     ap.add_argument("--quick-sweep", action="store_true",
                     help="sweep 3 decode variants at 64x8k and 1x8k only, no ragged sweep")
     args = ap.parse_args()
@@ -213,6 +214,8 @@ def main():
     batches = (1, 8, 64) if not args.smoke else (1, 2)
     contexts = (512, 2048, 8192) if not args.smoke else (16, 40)
     verify_batches = (8, 64) if not args.smoke else (2,)
+    if args.decode_only:
+        verify_batches = ()
 
     copy_bw, bw_detail = copy_bandwidth(args.smoke)
     rows, sweep = [], []
