@@ -63,32 +63,34 @@ def profile(llm, batch, k, d, prompt_len, iters):
     planes, state, _ = prefill(llm, planes, bt, state, prompts, spec, mode, False)
     p, cfg, be = llm.params, llm.cfg, llm.backend
     kw = dict(cfg=cfg, spec=spec, mode=mode, want_logprobs=False, backend=be)
-    # No donation here: each part is re-run on the same inputs.
-    native = jax.jit(lambda pl, st: engine.decode_step(p, pl, bt, st, **kw))
-    draft = jax.jit(lambda pl, st: sm._draft(p, pl, bt, st, cfg=cfg, sc=sc, mode=mode,
-                                             backend=be))
-    pl2, hs, gs, cands, qlp = draft(planes, state)
-    verify = jax.jit(lambda pl, st, hs, gs: sm._verify(p, pl, bt, st, hs, gs, cfg=cfg, sc=sc,
-                                                       spec=spec, backend=be))
-    _, logits, steps = verify(pl2, state, hs, gs)
+    # Weights and block tables are arguments, never closed over (closed-over arrays become
+    # program constants: 2.9 GB of them for the 1.4B shape). No donation: each part is
+    # re-run on the same inputs.
+    native = jax.jit(lambda p, pl, st: engine.decode_step(p, pl, bt, st, **kw))
+    draft = jax.jit(lambda p, pl, st: sm._draft(p, pl, bt, st, cfg=cfg, sc=sc, mode=mode,
+                                                backend=be))
+    pl2, hs, gs, cands, qlp = draft(p, planes, state)
+    verify = jax.jit(lambda p, pl, st, hs, gs: sm._verify(p, pl, bt, st, hs, gs, cfg=cfg, sc=sc,
+                                                          spec=spec, backend=be))
+    _, logits, steps = verify(p, pl2, state, hs, gs)
     ctr = sm.init_counters(state)
 
     def accept_commit(logits, cands, qlp, st, ctr, steps):
         a, out = sm._accept(logits, cands, qlp, st, sc=sc, mode=mode)
         return sm._commit(st, ctr, a, out, logits, steps, sc=sc, want_logprobs=False)
     accept = jax.jit(accept_commit)
-    rnd = jax.jit(lambda pl, st, c: sm.spec_round(p, pl, bt, st, c, sc=sc, **kw))
+    rnd = jax.jit(lambda p, pl, st, c: sm.spec_round(p, pl, bt, st, c, sc=sc, **kw))
     parts = {
-        "native_step": (_time(native, planes, state, iters=iters),
-                        native.lower(planes, state).compile().as_text()),
-        "draft": (_time(draft, planes, state, iters=iters),
-                  draft.lower(planes, state).compile().as_text()),
-        "verify": (_time(verify, pl2, state, hs, gs, iters=iters),
-                   verify.lower(pl2, state, hs, gs).compile().as_text()),
+        "native_step": (_time(native, p, planes, state, iters=iters),
+                        native.lower(p, planes, state).compile().as_text()),
+        "draft": (_time(draft, p, planes, state, iters=iters),
+                  draft.lower(p, planes, state).compile().as_text()),
+        "verify": (_time(verify, p, pl2, state, hs, gs, iters=iters),
+                   verify.lower(p, pl2, state, hs, gs).compile().as_text()),
         "accept_commit": (_time(accept, logits, cands, qlp, state, ctr, steps, iters=iters),
                           accept.lower(logits, cands, qlp, state, ctr, steps).compile().as_text()),
-        "round": (_time(rnd, planes, state, ctr, iters=iters),
-                  rnd.lower(planes, state, ctr).compile().as_text()),
+        "round": (_time(rnd, p, planes, state, ctr, iters=iters),
+                  rnd.lower(p, planes, state, ctr).compile().as_text()),
     }
     row = {"batch": batch, "k": k, "draft_loops": d, "prompt_len": prompt_len}
     for name, (sec, text) in parts.items():
