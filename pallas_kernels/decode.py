@@ -143,8 +143,9 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
     assert hd == hd_c and h % kvh == 0, (q.shape, k_cache.shape)
     group = h // kvh
     use_dot = bool(use_dot)
-    if block_t is None:
-        block_t = 64 if (use_dot or group == 1) else 32
+    if block_t is None:  # fp32 IEEE dots at 64 keys spill registers: 32 there
+        wide = jnp.dtype(k_cache.dtype).itemsize <= 2
+        block_t = (64 if wide else 32) if use_dot else (64 if group == 1 else 32)
     group_pad = max(16, next_pow2(group)) if use_dot else group
     max_tokens = block_tables.shape[1] * page_size
     if num_splits is None:

@@ -1,0 +1,83 @@
+"""Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
+
+    pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile
+
+JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
+which may not be the version inside XLA) then compiles that IR to a cubin. This prints
+registers, spills and shared memory per configuration. A failure here is a strong hint that the
+device compile will fail; a success is a good but not certain sign that it will pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.triton import pallas_call_registration as _reg
+
+_captured: list[str] = []
+_orig = _reg.lowering.lower_jaxpr_to_triton_module
+
+
+def _hook(*a, **k):
+    r = _orig(*a, **k)
+    _captured.append(r.module.operation.get_asm(enable_debug_info=False))
+    return r
+
+
+def compile_captured(tag, num_warps=4, num_stages=2):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for asm in _captured:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ttir")
+            open(path, "w").write(asm)
+            try:
+                k = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=num_warps, num_stages=num_stages))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"{tag}: FAILED {type(e).__name__}: {str(e)[:500]}")
+                continue
+            open(os.path.join(d, "k.cubin"), "wb").write(k.asm["cubin"])
+            res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage",
+                                  os.path.join(d, "k.cubin")], capture_output=True, text=True).stdout
+            usage = " ".join(w for l in res.splitlines() if "REG" in l for w in l.split()
+                             if w.startswith(("REG", "STACK", "LOCAL")))
+            print(f"{tag}: ok {usage} shared {k.metadata.shared} B")
+    _captured.clear()
+
+
+def main():
+    if os.environ.get("TRITON_PKG"):
+        sys.path.insert(0, os.environ["TRITON_PKG"])
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    _reg.lowering.lower_jaxpr_to_triton_module = _hook
+    from pallas_kernels import paged_decode_attention, ragged_paged_attention
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    pages = 40000  # > 4 GiB cache in fp32: exercises 64-bit offsets
+    for dt in (jnp.bfloat16, jnp.float32):
+        for kvh, g in ((16, 1), (4, 4)):
+            kc = S((2, pages, 16, kvh, 128), dt)
+            for kw in (dict(), dict(use_dot=False), dict(num_stages=3)):
+                f = jax.jit(functools.partial(paged_decode_attention, **kw))
+                f.trace(S((8, kvh * g, 128), dt), kc, kc, S((), i32), S((8, 256), i32),
+                        S((8,), i32)).lower(lowering_platforms=("cuda",))
+                compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} {kw}",
+                                 num_stages=kw.get("num_stages", 2))
+            for n in (40, 512):
+                f = jax.jit(ragged_paged_attention)
+                f.trace(S((n, kvh * g, 128), dt), kc, kc, S((), i32), S((8, 256), i32),
+                        S((8,), i32), S((9,), i32)).lower(lowering_platforms=("cuda",))
+                nw = 8 if n // 8 > 16 else 4  # mirrors the default (M = 64 rows -> 8 warps)
+                compile_captured(f"ragged {jnp.dtype(dt).name} kvh{kvh} g{g} N{n}", num_warps=nw)
+
+
+if __name__ == "__main__":
+    main()
