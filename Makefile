@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-PROMPT ?= The meaning of
+PROMPT ?= And God said
 
 .PHONY: demo test clean-venv
 
@@ -17,7 +17,8 @@ $(BIN)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/python -m ouro_jax.generate --prompt "$(PROMPT)" --max-tokens 48
+	$(BIN)/python -m ouro_jax.generate --prompt "$(PROMPT)" --max-tokens 48 \
+	  --temperature 0.7 --top-p 0.9 --seed 1 --speculative-k 4 --draft-loops 2
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
