@@ -82,6 +82,57 @@ def prefill(llm, planes, bt, state, ids, spec, mode, want_lp):
     return planes, state, first
 
 
+def _chunk_program(llm, speculative, spec, mode, want_lp, state):
+    """(program, its static settings, speculative counters or None) for the decode loop."""
+    if speculative is None:
+        static = dict(buffer=llm.decode_chunk, cfg=llm.cfg, spec=spec, mode=mode,
+                      want_logprobs=want_lp, backend=llm.backend)
+        return engine.decode_chunk, static, None
+    from ouro_jax import speculative as spec_mod
+    return (spec_mod.spec_chunk, spec_mod.chunk_static(llm, speculative, spec, mode, want_lp),
+            spec_mod.init_counters(state))
+
+
+def _append(fetched, first, out):
+    """Appends one fetch's tokens (-1 = none) to out = (toks, exits, lps); returns the new
+    tokens per request, for streaming."""
+    (o_tok, o_exit, o_lp) = fetched
+    new = []
+    for i, (toks, exits, lps) in enumerate(zip(*out)):
+        cols = [(first[0][i], first[1][i], first[2][i])] if first is not None else []
+        cols += [(o_tok[i, j], o_exit[i, j], o_lp[i, j]) for j in range(o_tok.shape[1])
+                 if o_tok[i, j] >= 0]
+        toks.extend(int(t) for t, _, _ in cols)
+        exits.extend(int(e) + 1 for _, e, _ in cols)
+        lps.extend(float(lp) for _, _, lp in cols)
+        new.append([int(t) for t, _, _ in cols])
+    return new
+
+
+def decode_loop(llm, planes, bt, state, first, program, static, counters, on_chunk, b):
+    """Calls the chunk program until every row is done, with one device_get per call.
+    Returns planes, (toks, exits, lps), finish reasons, counters, number of fetches."""
+    out = ([[] for _ in range(b)], [[] for _ in range(b)], [[] for _ in range(b)])
+    fetches = 0
+    while True:
+        if counters is None:
+            planes, state, bufs = llm.programs.call(program, static, (1,), llm.params, planes, bt,
+                                                    state, jnp.int32(llm.decode_chunk))
+        else:
+            planes, state, counters, bufs = llm.programs.call(program, static, (1,), llm.params,
+                                                              planes, bt, state, counters)
+        # The one device-to-host fetch of the chunk (speculative counters ride along).
+        f, fetched, done, finish, host_counters = jax.device_get(
+            (first, bufs[:3], state.done, state.finish, counters))
+        fetches += 1
+        new = _append(fetched, f, out)
+        first = None
+        if on_chunk is not None:
+            on_chunk(new)
+        if bool(np.all(done)):
+            return planes, out, finish, host_counters, fetches
+
+
 def run_batch(llm, ids, params, stops, spec, speculative, on_chunk):
     from ouro_jax.api import FINISH_NAMES, GenerationResult, GenerationStats, RequestOutput
 
@@ -99,52 +150,18 @@ def run_batch(llm, ids, params, stops, spec, speculative, on_chunk):
     prefill_s = time.perf_counter() - t0 - (llm.programs.compile_seconds - compile0)
 
     b = len(ids)
-    toks = [[] for _ in range(b)]
-    exits = [[] for _ in range(b)]
-    lps = [[] for _ in range(b)]
-    fetches = 0
     compile1 = llm.programs.compile_seconds
     t1 = time.perf_counter()
-    if speculative is None:
-        step_fn, static = engine.decode_chunk, dict(
-            buffer=llm.decode_chunk, cfg=llm.cfg, spec=spec, mode=mode, want_logprobs=want_lp,
-            backend=llm.backend)
-        extra = None
-    else:
-        from ouro_jax import speculative as spec_mod
-        step_fn, static = spec_mod.spec_chunk, spec_mod.chunk_static(llm, speculative, spec, mode,
-                                                                    want_lp)
-        extra = spec_mod.init_counters(state)
-    while True:
-        if extra is None:
-            planes, state, bufs = llm.programs.call(step_fn, static, (1,), llm.params, planes, bt,
-                                                    state, jnp.int32(llm.decode_chunk))
-        else:
-            planes, state, extra, bufs = llm.programs.call(step_fn, static, (1,), llm.params,
-                                                           planes, bt, state, extra)
-        # The one device-to-host fetch of the chunk (speculative counters ride along).
-        f, (o_tok, o_exit, o_lp), done, finish, counters = jax.device_get(
-            (first, bufs[:3], state.done, state.finish, extra))
-        fetches += 1
-        new = [[] for _ in range(b)]
-        for i in range(b):
-            cols = [(f[0][i], f[1][i], f[2][i])] if f is not None else []
-            cols += [(o_tok[i, j], o_exit[i, j], o_lp[i, j]) for j in range(o_tok.shape[1])
-                     if o_tok[i, j] >= 0]
-            for t, e, lp in cols:
-                toks[i].append(int(t)); exits[i].append(int(e) + 1); lps[i].append(float(lp))
-                new[i].append(int(t))
-        first = None
-        if on_chunk is not None:
-            on_chunk(new)
-        if bool(np.all(done)):
-            break
+    program, static, counters = _chunk_program(llm, speculative, spec, mode, want_lp, state)
+    planes, (toks, exits, lps), finish, counters, fetches = decode_loop(
+        llm, planes, bt, state, first, program, static, counters, on_chunk, b)
     decode_s = time.perf_counter() - t1 - (llm.programs.compile_seconds - compile1)
     llm._planes = planes
 
     spec_stats, per_req = (None, [None] * b)
-    if extra is not None:
-        spec_stats, per_req = spec_mod.summarize(counters, b)
+    if counters is not None:
+        from ouro_jax.speculative import summarize
+        spec_stats, per_req = summarize(counters, b)
     outputs = [RequestOutput(i, list(ids[i]), toks[i], llm.decode_text(toks[i]), exits[i],
                              FINISH_NAMES.get(int(finish[i]), "length"),
                              lps[i] if params[i].logprobs else None, per_req[i])
