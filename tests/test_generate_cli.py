@@ -1,0 +1,53 @@
+"""`python -m ouro_jax.generate` as a user runs it (in-process, same code path)."""
+
+import json
+
+from engine_helpers import tiny_checkpoint
+from ouro_jax import generate
+
+
+def _run(capsys, *argv):
+    rc = generate.main(["--compile-cache", "", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_json_output_per_request_plus_stats(capsys, tmp_path):
+    folder = tiny_checkpoint("tiny-gqa")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [4, 5, 6]}) + "\n")
+    rc, out, _ = _run(capsys, "--model", folder, "--prompt-ids", "1,2,3", "--prompts-file",
+                      str(prompts), "--max-tokens", "5", "--ignore-eos", "--json", "--logprobs",
+                      "--speculative-k", "2", "--draft-loops", "1")
+    assert rc == 0
+    lines = [json.loads(l) for l in out.strip().splitlines()]
+    assert len(lines) == 3
+    for req in lines[:2]:
+        assert len(req["token_ids"]) == 5 == len(req["exit_depths"]) == len(req["logprobs"])
+        assert req["finish_reason"] == "length" and req["text"] is None
+    stats = lines[2]["stats"]
+    assert stats["generated_tokens"] == 10 and stats["spec"]["rounds"] > 0
+    assert stats["compile_s"] >= 0 and stats["decode_tok_s"] > 0
+
+
+def test_demo_model_streams_text_and_prints_stats(capsys):
+    rc, out, err = _run(capsys, "--prompt", "And God said", "--max-tokens", "12")
+    assert rc == 0
+    assert out.startswith("And God said") and len(out.strip()) > len("And God said")
+    assert "stats: prompt tokens" in err and "decode" in err and "compile" in err
+
+
+def test_errors_are_clear_and_exit_2(capsys):
+    folder = tiny_checkpoint("tiny-gqa")
+    cases = [(["--model", folder, "--prompt", "hi"], "no tokenizer.json"),
+             (["--model", folder, "--prompt-ids", "1,99999"], "unknown token id"),
+             (["--model", folder, "--prompt-ids", "1", "--top-p", "0"], "top_p"),
+             (["--model", folder, "--prompt-ids", "1", "--temperature", "-1"], "temperature"),
+             (["--model", folder, "--prompt-ids", "1", "--speculative-k", "2",
+               "--draft-loops", "4"], "draft_loops"),
+             (["--model", "/nonexistent/dir", "--prompt-ids", "1"], "does not exist"),
+             (["--model", folder], "no prompt")]
+    for argv, msg in cases:
+        rc, out, err = _run(capsys, *argv)
+        assert rc == 2 and msg in err, (argv, err)
+        assert out == ""

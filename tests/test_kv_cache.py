@@ -1,0 +1,59 @@
+"""Paged KV cache pieces: allocation, buckets, slot mapping, write and gather."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ouro_jax.config import TINY_GQA
+from ouro_jax.kv_cache import (TRASH_PAGE, KVPoolExhausted, PageAllocator, block_table_array,
+                               bucket_pages, gather_kv, init_planes, kv_bytes_per_token,
+                               slot_indices, write_kv)
+
+
+def test_allocator_never_hands_out_the_trash_page_and_fails_up_front():
+    alloc = PageAllocator(num_pages=9, page_size=4)
+    pages = alloc.allocate([5, 8, 1])  # 2 + 2 + 1 pages
+    flat = [p for row in pages for p in row]
+    assert TRASH_PAGE not in flat and len(set(flat)) == 5 and alloc.free_pages == 3
+    with pytest.raises(KVPoolExhausted, match="needs 4 pages"):
+        alloc.allocate([16])
+    assert alloc.free_pages == 3  # a refused allocation changes nothing
+    alloc.release(pages)
+    assert alloc.free_pages == 8
+
+
+def test_bucket_pages_bounds_waste_and_shapes():
+    for n in [1, 15, 17, 100, 1000, 8449, 123457]:
+        b = bucket_pages(n)
+        assert b >= n and b <= max(16, 1.25 * n + 1)
+    assert len({bucket_pages(n) for n in range(1000, 2000)}) <= 5
+
+
+def test_slot_indices_map_through_the_table_and_padding_goes_to_trash():
+    table = jnp.asarray(block_table_array([[7, 3], [5]], batch=3, max_pages=2))
+    pos = jnp.asarray([[0, 5, 7], [2, 4, 9], [0, 1, 2]])
+    page, slot = slot_indices(table, pos, page_size=4)
+    np.testing.assert_array_equal(page, [[7, 3, 3], [5, TRASH_PAGE, TRASH_PAGE], [0, 0, 0]])
+    np.testing.assert_array_equal(slot, [[0, 1, 3], [2, 0, 1], [0, 1, 2]])
+
+
+def test_write_then_gather_round_trip():
+    cfg = TINY_GQA
+    planes = init_planes(cfg, num_pages=6, page_size=2, dtype=jnp.float32)
+    table = jnp.asarray([[4, 1, 2]])
+    pos = jnp.arange(5)[None]
+    page, slot = slot_indices(table, pos, 2)
+    k = jnp.arange(5 * cfg.num_key_value_heads * cfg.head_dim, dtype=jnp.float32).reshape(
+        1, 5, cfg.num_key_value_heads, cfg.head_dim)
+    planes = write_kv(planes, 3, page, slot, k, -k)
+    keys, values = gather_kv(planes, 3, table)
+    np.testing.assert_array_equal(keys[:, :5], k)
+    np.testing.assert_array_equal(values[:, :5], -k)
+    assert float(jnp.abs(planes[0][2]).sum()) == 0  # other planes untouched
+    assert kv_bytes_per_token(cfg, jnp.bfloat16) == 2 * cfg.kv_entries * 2 * 8 * 2
+
+
+def test_ouro_1_4b_kv_bytes_per_token_matches_ouro_md():
+    from ouro_jax.config import OURO_1_4B
+
+    assert kv_bytes_per_token(OURO_1_4B, jnp.bfloat16) == 768 * 1024

@@ -1,0 +1,93 @@
+"""Sampling transforms and seeded draws against plain numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ouro_jax.sampling import (SamplingArrays, SamplingMode, SamplingParams, processed_logits,
+                               row_keys, sample, sampling_arrays, token_logprobs)
+
+
+def _numpy_processed(logits, temp, top_k, top_p):
+    x = logits / temp if temp > 0 else logits.copy()
+    if top_k:
+        kth = np.sort(x)[::-1][top_k - 1]
+        x = np.where(x >= kth, x, -np.inf)
+    if top_p < 1:
+        order = np.argsort(-x)
+        p = np.exp(x[order] - x[order][0])
+        p /= p.sum()
+        above = np.cumsum(p) - p
+        keep = order[above < top_p]
+        mask = np.full(x.shape, False)
+        mask[keep] = True
+        x = np.where(mask, x, -np.inf)
+    return x
+
+
+@pytest.mark.parametrize("temp,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
+                                              (0.9, 7, 0.6), (0.5, 1, 1.0)])
+def test_processed_logits_match_numpy(temp, top_k, top_p):
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 50)).astype(np.float32) * 3
+    arrays = SamplingArrays(jnp.full((3,), temp, jnp.float32), jnp.full((3,), top_k, jnp.int32),
+                            jnp.full((3,), top_p, jnp.float32), jnp.zeros((3,), jnp.uint32))
+    mode = SamplingMode(sample=True, top_k=top_k > 0, top_p=top_p < 1)
+    got = np.asarray(processed_logits(jnp.asarray(logits), arrays, mode))
+    for row in range(3):
+        want = _numpy_processed(logits[row], temp, top_k, top_p)
+        np.testing.assert_array_equal(np.isfinite(got[row]), np.isfinite(want))
+        np.testing.assert_allclose(got[row][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6)
+    if top_k:
+        assert (np.isfinite(got).sum(axis=1) <= max(top_k, 1)).all()
+
+
+def test_greedy_rows_and_sampled_rows_in_one_batch():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((4, 30)).astype(np.float32))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=6)]
+    arrays = sampling_arrays(params, 4)
+    mode = SamplingMode.for_requests(params)
+    toks = np.asarray(sample(logits, arrays, mode, jnp.arange(4)))
+    argmax = np.asarray(jnp.argmax(logits, -1))
+    assert toks[0] == argmax[0] and toks[2] == argmax[2]
+    # A row's draw depends on its own seed and position only.
+    alone = sample(logits[1:2], sampling_arrays(params[1:2], 1), mode, jnp.arange(1, 2))
+    assert int(alone[0]) == int(toks[1])
+
+
+def test_draw_frequencies_follow_the_distribution():
+    logits = jnp.log(jnp.asarray([0.5, 0.3, 0.15, 0.05], jnp.float32))
+    n = 20000
+    arrays = SamplingArrays(jnp.ones((n,), jnp.float32), jnp.zeros((n,), jnp.int32),
+                            jnp.ones((n,), jnp.float32), jnp.arange(n, dtype=jnp.uint32))
+    toks = sample(jnp.broadcast_to(logits, (n, 4)), arrays, SamplingMode(sample=True),
+                  jnp.zeros((n,), jnp.int32))
+    freq = np.bincount(np.asarray(toks), minlength=4) / n
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.015)
+
+
+def test_keys_differ_by_seed_position_and_purpose():
+    k = row_keys(jnp.asarray([1, 1, 2], jnp.uint32), jnp.asarray([3, 4, 3]), 0)
+    k2 = row_keys(jnp.asarray([1], jnp.uint32), jnp.asarray([3]), 1)
+    data = [tuple(np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+                             else x).ravel()) for x in (k[0], k[1], k[2], k2[0])]
+    assert len(set(data)) == 4
+
+
+def test_token_logprobs_are_log_softmax():
+    logits = jnp.asarray([[1.0, 2.0, 3.0]])
+    lp = token_logprobs(logits, jnp.asarray([2]))
+    np.testing.assert_allclose(float(lp[0]), float(jax.nn.log_softmax(logits)[0, 2]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
+                                    (dict(temperature=-1.0), "temperature"),
+                                    (dict(temperature=float("nan")), "temperature"),
+                                    (dict(top_k=-1), "top_k"), (dict(max_tokens=0), "max_tokens"),
+                                    (dict(seed=-1), "seed")])
+def test_invalid_sampling_params(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
