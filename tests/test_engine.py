@@ -184,3 +184,20 @@ def test_pallas_backend_matches_xla_end_to_end():
             prompts, sp, speculative=spec).outputs for v in variants]
         for other in outs[1:]:
             assert [o.token_ids for o in other] == [o.token_ids for o in outs[0]]
+
+
+def test_kv_planes_are_donated_without_warnings():
+    """The KV pool is donated into every program (updated in place, the old buffers are
+    consumed) and no donation or other warning is raised, plain or speculative."""
+    import warnings
+
+    from ouro_jax.speculative import SpeculativeConfig
+
+    llm = _engine(tiny_checkpoint("tiny-gqa"), page_size=4)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5))
+    for spec in (None, SpeculativeConfig(2, 1)):
+        old = llm._planes[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5), speculative=spec)
+        assert old.is_deleted()
