@@ -7,7 +7,8 @@
 
 Batches are admitted whole: pages for prompt + max_tokens (+ speculative room) are allocated
 before any device work, so an exhausted pool is an error up front. Batch size, prompt length
-and page count are bucketed to powers of two, so new prompts of the same bucket reuse every
+is bucketed to powers of two (prompts up to the prefill chunk, then whole chunks), the KV pool
+and block-table width to quarter-octave steps, so new prompts of the same bucket reuse every
 compiled program.
 """
 
@@ -92,6 +93,29 @@ class GenerationResult:
     stats: GenerationStats
 
 
+def folder_eos_ids(folder: str, tokenizer: Optional[Tokenizer]) -> list[int]:
+    """End-of-sequence ids a checkpoint folder declares besides config.json: generation_config's
+    eos_token_id (int or list) and tokenizer_config's eos_token (e.g. <|im_end|> in chat
+    variants), so generation stops where the model's authors meant it to."""
+    import json
+
+    ids = []
+    path = os.path.join(folder, "generation_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    path = os.path.join(folder, "tokenizer_config.json")
+    if tokenizer is not None and os.path.exists(path):
+        with open(path) as f:
+            tok = json.load(f).get("eos_token")
+        tok = tok.get("content") if isinstance(tok, dict) else tok
+        tid = tokenizer.token_to_id(tok) if isinstance(tok, str) else None
+        if tid is not None:
+            ids.append(tid)
+    return ids
+
+
 class Ouro:
     """A loaded model plus its KV pool and compiled programs."""
 
@@ -123,7 +147,10 @@ class Ouro:
 
         folder = path or DEMO_MODEL_DIR
         ck = load_checkpoint(folder, dtype)
-        return cls(ck.config, ck.params, Tokenizer.from_folder(folder, ck.config), **kw)
+        tok = Tokenizer.from_folder(folder, ck.config)
+        extra = sorted(set(folder_eos_ids(folder, tok)) - set(ck.config.eos_token_ids))
+        cfg = ck.config.replace(extra_eos_token_ids=ck.config.extra_eos_token_ids + tuple(extra))
+        return cls(cfg, ck.params, tok, **kw)
 
     # --- inputs -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -147,7 +174,7 @@ class Ouro:
             raise ValueError(f"unknown stop token id(s) {bad}: vocab_size is {self.cfg.vocab_size}")
         ids = list(p.stop_token_ids)
         if not p.ignore_eos:
-            ids.append(self.cfg.eos_token_id)
+            ids.extend(self.cfg.eos_token_ids)
         return sorted(set(ids))
 
     def decode_text(self, ids: Sequence[int]) -> Optional[str]:
@@ -162,9 +189,11 @@ class Ouro:
         """Generates for a batch. `on_chunk(new_tokens_per_request)` streams each host fetch."""
         from ouro_jax.batch import run_batch
 
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
-        if not prompts:
+        if not len(prompts):
             raise ValueError("no prompts given")
         if sampling is None:
             sampling = SamplingParams()

@@ -70,10 +70,14 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
 
     key_pos = jnp.arange(block_tables.shape[1] * page_size, dtype=jnp.int32)
     mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, C, S]
+    # Slots no query may see (stale, trash) are zeroed in V: a masked probability is exactly 0,
+    # but 0 * inf or 0 * NaN would still poison the row.
+    visible = jnp.any(mask, axis=1)[:, :, None, None]  # [B, S, 1, 1]
 
     def attend(q, k, v, planes, loop, layer):
         entry = loop * num_layers + layer
         planes = write_kv(planes, entry, page, slot, k, v)
         keys, values = gather_kv(planes, entry, block_tables)
+        values = jnp.where(visible, values, jnp.zeros((), values.dtype))
         return attention_core(q, keys, values, mask), planes
     return attend

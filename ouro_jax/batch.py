@@ -115,6 +115,13 @@ def decode_loop(llm, planes, bt, state, first, program, static, counters, on_chu
     out = ([[] for _ in range(b)], [[] for _ in range(b)], [[] for _ in range(b)])
     fetches = 0
     while True:
+        if program is None:  # every request is complete with its first token
+            f, done, finish = jax.device_get((first, state.done, state.finish))
+            empty = np.full((b, 0), -1)
+            new = _append((empty, empty, empty), f, out)
+            if on_chunk is not None:
+                on_chunk(new)
+            return planes, out, finish, None, 1
         if counters is None:
             planes, state, bufs = llm.programs.call(program, static, (1,), llm.params, planes, bt,
                                                     state, jnp.int32(llm.decode_chunk))
@@ -153,12 +160,18 @@ def run_batch(llm, ids, params, stops, spec, speculative, on_chunk):
     compile1 = llm.programs.compile_seconds
     t1 = time.perf_counter()
     program, static, counters = _chunk_program(llm, speculative, spec, mode, want_lp, state)
+    if all(p.max_tokens == 1 for p in params):
+        program, counters = None, None  # no decode step can run: do not compile one
     planes, (toks, exits, lps), finish, counters, fetches = decode_loop(
         llm, planes, bt, state, first, program, static, counters, on_chunk, b)
     decode_s = time.perf_counter() - t1 - (llm.programs.compile_seconds - compile1)
     llm._planes = planes
 
     spec_stats, per_req = (None, [None] * b)
+    if speculative is not None and counters is None:  # no round ran
+        from ouro_jax.speculative import SpecCounters
+        zeros = np.zeros((b,), np.int64)
+        counters = SpecCounters(zeros, zeros, zeros)
     if counters is not None:
         from ouro_jax.speculative import summarize
         spec_stats, per_req = summarize(counters, b)

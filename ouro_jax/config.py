@@ -46,6 +46,8 @@ class OuroConfig:
     early_exit_threshold: float = 1.0
     bos_token_id: int = 0
     eos_token_id: int = 0
+    # Further end-of-sequence ids (HF allows eos_token_id to be a list; every id stops).
+    extra_eos_token_ids: tuple = ()
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
@@ -114,7 +116,8 @@ class OuroConfig:
             if d.get(name) is not None:
                 kwargs[name] = d[name]
         eos = d.get("eos_token_id")
-        if isinstance(eos, list):  # HF allows a list; the first is the canonical one
+        if isinstance(eos, list):  # HF allows a list: the first is canonical, all of them stop
+            kwargs["extra_eos_token_ids"] = tuple(int(e) for e in eos[1:])
             eos = eos[0] if eos else None
         if eos is not None:
             kwargs["eos_token_id"] = eos
@@ -129,8 +132,15 @@ class OuroConfig:
         with open(path) as f:
             return cls.from_hf_dict(json.load(f))
 
+    @property
+    def eos_token_ids(self) -> tuple:
+        return (self.eos_token_id, *self.extra_eos_token_ids)
+
     def to_hf_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        extra = d.pop("extra_eos_token_ids")
+        if extra:
+            d["eos_token_id"] = [self.eos_token_id, *extra]
         d.update(
             architectures=["OuroForCausalLM"], model_type="ouro", hidden_act="silu",
             rope_scaling=None, use_sliding_window=False, sliding_window=None,

@@ -1,6 +1,6 @@
 """Device programs of plain (non-speculative) generation: prefill chunks and the decode loop.
 
-Each function here is pure and jit-compiled by `runner.Runner` with the KV planes donated,
+Each function here is pure and compiled by `programs.ProgramCache` with the KV planes donated,
 so the cache is updated in place. Invariant shared with speculative.py: for every row,
 `lengths` positions have final K/V in every loop, and `tokens` holds the last committed
 token, which sits at position `lengths` and has not been run through the model yet.

@@ -159,6 +159,9 @@ def main(argv=None) -> int:
         for out in res.outputs:
             if len(prompts) > 1:
                 print(f"[{out.index}] finish={out.finish_reason} tokens={len(out.token_ids)}")
+            if out.logprobs is not None:
+                pairs = " ".join(f"{t}:{lp:.3f}" for t, lp in zip(out.token_ids, out.logprobs))
+                print(f"[{out.index}] logprobs (token:logprob) {pairs}")
         print(f"stats: {res.stats.line()} | load {load_s:.2f}s", file=sys.stderr)
     return 0
 

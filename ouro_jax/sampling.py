@@ -88,7 +88,7 @@ def processed_logits(logits: jax.Array, arrays: SamplingArrays, mode: SamplingMo
     if mode.top_k:
         k = jnp.clip(arrays.top_k, 1, vocab)
         kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)
-        keep = (arrays.top_k[:, None] == 0) | (x >= kth)
+        keep = (arrays.top_k[:, None] == 0) | (x >= kth)  # exact ties at the k-th are kept
         x = jnp.where(keep, x, -jnp.inf)
         sorted_x = jnp.where(jnp.arange(vocab)[None] < jnp.where(arrays.top_k == 0, vocab, k)[:, None],
                              sorted_x, -jnp.inf)

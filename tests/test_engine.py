@@ -201,3 +201,25 @@ def test_kv_planes_are_donated_without_warnings():
             warnings.simplefilter("error")
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5), speculative=spec)
         assert old.is_deleted()
+
+
+def test_eos_lists_numpy_prompts_and_first_token_only_requests(tmp_path):
+    import json
+
+    from convert.synthesize import synthesize
+
+    folder = str(tmp_path / "m")
+    synthesize(folder, "tiny-gqa", dtype="fp32")
+    probe = Ouro.load(folder)
+    free = probe.generate(np.array([3, 4, 5]), SamplingParams(max_tokens=12, ignore_eos=True))
+    second_eos = free.outputs[0].token_ids[6]
+    with open(f"{folder}/generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [0, second_eos]}, f)
+    llm = Ouro.load(folder)  # generation_config's extra EOS id stops generation too
+    out = llm.generate([np.int64(3), np.int64(4), np.int64(5)], SamplingParams(max_tokens=12))
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids[-1] in (0, second_eos) and len(out.outputs[0].token_ids) <= 7
+    fresh = Ouro.load(folder)
+    one = fresh.generate([[7, 8]], SamplingParams(max_tokens=1))
+    assert len(one.outputs[0].token_ids) == 1 and one.stats.host_fetches == 1
+    assert fresh.programs.compiles == 2  # prefill chunk + first token; no decode program
