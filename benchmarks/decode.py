@@ -195,8 +195,14 @@ def main(argv=None) -> int:
                    help="synthetic only: try these scales at batch 8, k=4 greedy and keep the "
                         "one whose acceptance is closest to --target-acceptance")
     p.add_argument("--target-acceptance", type=float, default=0.8)
+    p.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/ouro_jax/xla"),
+                   help="persistent XLA compilation cache ('' disables); compile time is "
+                        "reported apart either way")
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
+    if args.compile_cache:
+        from ouro_jax.generate import enable_compile_cache
+        enable_compile_cache(args.compile_cache)
     args.copy_bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth "
           f"{args.copy_bw / 1e12:.2f} TB/s", flush=True)
