@@ -1,0 +1,75 @@
+"""End to end, xla vs pallas attention: greedy token match and decode tok/s (issue 5).
+
+    python -m benchmarks.attention_e2e --synthetic 1.4b --batch 64 --prompt-len 2048 \
+        --new-tokens 32 --out attention_e2e.json
+
+Both engines share one set of weights and the same prompts; each runs a warm-up call, then a
+timed one. Token match is reported per position up to each sequence's first divergence (bf16
+kernels round differently from the gather path, so near-tied argmaxes can flip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def main(argv=None) -> int:
+    from benchmarks.decode import git_commit, token_match
+    from ouro_jax.api import Ouro
+    from ouro_jax.config import PRESETS
+    from ouro_jax.params import random_params
+    from ouro_jax.sampling import SamplingParams
+    from ouro_jax.speculative import SpeculativeConfig
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.attention_e2e", description=__doc__)
+    ap.add_argument("--synthetic", default="1.4b")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--speculative-k", type=int, default=0)
+    ap.add_argument("--branch-scale", type=float, default=0.003)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cfg = PRESETS[args.synthetic]
+    dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
+    params = random_params(cfg, 0, dtype, args.branch_scale, 0.0)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, cfg.vocab_size, args.prompt_len)]
+               for _ in range(args.batch)]
+    sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    spec = SpeculativeConfig(args.speculative_k, 2) if args.speculative_k else None
+    rows, outs = [], {}
+    for attention in ("xla", "pallas"):
+        # An exact pool: at 64 x 2k the default bucket could round 107 GB of K/V up by 25%.
+        per_seq = -(-(args.prompt_len + args.new_tokens + args.speculative_k + 1) // 16) * 16
+        llm = Ouro(cfg, params, None, attention=attention, decode_chunk=args.new_tokens,
+                   kv_pool_tokens=args.batch * per_seq)
+        llm.generate(prompts, sp, speculative=spec)  # warm-up (compiles)
+        res = llm.generate(prompts, sp, speculative=spec)
+        outs[attention] = [o.token_ids for o in res.outputs]
+        rows.append(dict(attention=attention, decode_tok_s=res.stats.decode_tok_s,
+                         prefill_s=res.stats.prefill_s, decode_s=res.stats.decode_s,
+                         compile_s=llm.programs.compile_seconds))
+        print(json.dumps(rows[-1]), flush=True)
+        del llm
+    match = token_match(outs["xla"], outs["pallas"])
+    print(json.dumps(match))
+    result = dict(command="python -m benchmarks.attention_e2e " + " ".join(
+        sys.argv[1:] if argv is None else argv), device=jax.devices()[0].device_kind,
+        jax_version=jax.__version__, git_commit=git_commit(), rows=rows, token_match=match,
+        batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
