@@ -16,22 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Callable, Optional, Sequence, Union
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ouro_jax import engine
 from ouro_jax.attention import resolve_backend
 from ouro_jax.config import OuroConfig
-from ouro_jax.kv_cache import (PageAllocator, block_table_array, bucket_pages, init_planes,
-                               next_pow2, pages_needed)
+from ouro_jax.kv_cache import bucket_pages, init_planes, next_pow2, pages_needed
 from ouro_jax.model import ExitSpec
 from ouro_jax.params import OuroParams
 from ouro_jax.programs import ProgramCache
-from ouro_jax.sampling import SamplingMode, SamplingParams, sampling_arrays
+from ouro_jax.sampling import SamplingParams
 from ouro_jax.tokenizer import Tokenizer
 
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(__file__), "demo_model")
@@ -208,12 +204,13 @@ class Ouro:
         return run_batch(self, ids, params, stops, spec, speculative, on_chunk)
 
     # --- KV pool ----------------------------------------------------------------------------
-    def planes_for(self, pages_total: int):
-        """The KV planes, (re)allocated to hold `pages_total` pages plus the trash page."""
-        if self.fixed_pool_pages is not None:
-            num_pages = self.fixed_pool_pages
-        else:
-            num_pages = bucket_pages(pages_total + 1)
+    def pool_pages(self, pages_total: int) -> int:
+        """Pool size for a batch needing `pages_total` pages: the fixed pool, or a bucket
+        holding them plus the trash page."""
+        return self.fixed_pool_pages or bucket_pages(pages_total + 1)
+
+    def planes_for(self, num_pages: int):
+        """The KV planes, (re)allocated when the pool holds fewer than `num_pages` pages."""
         if self._planes is None or self._planes[0].shape[1] < num_pages:
             self._planes = None  # free the old pool before allocating the new one
             self._planes = init_planes(self.cfg, num_pages, self.page_size, self.params.dtype)

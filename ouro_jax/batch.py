@@ -37,10 +37,10 @@ def admit(llm, ids, params, stops, room):
     bp = next_pow2(b)
     tokens_needed = [len(p) + sp.max_tokens + room for p, sp in zip(ids, params)]
     total = sum(pages_needed(t, llm.page_size) for t in tokens_needed)
-    num_pages = llm.fixed_pool_pages or bucket_pages(total + 1)
+    num_pages = llm.pool_pages(total)
     pages = PageAllocator(num_pages, llm.page_size).allocate(tokens_needed)
     max_pages = bucket_pages(max(len(r) for r in pages), minimum=1)
-    planes = llm.planes_for(total)
+    planes = llm.planes_for(num_pages)
     bt = jnp.asarray(block_table_array(pages, bp, max_pages))
     n_stop = next_pow2(max(len(s) for s in stops), 1)
     stop_arr = np.full((bp, n_stop), -1, np.int32)
