@@ -14,13 +14,12 @@ import argparse
 import json
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 
 def main(argv=None) -> int:
-    from benchmarks.decode import git_commit, token_match
+    from benchmarks.decode import save_record, token_match
     from ouro_jax.api import Ouro
     from ouro_jax.config import PRESETS
     from ouro_jax.params import random_params
@@ -61,13 +60,8 @@ def main(argv=None) -> int:
         del llm
     match = token_match(outs["xla"], outs["pallas"])
     print(json.dumps(match))
-    result = dict(command="python -m benchmarks.attention_e2e " + " ".join(
-        sys.argv[1:] if argv is None else argv), device=jax.devices()[0].device_kind,
-        jax_version=jax.__version__, git_commit=git_commit(), rows=rows, token_match=match,
-        batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    save_record("benchmarks.attention_e2e", argv, args.out, rows=rows, token_match=match,
+                batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
     return 0
 
 

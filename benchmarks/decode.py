@@ -59,6 +59,20 @@ def git_commit() -> str:
         return "unknown"
 
 
+def save_record(module: str, argv, out, **fields) -> dict:
+    """The result record every benchmark writes: the command, machine, JAX version and git
+    commit, then the benchmark's own fields; saved as JSON to `out` when given."""
+    record = dict(command=f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+                  device=jax.devices()[0].device_kind, platform=platform.platform(),
+                  jax_version=jax.__version__, git_commit=git_commit(),
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), **fields)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(record, f, indent=2)
+    return record
+
+
 def make_engine(args):
     from ouro_jax.api import Ouro
     from ouro_jax.config import PRESETS
@@ -228,20 +242,14 @@ def main(argv=None) -> int:
                 matches.append(dict(batch=b, k=k, **token_match(greedy_outs[0], outs)))
                 print(json.dumps(matches[-1]), flush=True)
     print(table(rows))
-    result = dict(
-        command="python -m benchmarks.decode " + " ".join(argv if argv is not None else sys.argv[1:]),
-        device=jax.devices()[0].device_kind, platform=platform.platform(),
-        jax_version=jax.__version__, git_commit=git_commit(), copy_bandwidth_Bps=args.copy_bw,
+    save_record(
+        "benchmarks.decode", argv, args.out, copy_bandwidth_Bps=args.copy_bw,
         model=args.model or f"synthetic {args.synthetic} (branch_scale {args.branch_scale})",
         dtype=args.dtype, attention=llm.backend, fused_projections=not args.no_fuse,
-        xla_flags=os.environ.get("XLA_FLAGS", ""), prompt_len=args.prompt_len,
-        new_tokens=args.new_tokens, repeats=args.repeats, compiles_total=llm.programs.compiles,
-        branch_scale=args.branch_scale, branch_scale_sweep=sweep, greedy_token_match=matches,
+        prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
+        compiles_total=llm.programs.compiles, branch_scale=args.branch_scale,
+        branch_scale_sweep=sweep, greedy_token_match=matches,
         compile_s_total=llm.programs.compile_seconds, rows=rows, table=table(rows))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
     return 0
 
 

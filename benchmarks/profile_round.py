@@ -18,7 +18,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -102,7 +101,7 @@ def profile(llm, batch, k, d, prompt_len, iters):
 
 
 def main(argv=None) -> int:
-    from benchmarks.decode import git_commit, make_engine
+    from benchmarks.decode import make_engine, save_record
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_round", description=__doc__)
     ap.add_argument("--synthetic", default="1.4b")
@@ -129,12 +128,7 @@ def main(argv=None) -> int:
         print("  kernels:", {n: row[n + "_kernels"]["fusions"] + row[n + "_kernels"]["custom_calls"]
                              for n in ("native_step", "draft", "verify", "accept_commit", "round")},
               flush=True)
-    res = dict(command="python -m benchmarks.profile_round " + " ".join(sys.argv[1:] if argv is None else argv),
-               device=jax.devices()[0].device_kind, jax_version=jax.__version__,
-               git_commit=git_commit(), rows=rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+    save_record("benchmarks.profile_round", argv, args.out, rows=rows)
     return 0
 
 
