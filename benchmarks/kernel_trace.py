@@ -1,0 +1,152 @@
+"""Kernel-level profile of whole generate calls: what runs on the GPU and how busy it is.
+
+    python -m benchmarks.kernel_trace --synthetic 1.4b --batch 1,64 --k 0,4 --out trace.json
+
+Each configuration is warmed up (compiles excluded), then one `generate` call runs under
+`jax.profiler.trace`. The device events of the trace are read back with
+`jax.profiler.ProfileData` (no TensorBoard needed) and summarised:
+- kernels launched per decode step (or per speculative round) and their summed time;
+- the GPU's busy time (union of kernel intervals) against the wall time of the decode span,
+  which separates "kernels are slow" from "the GPU waits for launches";
+- the top kernels by total time, grouped by name, with bytes/s where a GEMM's name says
+  nothing about size (we only report time and counts; no hardware counters on this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import sys
+import tempfile
+
+import jax
+import numpy as np
+
+
+def device_events(xspace_path: str, lines_seen: list | None = None) -> list[tuple[str, float, float]]:
+    """(name, start_ns, duration_ns) of every event on a GPU device plane's kernel lines.
+    `lines_seen` collects (plane, line, events) for every device line, kept or not."""
+    pd = jax.profiler.ProfileData.from_file(xspace_path)
+    out = []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            # Stream lines hold kernels and memcpys; skip the per-op/XLA-module summary lines,
+            # which would double count.
+            lname = line.name.lower()
+            if lines_seen is not None:
+                lines_seen.append((plane.name, line.name, len(list(line.events))))
+            if "stream" not in lname or "xla" in lname:
+                continue
+            for ev in line.events:
+                out.append((ev.name, float(ev.start_ns), float(ev.duration_ns)))
+    return out
+
+
+def busy_ns(events) -> float:
+    """Length of the union of the events' intervals."""
+    spans = sorted((s, s + d) for _, s, d in events)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def summarize(events, units: int, top: int = 25) -> dict:
+    if not events:
+        return {"error": "no GPU events in the trace (CPU run, or the profiler saw no device)"}
+    start = min(s for _, s, _ in events)
+    end = max(s + d for _, s, d in events)
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for name, _, d in events:
+        by_name[name][0] += 1
+        by_name[name][1] += d
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    kernel_ns = sum(d for _, _, d in events)
+    return {
+        "units": units,
+        "kernels": len(events),
+        "kernels_per_unit": len(events) / units,
+        "span_ms": (end - start) / 1e6,
+        "busy_ms": busy_ns(events) / 1e6,
+        "kernel_sum_ms": kernel_ns / 1e6,
+        "busy_fraction": busy_ns(events) / (end - start),
+        "per_unit_span_us": (end - start) / units / 1e3,
+        "per_unit_busy_us": busy_ns(events) / units / 1e3,
+        "top": [{"name": n[:160], "count": c, "per_unit": c / units, "total_ms": t / 1e6,
+                 "mean_us": t / c / 1e3, "share": t / kernel_ns} for n, (c, t) in rows[:top]],
+    }
+
+
+def trace_generate(llm, batch, k, args) -> dict:
+    from ouro_jax.sampling import SamplingParams
+    from ouro_jax.speculative import SpeculativeConfig
+
+    rng = np.random.default_rng(batch)
+    prompts = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt_len)]
+               for _ in range(batch)]
+    sps = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)] * batch
+    spec = SpeculativeConfig(k, 2, rounds_per_fetch=args.new_tokens) if k else None
+    llm.generate(prompts, sps, speculative=spec)  # compile + warm
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            res = llm.generate(prompts, sps, speculative=spec)
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        lines: list = []
+        events = device_events(files[0], lines) if files else []
+    units = res.stats.spec["rounds"] if k else args.new_tokens - 1
+    row = {"batch": batch, "k": k, "unit": "round" if k else "decode step",
+           "decode_tok_s": res.stats.decode_tok_s}
+    row.update(summarize(events, max(1, units)))
+    row["device_lines"] = lines
+    return row
+
+
+def main(argv=None) -> int:
+    from benchmarks.decode import make_engine, save_record
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernel_trace", description=__doc__)
+    ap.add_argument("--synthetic", default="1.4b")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--attention", default="xla")
+    ap.add_argument("--batch", default="1,64")
+    ap.add_argument("--k", default="0,4", help="0 = native; >0 = speculative with d=2")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--unroll-loops", action="store_true")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    ns = argparse.Namespace(model=args.model, synthetic=args.synthetic, dtype=args.dtype,
+                            attention=args.attention, page_size=16, new_tokens=args.new_tokens,
+                            seed=0, branch_scale=0.003, norm_jitter=0.0, no_fuse=False,
+                            unroll_loops=args.unroll_loops)
+    llm = make_engine(ns)
+    rows = []
+    for b in [int(x) for x in args.batch.split(",")]:
+        for k in [int(x) for x in args.k.split(",")]:
+            row = trace_generate(llm, b, k, args)
+            rows.append(row)
+            head = {kk: (round(v, 3) if isinstance(v, float) else v)
+                    for kk, v in row.items() if kk not in ("top", "device_lines")}
+            print(json.dumps(head), flush=True)
+            for t in row.get("top", [])[:args.top]:
+                print(f"   {t['share']:6.1%} {t['per_unit']:7.1f}/unit {t['mean_us']:8.1f} us"
+                      f"  {t['name'][:110]}", flush=True)
+    save_record("benchmarks.kernel_trace", argv, args.out, rows=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
