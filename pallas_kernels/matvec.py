@@ -51,8 +51,9 @@ def _mul(a, b, dt):
     return (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(dt)
 
 
-def _kernel(x_ref, d_ref, wres_ref, win_ref, w_ref, y_ref, h_ref, *, m: int, mp: int, k: int,
-            bk: int, bn: int, up_offset: int, eps: float, has_res: bool, gated: bool):
+def _kernel(x_ref, d_ref, wres_ref, win_ref, w_ref, rh_ref, y_ref, h_ref, *, m: int, mp: int,
+            k: int, bk: int, bn: int, up_offset: int, eps: float, has_res: bool, gated: bool,
+            given_stats: bool):
     j = pl.program_id(0)
     dt = x_ref.dtype
     rows = jnp.minimum(lax.iota(jnp.int32, mp), m - 1)
@@ -61,6 +62,8 @@ def _kernel(x_ref, d_ref, wres_ref, win_ref, w_ref, y_ref, h_ref, *, m: int, mp:
     def cols(c):
         return pl.ds(pl.multiple_of(c * bk, bk), bk)
 
+    if given_stats:  # h and its 1/rms come in (computed by XLA); no prologue loops
+        has_res = False
     if has_res:
         def ssq_d(c, acc):
             dc = d_ref[rows, cols(c)].astype(jnp.float32)
@@ -78,7 +81,10 @@ def _kernel(x_ref, d_ref, wres_ref, win_ref, w_ref, y_ref, h_ref, *, m: int, mp:
     def ssq_h(c, acc):
         hc = h_chunk(c).astype(jnp.float32)
         return acc + jnp.sum(hc * hc, axis=1)
-    rh = lax.rsqrt(lax.fori_loop(0, nk, ssq_h, jnp.zeros((mp,), jnp.float32)) / k + eps)
+    if given_stats:
+        rh = rh_ref[rows]
+    else:
+        rh = lax.rsqrt(lax.fori_loop(0, nk, ssq_h, jnp.zeros((mp,), jnp.float32)) / k + eps)
 
     out_rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
     up_rows = pl.ds(pl.multiple_of(up_offset + j * bn, bn), bn)
@@ -109,9 +115,11 @@ def _kernel(x_ref, d_ref, wres_ref, win_ref, w_ref, y_ref, h_ref, *, m: int, mp:
 
 def fused_norm_matvec(x, w_in, w, *, eps: float, d=None, w_res=None, gated: bool = False,
                       interpret: bool = False, num_warps: int = 4, num_stages: int = 3,
-                      block_n=None, block_k=None):
+                      block_n=None, block_k=None, stats: str = "kernel"):
     """(h, y) for x [M, K]; see the module doc. `d`/`w_res` given: h = x + rms_norm(d)*w_res,
-    else h = x. w [N, K]; gated: w = [gate; up] with N = 2I, y [M, I]; else y [M, N]."""
+    else h = x. w [N, K]; gated: w = [gate; up] with N = 2I, y [M, I]; else y [M, N].
+    stats="kernel": every program computes the row statistics itself; stats="xla": h and
+    1/rms(h) are computed by XLA first (one small fusion) and the kernel only streams W."""
     m, k = x.shape
     n_rows = w.shape[0]
     n_out = n_rows // 2 if gated else n_rows
@@ -128,10 +136,21 @@ def fused_norm_matvec(x, w_in, w, *, eps: float, d=None, w_res=None, gated: bool
     bn = block_n or _pick_block(n_out, 32)
     mp = max(16, next_pow2(m))
     dt = x.dtype
-    if not has_res:  # placeholders, never read
+    if stats not in ("kernel", "xla"):
+        raise ValueError(f"stats must be 'kernel' or 'xla', got {stats!r}")
+    given = stats == "xla"
+    rh = jnp.zeros((m,), jnp.float32)
+    if given:
+        from ouro_jax.model import rms_norm
+
+        if has_res:
+            x = x + rms_norm(d, w_res, eps)
+        xf = x.astype(jnp.float32)
+        rh = lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+    if not has_res or given:  # placeholders, never read
         d, w_res = x, w_in
     kernel = functools.partial(_kernel, m=m, mp=mp, k=k, bk=bk, bn=bn, up_offset=n_out,
-                               eps=float(eps), has_res=has_res, gated=gated)
+                               eps=float(eps), has_res=has_res, gated=gated, given_stats=given)
     y, h = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m, n_out), dt), jax.ShapeDtypeStruct((m, k), dt)),
@@ -139,8 +158,8 @@ def fused_norm_matvec(x, w_in, w, *, eps: float, d=None, w_res=None, gated: bool
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="fused_norm_matvec_gated" if gated else "fused_norm_matvec",
-    )(x, d, w_res.astype(dt), w_in.astype(dt), w.astype(dt))
-    return (h if has_res else x), y
+    )(x, d, w_res.astype(dt), w_in.astype(dt), w.astype(dt), rh)
+    return (h if has_res and not given else x), y
 
 
 def fused_norm_matvec_reference(x, w_in, w, *, eps: float, d=None, w_res=None,

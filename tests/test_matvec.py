@@ -49,10 +49,11 @@ def _check(h, y, h0, y0, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("m,k,n,gated,res", [(1, 48, 80, False, False), (3, 32, 64, True, True),
                                              (5, 64, 96, False, True), (16, 48, 160, True, False)])
-def test_matvec_interpret(dtype, m, k, n, gated, res):
+@pytest.mark.parametrize("stats", ["kernel", "xla"])
+def test_matvec_interpret(dtype, m, k, n, gated, res, stats):
     x, d, w_in, w_res, w = _case(np.random.default_rng(m + n), m, k, n, gated, dtype)
     kw = dict(eps=1e-6, d=d if res else None, w_res=w_res if res else None, gated=gated)
-    h, y = fused_norm_matvec(x, w_in, w, interpret=True, **kw)
+    h, y = fused_norm_matvec(x, w_in, w, interpret=True, stats=stats, **kw)
     h0, y0 = fused_norm_matvec_reference(x, w_in, w, **kw)
     _check(h, y, h0, y0, dtype)
 
@@ -100,13 +101,17 @@ def test_engine_fused_matches_plain(monkeypatch):
     assert outs[0][0] == outs[0][1]
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 5, 8])
 @pytest.mark.parametrize("n,gated,res", [(6144, False, False), (5632, True, True),
                                          (6144, False, True)])
-def test_matvec_gpu_1p4b_shapes(m, n, gated, res):
+@pytest.mark.parametrize("stats", ["kernel", "xla"])
+def test_matvec_gpu_1p4b_shapes(m, n, gated, res, stats):
     x, d, w_in, w_res, w = _case(np.random.default_rng(m), m, 2048, n, gated, jnp.bfloat16)
-    kw = dict(eps=1e-6, d=d if res else None, w_res=w_res if res else None, gated=gated)
+    kw = dict(eps=1e-6, d=d if res else None, w_res=w_res if res else None, gated=gated,
+              stats=stats)
     h, y = jax.jit(lambda *a: fused_norm_matvec(*a, **kw))(x, w_in, w)
+    kw.pop("stats")
     h0, y0 = jax.jit(lambda *a: fused_norm_matvec_reference(*a, **kw))(x, w_in, w)
     _check(h, y, h0, y0, jnp.bfloat16)
