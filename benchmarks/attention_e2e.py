@@ -34,6 +34,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--speculative-k", type=int, default=0)
     ap.add_argument("--branch-scale", type=float, default=0.003)
+    ap.add_argument("--prefill-chunk", type=int, default=64,
+                    help="prompt tokens per row per prefill step: the xla path's scores for "
+                         "64 rows x 256 tokens x 2k keys need ~2.5 GB per buffer beside a "
+                         "105 GB KV pool (out of memory on the H200)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = PRESETS[args.synthetic]
@@ -49,6 +53,7 @@ def main(argv=None) -> int:
         # An exact pool: at 64 x 2k the default bucket could round 107 GB of K/V up by 25%.
         per_seq = -(-(args.prompt_len + args.new_tokens + args.speculative_k + 1) // 16) * 16
         llm = Ouro(cfg, params, None, attention=attention, decode_chunk=args.new_tokens,
+                   prefill_chunk=args.prefill_chunk,
                    kv_pool_tokens=args.batch * per_seq)
         llm.generate(prompts, sp, speculative=spec)  # warm-up (compiles)
         res = llm.generate(prompts, sp, speculative=spec)
