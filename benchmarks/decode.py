@@ -80,8 +80,7 @@ def make_engine(args):
 
     kw = dict(page_size=args.page_size, attention=args.attention,
               decode_chunk=args.new_tokens, prefill_chunk=256,
-              fuse_projections=not args.no_fuse, unroll_loops=args.unroll_loops,
-              fused_matvec=args.fused_matvec)
+              fuse_projections=not args.no_fuse, unroll_loops=args.unroll_loops)
     if args.model:
         return Ouro.load(args.model, args.dtype, **kw)
     cfg = PRESETS[args.synthetic]
@@ -196,8 +195,6 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="auto")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs")
-    p.add_argument("--fused-matvec", action="store_true",
-                   help="fold the norms into few-row projections (Pallas, ouro_jax/fused.py)")
     p.add_argument("--unroll-loops", action="store_true",
                    help="unroll the T loops in the program instead of a fori_loop")
     p.add_argument("--batch", default="1,8,32,64")

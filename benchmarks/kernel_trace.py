@@ -126,14 +126,12 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--unroll-loops", action="store_true")
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--fused-matvec", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     ns = argparse.Namespace(model=args.model, synthetic=args.synthetic, dtype=args.dtype,
                             attention=args.attention, page_size=16, new_tokens=args.new_tokens,
                             seed=0, branch_scale=0.003, norm_jitter=0.0, no_fuse=False,
-                            unroll_loops=args.unroll_loops,
-                            fused_matvec=args.fused_matvec)
+                            unroll_loops=args.unroll_loops)
     llm = make_engine(ns)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:

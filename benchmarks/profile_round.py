@@ -113,13 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-loops", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=160)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--fused-matvec", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     ns = argparse.Namespace(model=args.model, synthetic=args.synthetic, dtype=args.dtype,
                             attention=args.attention, page_size=16, new_tokens=64, seed=0,
                             branch_scale=0.003, norm_jitter=0.0, no_fuse=False,
-                            unroll_loops=False, fused_matvec=args.fused_matvec)
+                            unroll_loops=False)
     llm = make_engine(ns)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:

@@ -119,7 +119,7 @@ class Ouro:
                  *, page_size: int = 16, attention: str = "auto",
                  kv_pool_tokens: Optional[int] = None, prefill_chunk: int = 256,
                  decode_chunk: int = 32, fuse_projections: bool = True,
-                 unroll_loops: bool = False, fused_matvec: bool = False):
+                 unroll_loops: bool = False):
         if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
             raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
         from ouro_jax.model import unstack_layers
@@ -129,11 +129,7 @@ class Ouro:
         self.params = unstack_layers(params, fuse=fuse_projections)
         self.page_size = page_size
         # "+unroll": loops unrolled in the program rather than a device while loop.
-        # "+fusedmv": norms folded into the projections for few-row blocks (ouro_jax/fused.py).
-        if fused_matvec and not fuse_projections:
-            raise ValueError("fused_matvec needs fuse_projections=True")
-        self.backend = (resolve_backend(attention) + ("+unroll" if unroll_loops else "")
-                        + ("+fusedmv" if fused_matvec else ""))
+        self.backend = resolve_backend(attention) + ("+unroll" if unroll_loops else "")
         self.prefill_chunk = next_pow2(prefill_chunk)
         self.decode_chunk = decode_chunk
         self.fixed_pool_pages = (None if kv_pool_tokens is None

@@ -41,18 +41,16 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
                   loops, backend: str, h=None):
     """Runs `loops` over a [B, C] block of tokens at `positions`, writing their K/V.
 
-    `backend` is the attention backend ("xla" | "pallas"), optionally followed by options:
-    "+unroll" unrolls the loop range in Python instead of a `fori_loop` (fewer device while
-    loops per step, larger programs); "+fusedmv" folds the norms into the projections where
-    the block has few rows (ouro_jax/fused.py). `h` overrides the embedding input
-    (verification starts from the draft's states)."""
-    attention, *options = backend.split("+")
+    `backend` is the attention backend ("xla" | "pallas"), optionally with "+unroll" to unroll
+    the loop range in Python instead of a `fori_loop` (fewer device while loops per step,
+    larger programs). `h` overrides the embedding input (verification starts from the
+    draft's states)."""
+    attention, _, option = backend.partition("+")
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
     if h is None:
         h = embed(params, ids, params.dtype)
     attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], attention)
-    return run_loops(params, h, cos, sin, cfg, attend, planes, loops, unroll="unroll" in options,
-                     fused="fusedmv" in options)
+    return run_loops(params, h, cos, sin, cfg, attend, planes, loops, unroll=option == "unroll")
 
 
 def prefill_chunk(params, planes, block_tables, ids, start, last_idx, last_h, last_g, *,

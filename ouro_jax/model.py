@@ -14,7 +14,6 @@ copy of the layer math for the dense, prefill, decode and speculative paths.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -101,34 +100,24 @@ def dense_causal_attend(q, k, v, state, loop, layer):
     return attention_core(q, k, v, mask), state
 
 
-def project_qkv(lp: LayerParams, hx: jax.Array) -> jax.Array:
-    """[..., D] -> the q|k|v projections concatenated on the last axis."""
-    if lp.qkv_proj is not None:
-        return linear(hx, lp.qkv_proj)
-    return jnp.concatenate([linear(hx, lp.q_proj), linear(hx, lp.k_proj),
-                            linear(hx, lp.v_proj)], axis=-1)
-
-
-def attention_from_qkv(lp: LayerParams, qkv, cos, sin, cfg: OuroConfig, attend: AttendFn,
-                       state, loop, layer):
-    """RoPE, attention and o_proj from the concatenated projections qkv [..., S, Nq+2Nkv]."""
-    lead = qkv.shape[:-1]
-    nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    q = qkv[..., :nq].reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
-    k = qkv[..., nq:nq + nkv].reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-    v = qkv[..., nq + nkv:].reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn, state = attend(q, k, v, state, loop, layer)
-    return linear(attn.reshape(*lead, nq), lp.o_proj), state
-
-
 def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, state,
                   loop, layer):
-    """One sandwich-norm decoder layer. lp holds a single layer's weights (no [L] axis).
-    (fused.py computes the same layer with the norms folded into the projections.)"""
+    """One sandwich-norm decoder layer. lp holds a single layer's weights (no [L] axis)."""
     eps = cfg.rms_norm_eps
-    qkv = project_qkv(lp, rms_norm(x, lp.input_layernorm, eps))
-    attn, state = attention_from_qkv(lp, qkv, cos, sin, cfg, attend, state, loop, layer)
+    hx = rms_norm(x, lp.input_layernorm, eps)
+    lead = hx.shape[:-1]
+    nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    if lp.qkv_proj is not None:
+        qkv = linear(hx, lp.qkv_proj)
+        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+    else:
+        q, k, v = linear(hx, lp.q_proj), linear(hx, lp.k_proj), linear(hx, lp.v_proj)
+    q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attn, state = attend(q, k, v, state, loop, layer)
+    attn = linear(attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim), lp.o_proj)
     h = x + rms_norm(attn, lp.input_layernorm_2, eps)
     m = rms_norm(h, lp.post_attention_layernorm, eps)
     if lp.gate_up_proj is not None:
@@ -140,19 +129,13 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     return h + rms_norm(m, lp.post_attention_layernorm_2, eps), state
 
 
-def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop,
-             fused: bool = False):
+def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop):
     """One recurrent step: all L layers, then `model.norm`. `loop` may be traced.
 
     Stacked layer weights ([L, ...] arrays) run as a `lax.scan` (small programs, quick
     compiles: tests, training). A tuple of per-layer weights (`unstack_layers`, what the
     engine uses) is unrolled, so every GEMM reads its weight in place; slicing a stacked
     weight inside a loop makes XLA copy it first, tripling the weight traffic of decode."""
-    if fused:
-        from ouro_jax.fused import can_fuse, run_loop_fused
-
-        if can_fuse(params, cfg, math.prod(h.shape[:-1])):
-            return run_loop_fused(params, h, cos, sin, cfg, attend, state, loop)
     if isinstance(params.layers, (tuple, list)):
         for layer, lp in enumerate(params.layers):
             h, state = decoder_layer(lp, h, cos, sin, cfg, attend, state, loop, layer)
@@ -202,11 +185,9 @@ def lm_head(params: OuroParams, h: jax.Array) -> jax.Array:
     return linear(h, params.lm_head)
 
 
-def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = False,
-              fused: bool = False):
+def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = False):
     """Runs a contiguous range of loops in a `lax.fori_loop` (one copy of the loop body in
-    the program, whatever the range), or unrolled in Python with `unroll`. `fused` uses the
-    fused norm+projection kernels where they apply (ouro_jax/fused.py).
+    the program, whatever the range), or unrolled in Python with `unroll`.
     Returns states [n, ...], gate logits [n, ...], state."""
     loops = list(loops)
     start, n = loops[0], len(loops)
@@ -217,7 +198,7 @@ def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = Fal
     if unroll:
         hs, gs = [], []
         for loop in loops:
-            h, state = run_loop(params, h, cos, sin, cfg, attend, state, loop, fused)
+            h, state = run_loop(params, h, cos, sin, cfg, attend, state, loop)
             hs.append(h)
             gs.append(exit_gate_logit(params, h))
         return jnp.stack(hs), jnp.stack(gs), state
@@ -226,7 +207,7 @@ def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = Fal
 
     def body(i, carry):
         h, state, hs, gs = carry
-        h, state = run_loop(params, h, cos, sin, cfg, attend, state, start + i, fused)
+        h, state = run_loop(params, h, cos, sin, cfg, attend, state, start + i)
         return h, state, hs.at[i].set(h), gs.at[i].set(exit_gate_logit(params, h))
 
     _, state, hs, gs = lax.fori_loop(0, n, body, (h, state, hs, gs))
