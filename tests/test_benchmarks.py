@@ -1,0 +1,38 @@
+"""The benchmark modules' own arithmetic (they run for real only on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.decode import step_bytes
+from benchmarks.kernel_trace import busy_ns, summarize
+from ouro_jax.config import PRESETS
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    # [0,10) and [5,12) overlap -> 12; [20,25) apart -> 5; [21,22) inside it -> nothing.
+    events = [("a", 0, 10), ("b", 5, 7), ("c", 20, 5), ("d", 21, 1)]
+    assert busy_ns(events) == 17
+    assert busy_ns([]) == 0
+
+
+def test_trace_summary_per_unit_and_top_kernels():
+    events = [("gemm", 0, 30), ("norm", 40, 2), ("gemm", 50, 30), ("norm", 90, 2)]
+    s = summarize(events, units=2)
+    assert s["kernels"] == 4 and s["kernels_per_unit"] == 2
+    assert s["span_ms"] == pytest.approx(92e-6) and s["busy_ms"] == pytest.approx(64e-6)
+    assert s["busy_fraction"] == pytest.approx(64 / 92)
+    top = s["top"]
+    assert [t["name"] for t in top] == ["gemm", "norm"]
+    assert top[0]["per_unit"] == 1 and top[0]["mean_us"] == pytest.approx(0.03)
+    assert sum(t["share"] for t in top) == pytest.approx(1.0)
+    assert "error" in summarize([], units=1)
+
+
+def test_step_bytes_matches_the_published_roofline():
+    # OURO.md: one batch-1 step of the 1.4B model reads about 4 x 2.47 GB + 0.2 GB = 10.1 GB.
+    b1 = step_bytes(PRESETS["1.4b"], batch=1, context=160)
+    assert 10.0e9 < b1 < 10.3e9
+    # K/V grows with batch x context x loops: 64 rows x 160 tokens x 96 planes x 8 KiB.
+    b64 = step_bytes(PRESETS["1.4b"], batch=64, context=160)
+    assert b64 - b1 == pytest.approx(63 * 160 * 96 * 2 * 16 * 128 * 2, rel=1e-6)
