@@ -89,6 +89,23 @@ def make_engine(args):
     return Ouro(cfg, params, None, **kw)
 
 
+def add_model_args(ap, attention: str = "xla") -> None:
+    """The model options the profiling scripts share (synthetic 1.4B by default)."""
+    ap.add_argument("--synthetic", default="1.4b")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--attention", default=attention)
+
+
+def engine_for(args, new_tokens: int, unroll_loops: bool = False):
+    """make_engine for add_model_args' options, with the protocol's synthetic recipe."""
+    ns = argparse.Namespace(model=args.model, synthetic=args.synthetic, dtype=args.dtype,
+                            attention=args.attention, page_size=16, new_tokens=new_tokens,
+                            seed=0, branch_scale=0.003, norm_jitter=0.0, no_fuse=False,
+                            unroll_loops=unroll_loops)
+    return make_engine(ns)
+
+
 def run_config(llm, batch, k, temp, args):
     from ouro_jax.sampling import SamplingParams
     from ouro_jax.speculative import SpeculativeConfig

@@ -113,13 +113,10 @@ def trace_generate(llm, batch, k, args) -> dict:
 
 
 def main(argv=None) -> int:
-    from benchmarks.decode import make_engine, save_record
+    from benchmarks.decode import add_model_args, engine_for, save_record
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernel_trace", description=__doc__)
-    ap.add_argument("--synthetic", default="1.4b")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--attention", default="xla")
+    add_model_args(ap)
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--k", default="0,4", help="0 = native; >0 = speculative with d=2")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -128,11 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    ns = argparse.Namespace(model=args.model, synthetic=args.synthetic, dtype=args.dtype,
-                            attention=args.attention, page_size=16, new_tokens=args.new_tokens,
-                            seed=0, branch_scale=0.003, norm_jitter=0.0, no_fuse=False,
-                            unroll_loops=args.unroll_loops)
-    llm = make_engine(ns)
+    llm = engine_for(args, args.new_tokens, args.unroll_loops)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
         for k in [int(x) for x in args.k.split(",")]:

@@ -101,13 +101,10 @@ def profile(llm, batch, k, d, prompt_len, iters):
 
 
 def main(argv=None) -> int:
-    from benchmarks.decode import make_engine, save_record
+    from benchmarks.decode import add_model_args, engine_for, save_record
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_round", description=__doc__)
-    ap.add_argument("--synthetic", default="1.4b")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--attention", default="xla")
+    add_model_args(ap)
     ap.add_argument("--batch", default="1,8,64")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-loops", type=int, default=2)
@@ -115,11 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    ns = argparse.Namespace(model=args.model, synthetic=args.synthetic, dtype=args.dtype,
-                            attention=args.attention, page_size=16, new_tokens=64, seed=0,
-                            branch_scale=0.003, norm_jitter=0.0, no_fuse=False,
-                            unroll_loops=False)
-    llm = make_engine(ns)
+    llm = engine_for(args, 64)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
         row = profile(llm, b, args.k, args.draft_loops, args.prompt_len, args.iters)
