@@ -23,7 +23,8 @@ import numpy as np
 from ouro_jax import engine
 from ouro_jax.attention import resolve_backend
 from ouro_jax.config import OuroConfig
-from ouro_jax.kv_cache import bucket_pages, init_planes, next_pow2, pages_needed
+from ouro_jax.kv_cache import (KVPoolExhausted, bucket_pages, init_planes, kv_bytes_per_token,
+                               next_pow2, pages_needed)
 from ouro_jax.model import ExitSpec
 from ouro_jax.params import OuroParams
 from ouro_jax.programs import ProgramCache
@@ -204,6 +205,27 @@ class Ouro:
         return run_batch(self, ids, params, stops, spec, speculative, on_chunk)
 
     # --- KV pool ----------------------------------------------------------------------------
+    def _check_pool_fits(self, num_pages: int) -> None:
+        """Raises KVPoolExhausted, keeping the current pool, when a pool of `num_pages` pages
+        cannot fit in the device memory the allocator may still hand out (devices that report
+        no limit, like the CPU, are not checked)."""
+        device = next(iter(self.params.embed_tokens.devices()))
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return
+        per_page = kv_bytes_per_token(self.cfg, self.params.dtype) * self.page_size
+        need = num_pages * per_page
+        held = 0 if self._planes is None else self._planes[0].shape[1] * per_page
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) + held
+        if need > free:
+            gb = 1e9
+            raise KVPoolExhausted(
+                f"the KV pool for this batch needs {need / gb:.1f} GB ({num_pages} pages of "
+                f"{self.page_size} tokens, {per_page / 1e6:.1f} MB each) but only "
+                f"{free / gb:.1f} GB of device memory is free (limit {stats['bytes_limit'] / gb:.1f}"
+                f" GB); use fewer or shorter requests, a smaller max_tokens, or let JAX use more "
+                f"of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75)")
+
     def pool_pages(self, pages_total: int) -> int:
         """Pool size for a batch needing `pages_total` pages: the fixed pool, or a bucket
         holding them plus the trash page."""
@@ -212,6 +234,7 @@ class Ouro:
     def planes_for(self, num_pages: int):
         """The KV planes, (re)allocated when the pool holds fewer than `num_pages` pages."""
         if self._planes is None or self._planes[0].shape[1] < num_pages:
+            self._check_pool_fits(num_pages)
             self._planes = None  # free the old pool before allocating the new one
             self._planes = init_planes(self.cfg, num_pages, self.page_size, self.params.dtype)
         return self._planes

@@ -223,3 +223,23 @@ def test_eos_lists_numpy_prompts_and_first_token_only_requests(tmp_path):
     one = fresh.generate([[7, 8]], SamplingParams(max_tokens=1))
     assert len(one.outputs[0].token_ids) == 1 and one.stats.host_fetches == 1
     assert fresh.programs.compiles == 2  # prefill chunk + first token; no decode program
+
+
+def test_pool_larger_than_device_memory_is_a_clear_error(monkeypatch):
+    """A pool the device cannot hold is refused before allocation, naming the sizes; the
+    current pool stays and the engine still works (memory_stats faked: the CPU reports none)."""
+    folder = tiny_checkpoint("tiny-gqa")
+    cfg, params = load(folder)
+    llm = Ouro(cfg, params, None, page_size=4)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    ok = llm.generate([[1, 2, 3]], sp).outputs[0]
+    pool = llm._planes
+    device = type(next(iter(llm.params.embed_tokens.devices())))
+    held = 2 * pool[0].nbytes
+    # Free besides the current pool: the size of that pool plus 1 KB.
+    monkeypatch.setattr(device, "memory_stats", lambda self: {
+        "bytes_limit": 10 * held, "bytes_in_use": 9 * held - 1000}, raising=False)
+    with pytest.raises(KVPoolExhausted, match=r"needs .* GB .* only .* GB of device memory is free"):
+        llm.generate([[1] * 60] * 8, SamplingParams(max_tokens=60))
+    assert llm._planes is pool
+    assert llm.generate([[1, 2, 3]], sp).outputs[0].token_ids == ok.token_ids
