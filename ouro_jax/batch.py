@@ -59,12 +59,28 @@ def admit(llm, ids, params, stops, room):
     return planes, bt, state
 
 
+# The xla attention path materialises fp32 scores [rows, heads, chunk, keys] for each prefill
+# chunk; at 64 rows x 2k keys a 256-token chunk needs 2.2 GB per buffer. Its chunk is halved
+# until one such buffer fits in this budget (the Pallas kernels keep scores on chip).
+XLA_PREFILL_SCORES_BYTES = 512 << 20
+
+
+def prefill_chunk_len(llm, rows: int, longest: int, kv_tokens: int) -> int:
+    """Prompt tokens per row per prefill program: a power of two >= 16."""
+    chunk = min(next_pow2(longest, 16), llm.prefill_chunk)
+    if llm.backend.startswith("xla"):
+        while chunk > 16 and rows * llm.cfg.num_attention_heads * chunk * kv_tokens * 4 \
+                > XLA_PREFILL_SCORES_BYTES:
+            chunk //= 2
+    return chunk
+
+
 def prefill(llm, planes, bt, state, ids, spec, mode, want_lp):
     """Runs all prompt chunks and picks each request's first token (kept on the device)."""
     cfg, progs = llm.cfg, llm.programs
     bp = state.tokens.shape[0]
     longest = max(len(p) for p in ids)
-    chunk = min(next_pow2(longest, 16), llm.prefill_chunk)
+    chunk = prefill_chunk_len(llm, bp, longest, bt.shape[1] * llm.page_size)
     padded = chunk * math.ceil(longest / chunk)
     arr = np.zeros((bp, padded), np.int32)
     for i, p in enumerate(ids):

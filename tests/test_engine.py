@@ -243,3 +243,22 @@ def test_pool_larger_than_device_memory_is_a_clear_error(monkeypatch):
         llm.generate([[1] * 60] * 8, SamplingParams(max_tokens=60))
     assert llm._planes is pool
     assert llm.generate([[1, 2, 3]], sp).outputs[0].token_ids == ok.token_ids
+
+
+def test_xla_prefill_chunk_keeps_scores_within_budget():
+    """The xla path shrinks its prefill chunk for large rows x keys (64 x 2k at the 1.4B shape
+    would need 2.2 GB of fp32 scores per buffer at 256 tokens); Pallas keeps the chunk."""
+    from ouro_jax.batch import XLA_PREFILL_SCORES_BYTES, prefill_chunk_len
+    from ouro_jax.config import PRESETS
+
+    class Fake:
+        cfg, prefill_chunk, page_size = PRESETS["1.4b"], 256, 16
+
+    llm = Fake()
+    llm.backend = "xla"
+    chunk = prefill_chunk_len(llm, 64, 2048, 2096)
+    assert chunk == 32 and 64 * 16 * chunk * 2096 * 4 <= XLA_PREFILL_SCORES_BYTES
+    assert prefill_chunk_len(llm, 1, 100, 128) == 128  # small problems: next pow2 of the prompt
+    assert prefill_chunk_len(llm, 1024, 8192, 1 << 20) == 16  # never below 16
+    llm.backend = "pallas"
+    assert prefill_chunk_len(llm, 64, 2048, 2096) == 256
