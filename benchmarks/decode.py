@@ -14,6 +14,7 @@ once per loop, the LM head, and every loop's K/V) and the copy bandwidth measure
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -52,11 +53,34 @@ def step_bytes(cfg, batch: int, context: float, dtype_bytes: int = 2) -> float:
 
 
 def git_commit() -> str:
+    """HEAD, with "+dirty" when tracked files differ from it (a device copy of a working tree
+    can sit on an older HEAD than the code it runs; source_digest pins the code itself)."""
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+        head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"],
+                               stderr=subprocess.DEVNULL).returncode != 0
+        return head + ("+dirty" if dirty else "")
     except Exception:
         return "unknown"
+
+
+CODE_DIRS = ("ouro_jax", "pallas_kernels", "benchmarks")
+
+
+def source_digest() -> str:
+    """sha256 (first 16 hex digits) over the Python sources that produce a result, by path
+    and content: equal digests mean the same code, whatever git says."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for d in CODE_DIRS:
+        for dirpath, _, files in sorted(os.walk(os.path.join(root, d))):
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def save_record(module: str, argv, out, **fields) -> dict:
@@ -65,6 +89,7 @@ def save_record(module: str, argv, out, **fields) -> dict:
     record = dict(command=f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
                   device=jax.devices()[0].device_kind, platform=platform.platform(),
                   jax_version=jax.__version__, git_commit=git_commit(),
+                  source_sha256=source_digest(),
                   xla_flags=os.environ.get("XLA_FLAGS", ""), **fields)
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -36,3 +36,17 @@ def test_step_bytes_matches_the_published_roofline():
     # K/V grows with batch x context x loops: 64 rows x 160 tokens x 96 planes x 8 KiB.
     b64 = step_bytes(PRESETS["1.4b"], batch=64, context=160)
     assert b64 - b1 == pytest.approx(63 * 160 * 96 * 2 * 16 * 128 * 2, rel=1e-6)
+
+
+def test_result_record_pins_the_code(tmp_path):
+    """Every result names its code twice: git HEAD (+dirty) and a digest of the sources."""
+    import json
+
+    from benchmarks.decode import save_record, source_digest
+
+    rec = save_record("benchmarks.x", ["--a", "1"], str(tmp_path / "r.json"), rows=[1])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved == rec and rec["command"] == "python -m benchmarks.x --a 1"
+    assert rec["source_sha256"] == source_digest() and len(rec["source_sha256"]) == 16
+    assert int(rec["source_sha256"], 16) >= 0
+    assert rec["git_commit"] == "unknown" or len(rec["git_commit"].split("+")[0]) == 40
