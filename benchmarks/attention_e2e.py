@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--branch-scale", type=float, default=0.003)
     ap.add_argument("--prefill-chunk", type=int, default=64,
                     help="prompt tokens per row per prefill step: the xla path's scores for "
-                         "64 rows x 256 tokens x 2k keys need ~2.5 GB per buffer beside a "
+                         "64 rows x 256 tokens x 2k keys need 2.2 GB per buffer beside a "
                          "105 GB KV pool (out of memory on the H200)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

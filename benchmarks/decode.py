@@ -52,26 +52,29 @@ def step_bytes(cfg, batch: int, context: float, dtype_bytes: int = 2) -> float:
     return weights + head + kv
 
 
+CODE_DIRS = ("ouro_jax", "pallas_kernels", "convert", "benchmarks")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def git_commit() -> str:
-    """HEAD, with "+dirty" when tracked files differ from it (a device copy of a working tree
-    can sit on an older HEAD than the code it runs; source_digest pins the code itself)."""
+    """HEAD of this repository, with "+dirty" when the tracked code (CODE_DIRS, not result
+    files) differs from it: a device copy of a working tree can sit on an older HEAD than the
+    code it runs; source_digest pins the code itself."""
     try:
-        head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+        head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=REPO_ROOT,
                                        stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"],
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *CODE_DIRS[:-1],
+                                "benchmarks/*.py"], cwd=REPO_ROOT,
                                stderr=subprocess.DEVNULL).returncode != 0
         return head + ("+dirty" if dirty else "")
     except Exception:
         return "unknown"
 
 
-CODE_DIRS = ("ouro_jax", "pallas_kernels", "benchmarks")
-
-
 def source_digest() -> str:
     """sha256 (first 16 hex digits) over the Python sources that produce a result, by path
     and content: equal digests mean the same code, whatever git says."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO_ROOT
     h = hashlib.sha256()
     for d in CODE_DIRS:
         for dirpath, _, files in sorted(os.walk(os.path.join(root, d))):

@@ -5,9 +5,10 @@
 Each configuration is warmed up (compiles excluded), then one `generate` call runs under
 `jax.profiler.trace`. The device events of the trace are read back with
 `jax.profiler.ProfileData` (no TensorBoard needed) and summarised:
-- kernels launched per decode step (or per speculative round) and their summed time;
-- the GPU's busy time (union of kernel intervals) against the wall time of the decode span,
-  which separates "kernels are slow" from "the GPU waits for launches";
+- kernels launched per decode step (or per speculative round) and their summed time, counted
+  over the whole call (the prefill's kernels and memcpys are included, spread over the units);
+- the GPU's busy time (union of kernel intervals) against the span of the call's device
+  events, which separates "kernels are slow" from "the GPU waits for launches";
 - the top kernels by total time, grouped by name, with bytes/s where a GEMM's name says
   nothing about size (we only report time and counts; no hardware counters on this machine).
 """
@@ -72,7 +73,8 @@ def summarize(events, units: int, top: int = 25) -> dict:
         by_name[name][0] += 1
         by_name[name][1] += d
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-    kernel_ns = sum(d for _, _, d in events)
+    kernel_ns = max(sum(d for _, _, d in events), 1e-9)
+    span = max(end - start, 1e-9)
     return {
         "units": units,
         "kernels": len(events),
@@ -80,7 +82,7 @@ def summarize(events, units: int, top: int = 25) -> dict:
         "span_ms": (end - start) / 1e6,
         "busy_ms": busy_ns(events) / 1e6,
         "kernel_sum_ms": kernel_ns / 1e6,
-        "busy_fraction": busy_ns(events) / (end - start),
+        "busy_fraction": busy_ns(events) / span,
         "per_unit_span_us": (end - start) / units / 1e3,
         "per_unit_busy_us": busy_ns(events) / units / 1e3,
         "top": [{"name": n[:160], "count": c, "per_unit": c / units, "total_ms": t / 1e6,
@@ -104,7 +106,9 @@ def trace_generate(llm, batch, k, args) -> dict:
         files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
         lines: list = []
         events = device_events(files[0], lines) if files else []
-    units = res.stats.spec["rounds"] if k else args.new_tokens - 1
+    # Rounds the device ran: every row rounds in lockstep until the last is done, so the
+    # longest row's count (stats.spec["rounds"] sums over rows).
+    units = max(o.spec["rounds"] for o in res.outputs) if k else args.new_tokens - 1
     row = {"batch": batch, "k": k, "unit": "round" if k else "decode step",
            "decode_tok_s": res.stats.decode_tok_s}
     row.update(summarize(events, max(1, units)))

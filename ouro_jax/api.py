@@ -210,7 +210,10 @@ class Ouro:
         cannot fit in the device memory the allocator may still hand out (devices that report
         no limit, like the CPU, are not checked)."""
         device = next(iter(self.params.embed_tokens.devices()))
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        try:
+            stats = device.memory_stats()
+        except Exception:  # some PJRT plugins do not implement it
+            stats = None
         if not stats or "bytes_limit" not in stats:
             return
         per_page = kv_bytes_per_token(self.cfg, self.params.dtype) * self.page_size

@@ -66,7 +66,8 @@ XLA_PREFILL_SCORES_BYTES = 512 << 20
 
 
 def prefill_chunk_len(llm, rows: int, longest: int, kv_tokens: int) -> int:
-    """Prompt tokens per row per prefill program: a power of two >= 16."""
+    """Prompt tokens per row per prefill program: a power of two, at least 16 unless the
+    engine's prefill_chunk is smaller."""
     chunk = min(next_pow2(longest, 16), llm.prefill_chunk)
     if llm.backend.startswith("xla"):
         while chunk > 16 and rows * llm.cfg.num_attention_heads * chunk * kv_tokens * 4 \

@@ -243,6 +243,21 @@ def test_pool_larger_than_device_memory_is_a_clear_error(monkeypatch):
         llm.generate([[1] * 60] * 8, SamplingParams(max_tokens=60))
     assert llm._planes is pool
     assert llm.generate([[1, 2, 3]], sp).outputs[0].token_ids == ok.token_ids
+    # The boundary: free = limit - in_use + the current pool (freed before reallocating).
+    from ouro_jax.kv_cache import kv_bytes_per_token
+
+    per_page = kv_bytes_per_token(cfg, llm.params.dtype) * llm.page_size
+    need = 3 * pool[0].shape[1] * per_page  # a pool three times the current one
+    for in_use, fits in [(held + 10**9 - need, True), (held + 10**9 - need + 1, False)]:
+        monkeypatch.setattr(device, "memory_stats", lambda self, u=in_use: {
+            "bytes_limit": 10**9, "bytes_in_use": u}, raising=False)
+        if fits:
+            llm._check_pool_fits(3 * pool[0].shape[1])
+        else:
+            with pytest.raises(KVPoolExhausted):
+                llm._check_pool_fits(3 * pool[0].shape[1])
+    monkeypatch.setattr(device, "memory_stats", lambda self: None, raising=False)
+    llm._check_pool_fits(10**9)  # no statistics (the CPU): not checked
 
 
 def test_xla_prefill_chunk_keeps_scores_within_budget():
