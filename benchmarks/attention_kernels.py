@@ -30,21 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import median_time
 from pallas_kernels import (paged_decode_attention, paged_decode_attention_reference,
                             ragged_paged_attention, ragged_paged_attention_reference)
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 16, 128, jnp.bfloat16
 L2_DEFEAT_BYTES = 256 << 20  # K/V touched across the R unrolled calls: >> the 50 MB L2
-
-
-def median_time(fn, *args, runs=11):
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def _rate(f, x, nbytes, reps=20):

@@ -13,23 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
-import time
 
 import jax
 import numpy as np
 
-
-def _time(fn, *args, iters=20):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+from benchmarks.timing import median_time
 
 
 def kernel_counts(compiled_text: str) -> dict:
@@ -80,15 +69,15 @@ def profile(llm, batch, k, d, prompt_len, iters):
     accept = jax.jit(accept_commit)
     rnd = jax.jit(lambda p, pl, st, c: sm.spec_round(p, pl, bt, st, c, sc=sc, **kw))
     parts = {
-        "native_step": (_time(native, p, planes, state, iters=iters),
+        "native_step": (median_time(native, p, planes, state, runs=iters),
                         native.lower(p, planes, state).compile().as_text()),
-        "draft": (_time(draft, p, planes, state, iters=iters),
+        "draft": (median_time(draft, p, planes, state, runs=iters),
                   draft.lower(p, planes, state).compile().as_text()),
-        "verify": (_time(verify, p, pl2, state, hs, gs, iters=iters),
+        "verify": (median_time(verify, p, pl2, state, hs, gs, runs=iters),
                    verify.lower(p, pl2, state, hs, gs).compile().as_text()),
-        "accept_commit": (_time(accept, logits, cands, qlp, state, ctr, steps, iters=iters),
+        "accept_commit": (median_time(accept, logits, cands, qlp, state, ctr, steps, runs=iters),
                           accept.lower(logits, cands, qlp, state, ctr, steps).compile().as_text()),
-        "round": (_time(rnd, p, planes, state, ctr, iters=iters),
+        "round": (median_time(rnd, p, planes, state, ctr, runs=iters),
                   rnd.lower(p, planes, state, ctr).compile().as_text()),
     }
     row = {"batch": batch, "k": k, "draft_loops": d, "prompt_len": prompt_len}

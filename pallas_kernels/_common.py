@@ -79,6 +79,28 @@ QK = ((1,), (1,))  # [M, d] x [T, d] -> [M, T]
 PV = ((1,), (0,))  # [M, T] x [T, d] -> [M, d]
 
 
+def flash_tile(qt, n_blocks, block, scale: float):
+    """Online-softmax attention of a query tile qt [M, hd] over key blocks 0..n_blocks-1 on
+    the tensor cores. block(i) -> (k [T, hd], v [T, hd], mask()), where mask() gives the
+    validity mask broadcastable to [M, T]; it is called after the score dot, the order the
+    kernels had when they were measured on the H200. Returns the normalised output [M, hd]
+    (fp32) and its log-sum-exp [M] (see finish)."""
+    rows, hd = qt.shape
+
+    def body(i, carry):
+        m, l, acc = carry
+        k, v, mask = block(i)
+        sc = dot(qt.astype(k.dtype), k, QK) * scale
+        m, alpha, p, l = online_softmax_step(m, l, sc, mask())
+        pv = dot(p.astype(v.dtype), v, PV)
+        return m, l, acc * alpha[:, None] + pv
+
+    init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, hd), jnp.float32))
+    m, l, acc = lax.fori_loop(0, n_blocks, body, init)
+    return finish(acc, m, l)
+
+
 def finish(acc, m, l):
     """Normalised partial output and its log-sum-exp (NEG_INF where the split saw no key)."""
     o = acc / _col(jnp.where(l > 0, l, 1.0))
@@ -97,5 +119,27 @@ def combine_splits(o, lse, axis: int):
     return num / den[..., None]
 
 
+def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int, hd: int,
+                        name: str, num_warps: int, num_stages: int, interpret: bool):
+    """pallas_call over grid (rows, KVH, splits) whose kernel writes a normalised partial
+    output [.., m, hd] and its log-sum-exp per (row, KV head, split); returns a function of
+    the kernel's inputs giving the merged [rows, KVH, m, hd] fp32 output."""
+    call = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((rows, kvh, num_splits, m, hd), jnp.float32),
+                   jax.ShapeDtypeStruct((rows, kvh, num_splits, m), jnp.float32)),
+        grid=(rows, kvh, num_splits),
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name=name,
+    )
+
+    def run(*args):
+        o, lse = call(*args)
+        return combine_splits(o, lse, axis=2)
+    return run
+
+
 __all__ = ["pl", "plt", "NEG_INF", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
-           "split_range", "load_kv_block", "dot", "QK", "PV", "online_softmax_step", "finish", "combine_splits"]
+           "split_range", "load_kv_block", "dot", "QK", "PV", "online_softmax_step", "finish", "combine_splits", "split_partials_call",
+           "flash_tile"]

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (NEG_INF, PV, QK, choose_num_splits, combine_splits,
-                                    compiler_params, dot, finish, load_kv_block, next_pow2,
-                                    online_softmax_step, pl, split_range)
+from pallas_kernels._common import (NEG_INF, choose_num_splits, finish, flash_tile,
+                                    load_kv_block, next_pow2, online_softmax_step, pl,
+                                    split_partials_call, split_range)
 
 
 
@@ -53,36 +52,38 @@ def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_
         heads = kvh * group + jnp.minimum(lax.iota(jnp.int32, group_pad), group - 1)
         qt = q_ref[b, heads, :]  # [Gp, hd]
 
-        def body(i, carry):
-            m, l, acc = carry
+        def block(i):
             mask, k, v = kv_block(i)
-            sc = dot(qt.astype(k.dtype), k, QK) * scale
-            m, alpha, p, l = online_softmax_step(m, l, sc, mask[None, :])
-            pv = dot(p.astype(v.dtype), v, PV)
-            return m, l, acc * alpha[:, None] + pv
+            return k, v, lambda: mask[None, :]
 
-        init = (jnp.full((group_pad,), NEG_INF, jnp.float32), jnp.zeros((group_pad,), jnp.float32),
-                jnp.zeros((group_pad, hd), jnp.float32))
-        m, l, acc = lax.fori_loop(0, n_blocks, body, init)
-        o, lse = finish(acc, m, l)
+        o, lse = flash_tile(qt, n_blocks, block, scale)
         o_ref[b, kvh, sp, :, :] = o
         lse_ref[b, kvh, sp, :] = lse
         return
 
     qs = [q_ref[b, kvh * group + g, :].astype(jnp.float32) * scale for g in range(group)]
 
+    def block_f32(i):
+        """Validity mask and the K, V tiles of key block i in fp32."""
+        mask, k, v = kv_block(i)
+        return mask, k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def scores(k, g):
+        return jnp.sum(k * qs[g][None, :], axis=1)  # [T]
+
+    def store(g, o, lse):
+        o_ref[b, kvh, sp, g, :] = o
+        lse_ref[b, kvh, sp, g] = lse
+
     if rowwise:
         # Per-row online softmax: token slot j of the tile keeps its own (m, l, acc[hd]) across
         # iterations, so the loop body has no cross-thread reduction except the q.k dot over hd
         # (inside a warp); the block_t partial states are merged once after the loop.
         def body(i, carry):
-            mask, k, v = kv_block(i)
-            k = k.astype(jnp.float32)
-            v = v.astype(jnp.float32)
+            mask, k, v = block_f32(i)
             out = []
-            for g in range(group):
-                m, l, acc = carry[g]
-                sc = jnp.sum(k * qs[g][None, :], axis=1)  # [T]
+            for g, (m, l, acc) in enumerate(carry):
+                sc = scores(k, g)
                 m_new = jnp.where(mask, jnp.maximum(m, sc), m)
                 alpha = jnp.exp(m - m_new)
                 p = jnp.where(mask, jnp.exp(sc - m_new), 0.0)
@@ -92,36 +93,25 @@ def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_
         init = tuple((jnp.full((block_t,), NEG_INF, jnp.float32), jnp.zeros((block_t,), jnp.float32),
                       jnp.zeros((block_t, hd), jnp.float32)) for _ in range(group))
         carry = lax.fori_loop(0, n_blocks, body, init)
-        for g in range(group):
-            m_rows, l_rows, acc_rows = carry[g]
+        for g, (m_rows, l_rows, acc_rows) in enumerate(carry):
             m = jnp.max(m_rows)
             w = jnp.exp(m_rows - m)
-            o, lse = finish(jnp.sum(acc_rows * w[:, None], axis=0), m, jnp.sum(l_rows * w))
-            o_ref[b, kvh, sp, g, :] = o
-            lse_ref[b, kvh, sp, g] = lse
+            store(g, *finish(jnp.sum(acc_rows * w[:, None], axis=0), m, jnp.sum(l_rows * w)))
         return
 
     def body(i, carry):
-        mask, k, v = kv_block(i)
-        k = k.astype(jnp.float32)
-        v = v.astype(jnp.float32)
+        mask, k, v = block_f32(i)
         out = []
-        for g in range(group):
-            m, l, acc = carry[g]
-            sc = jnp.sum(k * qs[g][None, :], axis=1)  # [T]
-            m, alpha, p, l = online_softmax_step(m, l, sc, mask)
-            acc = acc * alpha + jnp.sum(p[:, None] * v, axis=0)
-            out.append((m, l, acc))
+        for g, (m, l, acc) in enumerate(carry):
+            m, alpha, p, l = online_softmax_step(m, l, scores(k, g), mask)
+            out.append((m, l, acc * alpha + jnp.sum(p[:, None] * v, axis=0)))
         return tuple(out)
 
     init = tuple((jnp.full((), NEG_INF, jnp.float32), jnp.zeros((), jnp.float32),
                   jnp.zeros((hd,), jnp.float32)) for _ in range(group))
     carry = lax.fori_loop(0, n_blocks, body, init)
-    for g in range(group):
-        m, l, acc = carry[g]
-        o, lse = finish(acc, m, l)
-        o_ref[b, kvh, sp, g, :] = o
-        lse_ref[b, kvh, sp, g] = lse
+    for g, (m, l, acc) in enumerate(carry):
+        store(g, *finish(acc, m, l))
 
 
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
@@ -154,15 +144,9 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
     kernel = functools.partial(
         _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,
         block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise)
-    o, lse = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((bsz, kvh, num_splits, group_pad, hd), jnp.float32),
-                   jax.ShapeDtypeStruct((bsz, kvh, num_splits, group_pad), jnp.float32)),
-        grid=(bsz, kvh, num_splits),
-        compiler_params=compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="paged_decode_attention",
-    )(jnp.reshape(jnp.asarray(entry, jnp.int32), (1,)), block_tables.astype(jnp.int32),
-      kv_lens.astype(jnp.int32), q, k_cache, v_cache)
-    out = combine_splits(o, lse, axis=2)[:, :, :group]  # [B, KVH, G, hd]
+    call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=group_pad,
+                               hd=hd, name="paged_decode_attention", num_warps=num_warps,
+                               num_stages=num_stages, interpret=interpret)
+    out = call(jnp.reshape(jnp.asarray(entry, jnp.int32), (1,)), block_tables.astype(jnp.int32),
+               kv_lens.astype(jnp.int32), q, k_cache, v_cache)[:, :, :group]  # [B, KVH, G, hd]
     return out.reshape(bsz, h, hd).astype(q.dtype)

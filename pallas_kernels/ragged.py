@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (NEG_INF, PV, QK, cdiv, choose_num_splits, combine_splits,
-                                    compiler_params, dot, finish, load_kv_block, next_pow2,
-                                    online_softmax_step, pl, split_range)
+from pallas_kernels._common import (cdiv, choose_num_splits, flash_tile, load_kv_block,
+                                    next_pow2, pl, split_partials_call, split_range)
 from pallas_kernels.reference import ragged_rows
 
 _NO_TILE = 1 << 30
@@ -59,21 +57,12 @@ def _ragged_kernel(entry_ref, bt_ref, lens_ref, cu_ref, tseq_ref, tq0_ref, q_ref
     start, end, n_blocks = split_range(kv_end, sp, num_splits, block_t)
     offs = lax.iota(jnp.int32, block_t)
 
-    def body(i, carry):
-        m, l, acc = carry
+    def block(i):
         t = start + i * block_t + offs
         k, v = load_kv_block(k_ref, v_ref, bt_ref, entry, b, kvh, t, end - 1, page_size)
-        sc = dot(qt.astype(k.dtype), k, QK) * scale  # [M, T]
-        mask = (t[None, :] <= pos[:, None]) & (t[None, :] < end)
-        m, alpha, p, l = online_softmax_step(m, l, sc, mask)
-        pv = dot(p.astype(v.dtype), v, PV)
-        return m, l, acc * alpha[:, None] + pv
+        return k, v, lambda: (t[None, :] <= pos[:, None]) & (t[None, :] < end)  # mask [M, T]
 
-    mdim = block_q * group_pad
-    init = (jnp.full((mdim,), NEG_INF, jnp.float32), jnp.zeros((mdim,), jnp.float32),
-            jnp.zeros((mdim, hd), jnp.float32))
-    m, l, acc = lax.fori_loop(0, n_blocks, body, init)
-    o, lse = finish(acc, m, l)
+    o, lse = flash_tile(qt, n_blocks, block, scale)
     o_ref[j, kvh, sp, :, :] = o
     lse_ref[j, kvh, sp, :] = lse
 
@@ -131,17 +120,11 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
     kernel = functools.partial(
         _ragged_kernel, group=group, group_pad=group_pad, block_q=block_q, page_size=page_size,
         block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5)
-    o, lse = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((num_tiles, kvh, num_splits, mdim, hd), jnp.float32),
-                   jax.ShapeDtypeStruct((num_tiles, kvh, num_splits, mdim), jnp.float32)),
-        grid=(num_tiles, kvh, num_splits),
-        compiler_params=compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="ragged_paged_attention",
-    )(jnp.reshape(jnp.asarray(entry, jnp.int32), (1,)), block_tables.astype(jnp.int32),
-      kv_lens.astype(jnp.int32), cu, tseq, tq0, q, k_cache, v_cache)
-    o = combine_splits(o, lse, axis=2)  # [tiles, KVH, M, hd]
+    call = split_partials_call(kernel, rows=num_tiles, kvh=kvh, num_splits=num_splits, m=mdim,
+                               hd=hd, name="ragged_paged_attention", num_warps=num_warps,
+                               num_stages=num_stages, interpret=interpret)
+    o = call(jnp.reshape(jnp.asarray(entry, jnp.int32), (1,)), block_tables.astype(jnp.int32),
+             kv_lens.astype(jnp.int32), cu, tseq, tq0, q, k_cache, v_cache)  # [tiles, KVH, M, hd]
     o = o.reshape(num_tiles, kvh, block_q, group_pad, hd)
 
     b, i, valid = ragged_rows(cu, n_rows)
