@@ -186,6 +186,34 @@ DECODE_SWEEP = [
     ("[splits x2]", None),  # filled per point: twice the default split count
 ]
 RAGGED_SWEEP = [("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages=3))]
+# Short contexts at large batch (the protocol's 128-token prompts): many programs of few key
+# blocks each, where per-program overheads and wave quantisation matter more than pipelining.
+SHORT_DECODE_SWEEP = [
+    ("[padded out]", dict(padded_out=True)),
+    ("[bt32]", dict(block_t=32)), ("[bt128]", dict(block_t=128)),
+    ("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages=3)),
+    ("[warps2]", dict(num_warps=2)), ("[warps8]", dict(num_warps=8)),
+    ("[bt32,warps2]", dict(block_t=32, num_warps=2)),
+    ("[splits2]", dict(num_splits=2)), ("[splits4]", dict(num_splits=4)),
+    ("[cuda-core]", dict(use_dot=False)),
+]
+SHORT_RAGGED_SWEEP = [
+    ("[bt32]", dict(block_t=32)), ("[bt128]", dict(block_t=128)),
+    ("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages=3)),
+    ("[warps2]", dict(num_warps=2)), ("[splits2]", dict(num_splits=2)),
+    ("[bq8]", dict(block_q=8)),
+]
+
+
+def parse_points(spec: str):
+    """'decode:64:160,verify:64:160' -> [('decode', 64, 160), ('verify', 64, 160)]."""
+    out = []
+    for item in spec.split(","):
+        kind, b, c = item.split(":")
+        if kind not in ("decode", "verify"):
+            raise SystemExit(f"--points: kind must be decode or verify, got {kind!r}")
+        out.append((kind, int(b), int(c)))
+    return out
 
 
 def main():
@@ -198,6 +226,9 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="skip the verification table")
     ap.add_argument("--quick-sweep", action="store_true",
                     help="sweep 3 decode variants at 64x8k and 1x8k only, no ragged sweep")
+    ap.add_argument("--points", default=None,
+                    help="only these points, e.g. decode:64:160,verify:64:160, each with the "
+                         "short-context tuning variants (SHORT_*_SWEEP)")
     args = ap.parse_args()
     global HEADS, KV_HEADS, HEAD_DIM
     if args.smoke:
@@ -226,6 +257,14 @@ def main():
     print(f"jax {jax.__version__}  device {jax.devices()[0].device_kind}  "
           f"copy {copy_bw / 1e9:.0f} GB/s {[f'{k} {v / 1e9:.0f}' for k, v in bw_detail.items()]}  "
           f"page_size {args.page_size}", flush=True)
+    if args.points:
+        for kind, b, c in parse_points(args.points):
+            variants = [("", {})] + (SHORT_DECODE_SWEEP if kind == "decode" else SHORT_RAGGED_SWEEP)
+            sweep += bench_point(kind, b, c, args.page_size, copy_bw, args.smoke, variants)
+            print(fmt_table(sweep[-len(variants) - 1:], copy_bw), flush=True)
+            save()
+        print(f"wrote {args.out}")
+        return
     for b in batches:
         for c in contexts:
             rows += bench_point("decode", b, c, args.page_size, copy_bw, args.smoke, [("", {})])

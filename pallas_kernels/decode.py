@@ -57,8 +57,15 @@ def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_
             return k, v, lambda: mask[None, :]
 
         o, lse = flash_tile(qt, n_blocks, block, scale)
-        o_ref[b, kvh, sp, :, :] = o
-        lse_ref[b, kvh, sp, :] = lse
+        if group_pad == o_ref.shape[3]:
+            o_ref[b, kvh, sp, :, :] = o
+            lse_ref[b, kvh, sp, :] = lse
+        else:
+            # Only the `group` real rows go out (1 of 16 for MHA): padded rows repeat head
+            # group-1, so storing every row at min(row, group-1) writes identical values.
+            rows = jnp.minimum(lax.iota(jnp.int32, group_pad), group - 1)
+            o_ref[b, kvh, sp, rows, :] = o
+            lse_ref[b, kvh, sp, rows] = lse
         return
 
     qs = [q_ref[b, kvh * group + g, :].astype(jnp.float32) * scale for g in range(group)]
@@ -117,7 +124,7 @@ def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
                            interpret: bool = False, block_t=None, num_splits=None,
                            num_warps: int = 4, num_stages: int = 2, use_dot: bool = True,
-                           rowwise: bool = False):
+                           rowwise: bool = False, padded_out: bool = False):
     """Decode attention over a paged KV cache.
 
     q [B, H, hd]; k_cache/v_cache [E, P, page_size, KVH, hd]; entry int32 scalar (plane);
@@ -126,7 +133,8 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
 
     Tuning: block_t keys per inner step (power of 2), num_splits flash-decoding splits per
     sequence (default: enough programs to fill the GPU), num_warps / num_stages (Triton),
-    use_dot (tensor-core path, default) and rowwise (see module doc).
+    use_dot (tensor-core path, default) and rowwise (see module doc). padded_out writes all
+    max(16, group) rows of the tensor-core tile (the layout measured in session 2; for A/B).
     """
     bsz, h, hd = q.shape
     _, _, page_size, kvh, hd_c = k_cache.shape
@@ -144,7 +152,8 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
     kernel = functools.partial(
         _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,
         block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise)
-    call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=group_pad,
+    m_out = group_pad if (padded_out or not use_dot) else group
+    call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=m_out,
                                hd=hd, name="paged_decode_attention", num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret)
     out = call(jnp.reshape(jnp.asarray(entry, jnp.int32), (1,)), block_tables.astype(jnp.int32),
