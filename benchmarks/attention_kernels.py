@@ -204,6 +204,25 @@ SHORT_RAGGED_SWEEP = [
     ("[bq8]", dict(block_q=8)),
 ]
 
+# Second round: combinations of the short-context winners, also at longer contexts so a new
+# default can be checked for regressions there.
+COMBO_DECODE_SWEEP = [
+    ("[bt32,warps2]", dict(block_t=32, num_warps=2)),
+    ("[bt32,warps2,stages3]", dict(block_t=32, num_warps=2, num_stages=3)),
+    ("[bt32,warps2,splits2]", dict(block_t=32, num_warps=2, num_splits=2)),
+    ("[warps2,splits2]", dict(num_warps=2, num_splits=2)),
+    ("[warps2,splits4]", dict(num_warps=2, num_splits=4)),
+    ("[bt32,splits2]", dict(block_t=32, num_splits=2)),
+    ("[warps2]", dict(num_warps=2)),
+]
+COMBO_RAGGED_SWEEP = [
+    ("[warps2]", dict(num_warps=2)), ("[warps2,bt32]", dict(num_warps=2, block_t=32)),
+    ("[warps2,stages1]", dict(num_warps=2, num_stages=1)), ("[bt128]", dict(block_t=128)),
+    ("[warps2,splits2]", dict(num_warps=2, num_splits=2)),
+]
+VARIANT_SETS = {"short": (SHORT_DECODE_SWEEP, SHORT_RAGGED_SWEEP),
+                "combo": (COMBO_DECODE_SWEEP, COMBO_RAGGED_SWEEP)}
+
 
 def parse_points(spec: str):
     """'decode:64:160,verify:64:160' -> [('decode', 64, 160), ('verify', 64, 160)]."""
@@ -228,7 +247,8 @@ def main():
                     help="sweep 3 decode variants at 64x8k and 1x8k only, no ragged sweep")
     ap.add_argument("--points", default=None,
                     help="only these points, e.g. decode:64:160,verify:64:160, each with the "
-                         "short-context tuning variants (SHORT_*_SWEEP)")
+                         "tuning variants of --variant-set")
+    ap.add_argument("--variant-set", default="short", choices=sorted(VARIANT_SETS))
     args = ap.parse_args()
     global HEADS, KV_HEADS, HEAD_DIM
     if args.smoke:
@@ -259,7 +279,8 @@ def main():
           f"page_size {args.page_size}", flush=True)
     if args.points:
         for kind, b, c in parse_points(args.points):
-            variants = [("", {})] + (SHORT_DECODE_SWEEP if kind == "decode" else SHORT_RAGGED_SWEEP)
+            dec, rag = VARIANT_SETS[args.variant_set]
+            variants = [("", {})] + (dec if kind == "decode" else rag)
             sweep += bench_point(kind, b, c, args.page_size, copy_bw, args.smoke, variants)
             print(fmt_table(sweep[-len(variants) - 1:], copy_bw), flush=True)
             save()

@@ -120,13 +120,17 @@ def combine_splits(o, lse, axis: int):
 
 
 def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int, hd: int,
-                        name: str, num_warps: int, num_stages: int, interpret: bool):
+                        name: str, num_warps: int, num_stages: int, interpret: bool,
+                        out_dtype=jnp.float32):
     """pallas_call over grid (rows, KVH, splits) whose kernel writes a normalised partial
     output [.., m, hd] and its log-sum-exp per (row, KV head, split); returns a function of
-    the kernel's inputs giving the merged [rows, KVH, m, hd] fp32 output."""
+    the kernel's inputs giving the merged [rows, KVH, m, hd] output. With one split there is
+    nothing to merge, so the kernel writes `out_dtype` itself (no separate convert kernel);
+    with several, partials stay fp32 for the combine."""
+    o_dtype = out_dtype if num_splits == 1 else jnp.float32
     call = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((rows, kvh, num_splits, m, hd), jnp.float32),
+        out_shape=(jax.ShapeDtypeStruct((rows, kvh, num_splits, m, hd), o_dtype),
                    jax.ShapeDtypeStruct((rows, kvh, num_splits, m), jnp.float32)),
         grid=(rows, kvh, num_splits),
         compiler_params=compiler_params(num_warps, num_stages),

@@ -58,13 +58,13 @@ def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_
 
         o, lse = flash_tile(qt, n_blocks, block, scale)
         if group_pad == o_ref.shape[3]:
-            o_ref[b, kvh, sp, :, :] = o
+            o_ref[b, kvh, sp, :, :] = o.astype(o_ref.dtype)
             lse_ref[b, kvh, sp, :] = lse
         else:
             # Only the `group` real rows go out (1 of 16 for MHA): padded rows repeat head
             # group-1, so storing every row at min(row, group-1) writes identical values.
             rows = jnp.minimum(lax.iota(jnp.int32, group_pad), group - 1)
-            o_ref[b, kvh, sp, rows, :] = o
+            o_ref[b, kvh, sp, rows, :] = o.astype(o_ref.dtype)
             lse_ref[b, kvh, sp, rows] = lse
         return
 
@@ -79,7 +79,7 @@ def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_
         return jnp.sum(k * qs[g][None, :], axis=1)  # [T]
 
     def store(g, o, lse):
-        o_ref[b, kvh, sp, g, :] = o
+        o_ref[b, kvh, sp, g, :] = o.astype(o_ref.dtype)
         lse_ref[b, kvh, sp, g] = lse
 
     if rowwise:
@@ -155,7 +155,7 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
     m_out = group_pad if (padded_out or not use_dot) else group
     call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=m_out,
                                hd=hd, name="paged_decode_attention", num_warps=num_warps,
-                               num_stages=num_stages, interpret=interpret)
+                               num_stages=num_stages, interpret=interpret, out_dtype=q.dtype)
     out = call(jnp.reshape(jnp.asarray(entry, jnp.int32), (1,)), block_tables.astype(jnp.int32),
                kv_lens.astype(jnp.int32), q, k_cache, v_cache)[:, :, :group]  # [B, KVH, G, hd]
     return out.reshape(bsz, h, hd).astype(q.dtype)

@@ -63,7 +63,7 @@ def _ragged_kernel(entry_ref, bt_ref, lens_ref, cu_ref, tseq_ref, tq0_ref, q_ref
         return k, v, lambda: (t[None, :] <= pos[:, None]) & (t[None, :] < end)  # mask [M, T]
 
     o, lse = flash_tile(qt, n_blocks, block, scale)
-    o_ref[j, kvh, sp, :, :] = o
+    o_ref[j, kvh, sp, :, :] = o.astype(o_ref.dtype)
     lse_ref[j, kvh, sp, :] = lse
 
 
@@ -122,7 +122,7 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
         block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5)
     call = split_partials_call(kernel, rows=num_tiles, kvh=kvh, num_splits=num_splits, m=mdim,
                                hd=hd, name="ragged_paged_attention", num_warps=num_warps,
-                               num_stages=num_stages, interpret=interpret)
+                               num_stages=num_stages, interpret=interpret, out_dtype=q.dtype)
     o = call(jnp.reshape(jnp.asarray(entry, jnp.int32), (1,)), block_tables.astype(jnp.int32),
              kv_lens.astype(jnp.int32), cu, tseq, tq0, q, k_cache, v_cache)  # [tiles, KVH, M, hd]
     o = o.reshape(num_tiles, kvh, block_q, group_pad, hd)
