@@ -124,6 +124,10 @@ DECODE_CASES = [
     (jnp.float32, 2, 1, dict(block_t=4, num_splits=1, use_dot=False, rowwise=True)),
     (jnp.bfloat16, 1, 2, dict(block_t=8, num_splits=3, use_dot=False)),  # CUDA-core path
     (jnp.bfloat16, 2, 4, dict(block_t=4, num_splits=2)),                 # GQA 4, dot path
+    # One split (the batch-64 default): the kernel writes bf16 and only the real rows.
+    (jnp.bfloat16, 2, 1, dict(block_t=4, num_splits=1)),
+    (jnp.bfloat16, 2, 4, dict(block_t=4, num_splits=1)),
+    (jnp.float32, 2, 1, dict(block_t=4, num_splits=2, padded_out=True)),  # session-2 layout
 ]
 
 
@@ -158,6 +162,40 @@ def test_ragged_kernel_interpret(dtype, kvh, group, q_lens, kv_lens, kw):
     ref = ragged_paged_attention_reference(q, k, v, 1, bt, lens, cu)
     check(out[: int(cu[-1])], ref[: int(cu[-1])], dtype)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+def _pallas_outputs(fn, *args):
+    """Output avals of the pallas_call equations in fn's jaxpr (recursing into sub-jaxprs)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append([(v.aval.shape, v.aval.dtype) for v in eqn.outvars])
+            for value in eqn.params.values():  # sub-jaxprs (pjit, loops), open or closed
+                for x in (value if isinstance(value, (tuple, list)) else (value,)):
+                    sub = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("group,splits,want_dtype", [(1, 1, jnp.bfloat16), (4, 1, jnp.bfloat16),
+                                                     (1, 3, jnp.float32)])
+def test_decode_kernel_writes_only_real_rows(group, splits, want_dtype):
+    """The tensor-core path pads the query tile to 16 rows; the kernel's output holds only the
+    `group` real rows, and with one split it is already in the query dtype (no slice or
+    convert kernel after every attention call on the GPU)."""
+    rng = np.random.default_rng(3)
+    q, k, v, bt, lens = make_case(rng, kv_lens=[5, 9], kvh=2, group=group, hd=16, page_size=4,
+                                  dtype=jnp.bfloat16)
+    fn = lambda q, k, v, bt, lens: paged_decode_attention(q, k, v, jnp.int32(1), bt, lens,
+                                                          interpret=True, num_splits=splits)
+    (outs,) = _pallas_outputs(fn, q, k, v, bt, lens)
+    (o_shape, o_dtype), (lse_shape, _) = outs
+    assert o_shape == (2, 2, splits, group, 16) and lse_shape == (2, 2, splits, group)
+    assert o_dtype == want_dtype
 
 
 def test_decode_equals_ragged_with_one_query():
