@@ -225,6 +225,39 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages")
+RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
+
+
+def parse_tuning(spec: str, keys) -> dict:
+    """'block_t=32,num_warps=2' -> {'block_t': 32, 'num_warps': 2}; unknown keys or non-positive
+    integers are errors."""
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in keys:
+            raise SystemExit(f"kernel tuning: {item!r} is not KEY=INT with KEY in {keys}")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise SystemExit(f"kernel tuning: {key} needs an integer, got {value!r}") from None
+        if out[key] < 1:
+            raise SystemExit(f"kernel tuning: {key} must be >= 1, got {out[key]}")
+    return out
+
+
+def apply_kernel_tuning(decode_spec: str, ragged_spec: str) -> dict:
+    """Sets the kernels' process-wide tuning overrides (before anything is compiled)."""
+    import importlib
+    tuning = {"decode": parse_tuning(decode_spec, DECODE_TUNING_KEYS),
+              "ragged": parse_tuning(ragged_spec, RAGGED_TUNING_KEYS)}
+    for name, values in tuning.items():
+        mod = importlib.import_module(f"pallas_kernels.{name}")
+        mod.TUNING.clear()
+        mod.TUNING.update(values)
+    return tuning
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -257,8 +290,15 @@ def main(argv=None) -> int:
     p.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/ouro_jax/xla"),
                    help="persistent XLA compilation cache ('' disables); compile time is "
                         "reported apart either way")
+    p.add_argument("--decode-kernel", default="", metavar="K=V,...",
+                   help="override the Pallas decode kernel's tuning defaults for this run, "
+                        "e.g. block_t=32,num_warps=2 (keys: %s)" % ",".join(DECODE_TUNING_KEYS))
+    p.add_argument("--ragged-kernel", default="", metavar="K=V,...",
+                   help="the same for the ragged (verification/prefill) kernel (keys: %s)"
+                        % ",".join(RAGGED_TUNING_KEYS))
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
+    tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel)
     if args.compile_cache:
         from ouro_jax.generate import enable_compile_cache
         enable_compile_cache(args.compile_cache)
@@ -294,7 +334,8 @@ def main(argv=None) -> int:
         prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
         compiles_total=llm.programs.compiles, branch_scale=args.branch_scale,
         branch_scale_sweep=sweep, greedy_token_match=matches,
-        compile_s_total=llm.programs.compile_seconds, rows=rows, table=table(rows))
+        compile_s_total=llm.programs.compile_seconds, kernel_tuning=tuning, rows=rows,
+        table=table(rows))
     return 0
 
 

@@ -121,9 +121,15 @@ def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_
         store(g, *finish(acc, m, l))
 
 
+# Process-wide overrides of the tuning defaults below (block_t, num_splits, num_warps,
+# num_stages), read at trace time: for end-to-end A/B runs (`benchmarks.decode
+# --decode-kernel block_t=32,num_warps=2`); arguments passed explicitly win.
+TUNING: dict = {}
+
+
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
                            interpret: bool = False, block_t=None, num_splits=None,
-                           num_warps: int = 4, num_stages: int = 2, use_dot: bool = True,
+                           num_warps=None, num_stages=None, use_dot: bool = True,
                            rowwise: bool = False, padded_out: bool = False):
     """Decode attention over a paged KV cache.
 
@@ -141,6 +147,10 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
     assert hd == hd_c and h % kvh == 0, (q.shape, k_cache.shape)
     group = h // kvh
     use_dot = bool(use_dot)
+    block_t = TUNING.get("block_t") if block_t is None else block_t
+    num_splits = TUNING.get("num_splits") if num_splits is None else num_splits
+    num_warps = TUNING.get("num_warps", 4) if num_warps is None else num_warps
+    num_stages = TUNING.get("num_stages", 2) if num_stages is None else num_stages
     if block_t is None:  # fp32 IEEE dots at 64 keys spill registers: 32 there
         wide = jnp.dtype(k_cache.dtype).itemsize <= 2
         block_t = (64 if wide else 32) if use_dot else (64 if group == 1 else 32)

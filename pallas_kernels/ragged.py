@@ -82,9 +82,14 @@ def _tile_map(cu_q_lens, num_tiles: int, block_q: int):
     return seq, q0, tile_begin
 
 
+# Process-wide overrides of the tuning defaults (block_q, block_t, num_splits, num_warps,
+# num_stages), read at trace time, as decode.TUNING; explicit arguments win.
+TUNING: dict = {}
+
+
 def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu_q_lens, *,
                            interpret: bool = False, block_q=None, block_t=None,
-                           num_splits=None, num_warps=None, num_stages: int = 2):
+                           num_splits=None, num_warps=None, num_stages=None):
     """Packed ragged paged attention. q [N, H, hd] -> [N, H, hd] in q.dtype.
 
     k_cache/v_cache [E, P, page_size, KVH, hd]; entry int32 scalar; block_tables [B, max_pages];
@@ -99,6 +104,11 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
     assert hd == hd_c and h % kvh == 0, (q.shape, k_cache.shape)
     nseq = kv_lens.shape[0]
     group = h // kvh
+    block_q = TUNING.get("block_q") if block_q is None else block_q
+    block_t = TUNING.get("block_t") if block_t is None else block_t
+    num_splits = TUNING.get("num_splits") if num_splits is None else num_splits
+    num_warps = TUNING.get("num_warps") if num_warps is None else num_warps
+    num_stages = TUNING.get("num_stages", 2) if num_stages is None else num_stages
     group_pad = next_pow2(group)
     if block_t is None:  # fp32 tiles are twice the shared memory of bf16 ones
         block_t = 64 if jnp.dtype(k_cache.dtype).itemsize <= 2 else 32

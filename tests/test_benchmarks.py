@@ -50,3 +50,37 @@ def test_result_record_pins_the_code(tmp_path):
     assert rec["source_sha256"] == source_digest() and len(rec["source_sha256"]) == 16
     assert int(rec["source_sha256"], 16) >= 0
     assert rec["git_commit"] == "unknown" or len(rec["git_commit"].split("+")[0]) == 40
+
+
+def test_kernel_tuning_overrides_reach_the_traced_kernel():
+    """--decode-kernel sets the decode kernel's defaults for the process: the traced kernel's
+    grid follows num_splits; explicit arguments still win; bad specs are refused."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.decode import apply_kernel_tuning
+    from pallas_kernels import decode as dk
+
+    q = jnp.zeros((2, 2, 16), jnp.bfloat16)
+    kc = jnp.zeros((1, 9, 4, 2, 16), jnp.bfloat16)
+    bt = jnp.ones((2, 4), jnp.int32)
+    lens = jnp.array([9, 16], jnp.int32)
+
+    def grid(**kw):
+        jaxpr = jax.make_jaxpr(lambda q: dk.paged_decode_attention(
+            q, kc, kc, 0, bt, lens, interpret=True, block_t=4, **kw))(q)
+        (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+        return eqn.params["grid_mapping"].grid
+
+    try:
+        assert apply_kernel_tuning("num_splits=3,num_warps=2", "") == {
+            "decode": {"num_splits": 3, "num_warps": 2}, "ragged": {}}
+        assert grid() == (2, 2, 3)
+        assert grid(num_splits=2) == (2, 2, 2)
+        apply_kernel_tuning("", "")
+        assert grid() == (2, 2, 2)  # the default for this shape
+        for bad in ("num_splits", "splits=2", "num_warps=two", "block_t=0"):
+            with pytest.raises(SystemExit):
+                apply_kernel_tuning(bad, "")
+    finally:
+        dk.TUNING.clear()
