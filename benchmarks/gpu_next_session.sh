@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared for the next session's first device call (issue 6), about 9 minutes on one H200.
+# Prepared for the next session's first device call (issue 6), about 9.5 minutes on one H200.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_next_session.sh
 # (Session 3's probes and table: gpu_session3_{probe,probe2,table}.sh.)
 set -u
@@ -16,6 +16,10 @@ timeout 100 $D --batch 1,64 --k 0 --temperature 0 --decode-kernel num_warps=2 \
 # 2. Verification kernel with 2 warps, speculative k=4 at batch 64 (the 0.98x row).
 timeout 90 $D --batch 64 --k 4 --temperature 0 --ragged-kernel num_warps=2 \
   --out $OUT/ab_ragged_w2_b64_h200.json 2>&1 | tail -2
-# 3. Batch-1 kernel trace with Pallas attention (session 2 traced batch 1 with xla attention).
-timeout 150 python3 -m benchmarks.kernel_trace --synthetic 1.4b --batch 1 --k 0,4 --attention pallas \
+# 3. XLA's split-K GEMMs write fp32 partials (~20 MB per layer at batch 64) that the next
+#    fusions reduce (docs/performance.md, batch-64 table): the same rows without split-K.
+XLA_FLAGS=--xla_gpu_enable_split_k_autotuning=false timeout 100 $D --batch 1,64 --k 0 \
+  --temperature 0 --out $OUT/ab_no_splitk_h200.json 2>&1 | tail -3
+# 4. Batch-1 kernel trace with Pallas attention (session 2 traced batch 1 with xla attention).
+timeout 110 python3 -m benchmarks.kernel_trace --synthetic 1.4b --batch 1 --k 0,4 --attention pallas \
   --top 30 --out $OUT/kernel_trace_pallas_b1_h200.json 2>&1 | tail -60
