@@ -53,17 +53,20 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
         interpret = jax.default_backend() != "gpu"  # CPU: the kernels' interpret mode
 
         def attend(q, k, v, planes, loop, layer):
-            entry = loop * num_layers + layer
-            planes = write_kv(planes, entry, page, slot, k, v)
+            planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
+            # The kernels compute the plane from (loop, layer) themselves: handing them a
+            # precomputed index costs one tiny XLA kernel per layer application on the GPU.
+            plane = dict(entry=(loop, layer), entry_stride=num_layers)
             if c == 1:
-                out = pk.paged_decode_attention(q[:, 0], planes[0], planes[1], entry,
-                                                block_tables, kv_lens,
-                                                interpret=interpret)[:, None]
+                out = pk.paged_decode_attention(q[:, 0], planes[0], planes[1],
+                                                block_tables=block_tables, kv_lens=kv_lens,
+                                                interpret=interpret, **plane)[:, None]
             else:
                 cu = jnp.arange(b + 1, dtype=jnp.int32) * c
                 out = pk.ragged_paged_attention(q.reshape(b * c, *q.shape[2:]), planes[0],
-                                                planes[1], entry, block_tables, kv_lens, cu,
-                                                interpret=interpret)
+                                                planes[1], block_tables=block_tables,
+                                                kv_lens=kv_lens, cu_q_lens=cu,
+                                                interpret=interpret, **plane)
                 out = out.reshape(q.shape)
             return out, planes
         return attend

@@ -36,6 +36,23 @@ def compiler_params(num_warps: int, num_stages: int):
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def plane_operands(entry, entry_stride: int):
+    """The kernels' plane index as two int32[1] operands (base, offset), plane = base *
+    entry_stride + offset, computed inside the kernel. The engine passes (loop, layer) with
+    entry_stride = num_layers: the loop counter reshapes for free and the layer is a constant,
+    so no XLA kernel computes the index before every attention call. A plain scalar `entry`
+    means (entry, 0) with stride 1."""
+    base, offset = entry if isinstance(entry, tuple) else (entry, 0)
+    if entry_stride < 1:
+        raise ValueError(f"entry_stride must be >= 1, got {entry_stride}")
+    as1 = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
+    return as1(base), as1(offset)
+
+
+def plane_index(base_ref, off_ref, entry_stride: int):
+    return base_ref[0] * entry_stride + off_ref[0]
+
+
 def split_range(kv_end, split, num_splits: int, block_t: int):
     """Keys [start, end) of split `split` when [0, kv_end) is cut into num_splits block-aligned parts."""
     per = cdiv(cdiv(kv_end, num_splits), block_t) * block_t
@@ -145,5 +162,6 @@ def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int,
 
 
 __all__ = ["pl", "plt", "NEG_INF", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
+           "plane_operands", "plane_index",
            "split_range", "load_kv_block", "dot", "QK", "PV", "online_softmax_step", "finish", "combine_splits", "split_partials_call",
            "flash_tile"]

@@ -27,17 +27,18 @@ from jax import lax
 
 from pallas_kernels._common import (NEG_INF, choose_num_splits, finish, flash_tile,
                                     load_kv_block, next_pow2, online_softmax_step, pl,
-                                    split_partials_call, split_range)
+                                    plane_index, plane_operands, split_partials_call,
+                                    split_range)
 
 
 
-def _decode_kernel(entry_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+def _decode_kernel(base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
                    group: int, group_pad: int, use_dot: bool, page_size: int, block_t: int,
-                   num_splits: int, scale: float, rowwise: bool):
+                   num_splits: int, scale: float, rowwise: bool, entry_stride: int):
     b = pl.program_id(0)
     kvh = pl.program_id(1)
     sp = pl.program_id(2)
-    entry = entry_ref[0]
+    entry = plane_index(base_ref, off_ref, entry_stride)
     kv_len = lens_ref[b]
     start, end, n_blocks = split_range(kv_len, sp, num_splits, block_t)
     hd = q_ref.shape[-1]
@@ -130,10 +131,13 @@ TUNING: dict = {}
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
                            interpret: bool = False, block_t=None, num_splits=None,
                            num_warps=None, num_stages=None, use_dot: bool = True,
-                           rowwise: bool = False, padded_out: bool = False):
+                           rowwise: bool = False, padded_out: bool = False,
+                           entry_stride: int = 1):
     """Decode attention over a paged KV cache.
 
-    q [B, H, hd]; k_cache/v_cache [E, P, page_size, KVH, hd]; entry int32 scalar (plane);
+    q [B, H, hd]; k_cache/v_cache [E, P, page_size, KVH, hd]; entry: the plane, an int32
+    scalar, or a pair (base, offset) meaning base * entry_stride + offset (see
+    _common.plane_operands);
     block_tables [B, max_pages] int32; kv_lens [B] int32 (the new token included; 0 gives
     zeros). Returns [B, H, hd] in q.dtype; scale hd**-0.5, fp32 softmax.
 
@@ -161,11 +165,12 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
 
     kernel = functools.partial(
         _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,
-        block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise)
+        block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise,
+        entry_stride=entry_stride)
     m_out = group_pad if (padded_out or not use_dot) else group
     call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=m_out,
                                hd=hd, name="paged_decode_attention", num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret, out_dtype=q.dtype)
-    out = call(jnp.reshape(jnp.asarray(entry, jnp.int32), (1,)), block_tables.astype(jnp.int32),
+    out = call(*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
                kv_lens.astype(jnp.int32), q, k_cache, v_cache)[:, :, :group]  # [B, KVH, G, hd]
     return out.reshape(bsz, h, hd).astype(q.dtype)

@@ -23,20 +23,21 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import (cdiv, choose_num_splits, flash_tile, load_kv_block,
-                                    next_pow2, pl, split_partials_call, split_range)
+                                    next_pow2, pl, plane_index, plane_operands,
+                                    split_partials_call, split_range)
 from pallas_kernels.reference import ragged_rows
 
 _NO_TILE = 1 << 30
 
 
-def _ragged_kernel(entry_ref, bt_ref, lens_ref, cu_ref, tseq_ref, tq0_ref, q_ref, k_ref, v_ref,
-                   o_ref, lse_ref, *, group: int, group_pad: int, block_q: int, page_size: int,
-                   block_t: int, num_splits: int, scale: float):
+def _ragged_kernel(base_ref, off_ref, bt_ref, lens_ref, cu_ref, tseq_ref, tq0_ref, q_ref, k_ref,
+                   v_ref, o_ref, lse_ref, *, group: int, group_pad: int, block_q: int, page_size: int,
+                   block_t: int, num_splits: int, scale: float, entry_stride: int):
     j = pl.program_id(0)
     kvh = pl.program_id(1)
     sp = pl.program_id(2)
     n_rows, _, hd = q_ref.shape
-    entry = entry_ref[0]
+    entry = plane_index(base_ref, off_ref, entry_stride)
     b = tseq_ref[j]
     q0 = tq0_ref[j]
     row0 = cu_ref[b]
@@ -89,10 +90,12 @@ TUNING: dict = {}
 
 def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu_q_lens, *,
                            interpret: bool = False, block_q=None, block_t=None,
-                           num_splits=None, num_warps=None, num_stages=None):
+                           num_splits=None, num_warps=None, num_stages=None,
+                           entry_stride: int = 1):
     """Packed ragged paged attention. q [N, H, hd] -> [N, H, hd] in q.dtype.
 
-    k_cache/v_cache [E, P, page_size, KVH, hd]; entry int32 scalar; block_tables [B, max_pages];
+    k_cache/v_cache [E, P, page_size, KVH, hd]; entry int32 scalar, or (base, offset) with
+    entry_stride as in paged_decode_attention; block_tables [B, max_pages];
     kv_lens [B] (new tokens included); cu_q_lens [B+1] (cu_q_lens[0] == 0). Rows past
     cu_q_lens[B] return zeros. Tuning: block_q query rows per tile (power of 2; default 16
     rows of M for short queries, up to 64 for long chunks), block_t keys per step (64 for 16-bit
@@ -129,11 +132,12 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
     tseq, tq0, tile_begin = _tile_map(cu, num_tiles, block_q)
     kernel = functools.partial(
         _ragged_kernel, group=group, group_pad=group_pad, block_q=block_q, page_size=page_size,
-        block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5)
+        block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5,
+        entry_stride=entry_stride)
     call = split_partials_call(kernel, rows=num_tiles, kvh=kvh, num_splits=num_splits, m=mdim,
                                hd=hd, name="ragged_paged_attention", num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret, out_dtype=q.dtype)
-    o = call(jnp.reshape(jnp.asarray(entry, jnp.int32), (1,)), block_tables.astype(jnp.int32),
+    o = call(*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
              kv_lens.astype(jnp.int32), cu, tseq, tq0, q, k_cache, v_cache)  # [tiles, KVH, M, hd]
     o = o.reshape(num_tiles, kvh, block_q, group_pad, hd)
 

@@ -164,6 +164,27 @@ def test_ragged_kernel_interpret(dtype, kvh, group, q_lens, kv_lens, kw):
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
 
 
+def test_plane_given_as_base_and_offset():
+    """entry=(base, offset) with entry_stride reads plane base * stride + offset, as the engine
+    passes (loop, layer) with stride num_layers; both kernels, traced base included."""
+    rng = np.random.default_rng(4)
+    q, k, v, bt, lens = make_case(rng, kv_lens=[5, 9], kvh=2, group=2, hd=16, page_size=4,
+                                  dtype=jnp.float32, planes=5)
+    want = paged_decode_attention_reference(q, k, v, 3, bt, lens)
+    for entry, stride in (((1, 1), 2), ((0, 3), 4), (3, 1)):
+        got = jax.jit(lambda base, q: paged_decode_attention(
+            q, k, v, (base, entry[1]) if isinstance(entry, tuple) else base, bt, lens,
+            entry_stride=stride, interpret=True, block_t=4))(
+                jnp.int32(entry[0] if isinstance(entry, tuple) else entry), q)
+        check(got, want, jnp.float32)
+    cu = jnp.array([0, 1, 2], jnp.int32)
+    got = ragged_paged_attention(q, k, v, (jnp.int32(1), 1), bt, lens, cu, entry_stride=2,
+                                 interpret=True, block_t=4)
+    check(got, want, jnp.float32)
+    with pytest.raises(ValueError, match="entry_stride"):
+        paged_decode_attention(q, k, v, (1, 1), bt, lens, entry_stride=0, interpret=True)
+
+
 def _pallas_outputs(fn, *args):
     """Output avals of the pallas_call equations in fn's jaxpr (recursing into sub-jaxprs)."""
     found = []
