@@ -57,3 +57,36 @@ def test_ouro_1_4b_kv_bytes_per_token_matches_ouro_md():
     from ouro_jax.config import OURO_1_4B
 
     assert kv_bytes_per_token(OURO_1_4B, jnp.bfloat16) == 768 * 1024
+
+
+def test_padding_writes_are_dropped_and_indices_are_unique():
+    """Writes that map to the trash page (padding rows, positions past the table) are dropped,
+    so the trash page stays untouched and every scattered (page, slot) is distinct: the
+    precondition of the unique-indices scatter (plain stores instead of atomics on the GPU)."""
+    cfg = TINY_GQA
+    planes = init_planes(cfg, num_pages=6, page_size=2, dtype=jnp.float32)
+    table = jnp.asarray(block_table_array([[4, 1], [2]], batch=3, max_pages=2))
+    pos = jnp.asarray([[1, 2, 3], [0, 1, 2], [0, 1, 2]])  # row 1 runs past its page, row 2 pads
+    page, slot = slot_indices(table, pos, 2)
+    kept = [(int(p), int(s)) for p, s in zip(page.ravel(), slot.ravel()) if p != TRASH_PAGE]
+    assert len(kept) == len(set(kept)) == 5
+    k = jnp.ones((3, 3, cfg.num_key_value_heads, cfg.head_dim), jnp.float32)
+    kc, vc = write_kv(planes, 1, page, slot, k, 2 * k)
+    assert float(jnp.abs(kc[:, TRASH_PAGE]).sum()) == 0
+    assert float(jnp.abs(vc[:, TRASH_PAGE]).sum()) == 0
+    written = {(p, s) for p in range(6) for s in range(2) if float(kc[1, p, s].sum()) != 0}
+    assert written == set(kept)
+    assert float(vc[1, 4, 1, 0, 0]) == 2.0 and float(kc[0].sum()) == 0  # plane 1 only
+
+
+def test_kv_write_is_a_unique_indices_scatter():
+    """Pins the scatter attributes XLA sees: unique indices (no atomics on the GPU)."""
+    import jax
+
+    cfg = TINY_GQA
+    planes = init_planes(cfg, num_pages=4, page_size=2, dtype=jnp.bfloat16)
+    page, slot = jnp.asarray([[1], [3]]), jnp.asarray([[0], [1]])
+    k = jnp.ones((2, 1, cfg.num_key_value_heads, cfg.head_dim), jnp.bfloat16)
+    text = jax.jit(lambda p: write_kv(p, 1, page, slot, k, k)).lower(planes).as_text()
+    scatters = [line for line in text.splitlines() if "scatter" in line and "unique_indices" in line]
+    assert len(scatters) == 2 and all("unique_indices = true" in line for line in scatters)
