@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Prepared for the next session's first device call (issue 6), about 9.5 minutes on one H200.
-# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_next_session.sh
-# (Session 3's probes and table: gpu_session3_{probe,probe2,table}.sh.)
+# Prepared for the next session (issue 6). Two device calls:
+#   1. OUT=dir bash benchmarks/gpu_session3_table.sh   (~9 min) the whole protocol table with
+#      the current code: session 3 ended with only batch 64 rerun after the K/V scatter change.
+#   2. OUT=dir bash benchmarks/gpu_next_session.sh     (~9.5 min, this file) the A/B runs below.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
