@@ -233,6 +233,7 @@ def table(rows) -> str:
 
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
+POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton warps
 
 
 def parse_tuning(spec: str, keys) -> dict:
@@ -249,6 +250,8 @@ def parse_tuning(spec: str, keys) -> dict:
             raise SystemExit(f"kernel tuning: {key} needs an integer, got {value!r}") from None
         if out[key] < 1:
             raise SystemExit(f"kernel tuning: {key} must be >= 1, got {out[key]}")
+        if key in POW2_TUNING_KEYS and out[key] & (out[key] - 1):
+            raise SystemExit(f"kernel tuning: {key} must be a power of two, got {out[key]}")
     return out
 
 
@@ -305,6 +308,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
     tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel)
+    try:
+        return _run(args, argv, tuning)
+    finally:  # the overrides are process-wide: leave none behind for other callers
+        apply_kernel_tuning("", "")
+
+
+def _run(args, argv, tuning) -> int:
     if args.compile_cache:
         from ouro_jax.generate import enable_compile_cache
         enable_compile_cache(args.compile_cache)

@@ -14,9 +14,10 @@ Why this layout:
   KVH*head_dim row, and a kernel reading a page gets every KV head of it in one block, which
   suits GQA (all query heads of a KV head served from one load).
 - Page 0 is a trash page that no sequence owns. Block-table slots past a sequence's
-  allocation point at it, so every gather stays in bounds; writes of padded rows and padded
-  positions that map there are dropped (see write_kv). Reads past a sequence's length are
-  masked.
+  allocation point at it; positions past the table's width are clamped to its last column
+  (slot_indices here, load_kv_block in the kernels), so every read stays in bounds. Writes of
+  padded rows and padded positions that map to page 0 are dropped (see write_kv). Reads past
+  a sequence's length are masked.
 - Rollback is by length alone: positions >= length may hold stale K/V (rejected speculative
   tokens) and are overwritten before they are ever read, because a query at position p only
   attends to positions <= p and position p is written before it is read.
@@ -134,13 +135,15 @@ def write_kv(planes: tuple[jax.Array, jax.Array], entry, page, slot, k, v):
     """Scatter k, v [B, C, KVH, hd] into plane `entry` at (page, slot) [B, C].
 
     Writes aimed at the trash page (padding rows, positions past a row's table) are dropped:
-    they get a page index past the pool, which a scatter skips. Every remaining (page, slot)
+    they get page indices past the pool, which a scatter skips. Every remaining (page, slot)
     belongs to one token of one sequence, so the indices are unique and the scatter says so;
     without that promise XLA's GPU scatter emitter updates every element with an atomic
     read-modify-write (a CAS loop for 16-bit types): 7.1 us per K or V write at batch 64 in
     session 3's trace, 15% of a decode step. The trash page is never written (stays zero)."""
     kc, vc = planes
-    page = jnp.where(page == TRASH_PAGE, kc.shape[1], page)
+    # Each dropped update gets its own out-of-bounds page, so the promise holds literally.
+    beyond = kc.shape[1] + jnp.arange(page.size, dtype=page.dtype).reshape(page.shape)
+    page = jnp.where(page == TRASH_PAGE, beyond, page)
     kc = kc.at[entry, page, slot].set(k.astype(kc.dtype), mode="drop", unique_indices=True)
     vc = vc.at[entry, page, slot].set(v.astype(vc.dtype), mode="drop", unique_indices=True)
     return kc, vc

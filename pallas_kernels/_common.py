@@ -42,9 +42,12 @@ def plane_operands(entry, entry_stride: int):
     entry_stride = num_layers: the loop counter reshapes for free and the layer is a constant,
     so no XLA kernel computes the index before every attention call. A plain scalar `entry`
     means (entry, 0) with stride 1."""
-    base, offset = entry if isinstance(entry, tuple) else (entry, 0)
     if entry_stride < 1:
         raise ValueError(f"entry_stride must be >= 1, got {entry_stride}")
+    if not isinstance(entry, tuple) and entry_stride != 1:
+        raise ValueError("entry_stride applies to entry=(base, offset); a plain entry is the "
+                         f"plane itself (got entry_stride={entry_stride})")
+    base, offset = entry if isinstance(entry, tuple) else (entry, 0)
     as1 = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
     return as1(base), as1(offset)
 
@@ -67,7 +70,10 @@ def load_kv_block(k_ref, v_ref, bt_ref, entry, seq, kvh, t, last, page_size: int
     the clamped duplicates hit cache lines already being read). Pointer gather through the
     block table, straight from plane `entry` of the full cache."""
     tc = jnp.minimum(t, last)
-    pages = bt_ref[seq, lax.div(tc, page_size)]
+    # A padded prefill chunk can reach past the block table (kv_len = chunk end): clamp the
+    # logical page so the table read stays in bounds; those keys only serve padding queries.
+    logical = jnp.minimum(lax.div(tc, page_size), bt_ref.shape[1] - 1)
+    pages = bt_ref[seq, logical]
     slots = lax.rem(tc, page_size)
     k = k_ref[entry, pages, slots, kvh, :]
     v = v_ref[entry, pages, slots, kvh, :]

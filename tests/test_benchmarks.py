@@ -66,21 +66,35 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
     bt = jnp.ones((2, 4), jnp.int32)
     lens = jnp.array([9, 16], jnp.int32)
 
-    def grid(**kw):
-        jaxpr = jax.make_jaxpr(lambda q: dk.paged_decode_attention(
-            q, kc, kc, 0, bt, lens, interpret=True, block_t=4, **kw))(q)
-        (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
-        return eqn.params["grid_mapping"].grid
+    from pallas_kernels import ragged as rk
 
+    def call_params(fn, **kw):
+        jaxpr = jax.make_jaxpr(lambda q: fn(q, **kw))(q)
+        (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+        cp = eqn.params["compiler_params"]
+        cp = cp.get("triton", cp) if isinstance(cp, dict) else cp  # jax 0.10 / 0.11 layouts
+        return (eqn.params["grid_mapping"].grid, getattr(cp, "num_warps", None),
+                getattr(cp, "num_stages", None))
+
+    decode = lambda q, **kw: dk.paged_decode_attention(q, kc, kc, 0, bt, lens, interpret=True,
+                                                       block_t=4, **kw)
+    cu = jnp.array([0, 1, 2], jnp.int32)
+    ragged = lambda q, **kw: rk.ragged_paged_attention(q, kc, kc, 0, bt, lens, cu,
+                                                       interpret=True, block_t=4, **kw)
     try:
-        assert apply_kernel_tuning("num_splits=3,num_warps=2", "") == {
-            "decode": {"num_splits": 3, "num_warps": 2}, "ragged": {}}
-        assert grid() == (2, 2, 3)
-        assert grid(num_splits=2) == (2, 2, 2)
+        assert apply_kernel_tuning("num_splits=3,num_warps=2,num_stages=3", "num_splits=1") == {
+            "decode": {"num_splits": 3, "num_warps": 2, "num_stages": 3},
+            "ragged": {"num_splits": 1}}
+        assert call_params(decode) == ((2, 2, 3), 2, 3)
+        assert call_params(decode, num_splits=2, num_warps=4) == ((2, 2, 2), 4, 3)
+        assert call_params(ragged)[0][2] == 1
         apply_kernel_tuning("", "")
-        assert grid() == (2, 2, 2)  # the default for this shape
-        for bad in ("num_splits", "splits=2", "num_warps=two", "block_t=0"):
+        assert call_params(decode) == ((2, 2, 2), 4, 2)  # the defaults for this shape
+        assert call_params(ragged)[0][2] == 2  # the default for this shape
+        for bad in ("num_splits", "splits=2", "num_warps=two", "block_t=0", "block_t=48",
+                    "num_warps=3"):
             with pytest.raises(SystemExit):
                 apply_kernel_tuning(bad, "")
     finally:
         dk.TUNING.clear()
+        rk.TUNING.clear()

@@ -277,3 +277,37 @@ def test_xla_prefill_chunk_keeps_scores_within_budget():
     assert prefill_chunk_len(llm, 1024, 8192, 1 << 20) == 16  # never below 16
     llm.backend = "pallas"
     assert prefill_chunk_len(llm, 64, 2048, 2096) == 256
+
+
+def test_every_kv_write_of_a_generate_call_has_unique_indices(monkeypatch):
+    """write_kv promises XLA unique scatter indices (plain stores instead of atomics on the
+    GPU). Check the promise on every write of real runs: prefill with padded chunks, a padding
+    row (batch 3 -> bucket 4), rows stopping at different max_tokens, plain decode and the
+    speculative draft and verification. A host callback sees each write's indices."""
+    from ouro_jax import attention, kv_cache
+    from ouro_jax.speculative import SpeculativeConfig
+
+    seen = []
+
+    def check(page, slot, num_pages):
+        kept = [(int(p), int(s)) for p, s in zip(page.ravel(), slot.ravel())
+                if p != kv_cache.TRASH_PAGE]
+        seen.append(len(kept))
+        assert len(kept) == len(set(kept)), f"duplicate K/V write indices: {sorted(kept)}"
+        assert all(0 < p < num_pages for p, _ in kept)
+
+    def checked_write(planes, entry, page, slot, k, v):
+        jax.debug.callback(check, page, slot, planes[0].shape[1])
+        return kv_cache.write_kv(planes, entry, page, slot, k, v)
+
+    monkeypatch.setattr(attention, "write_kv", checked_write)
+    folder = tiny_checkpoint("tiny-gqa", branch_scale=0.3)
+    cfg, params = load(folder)
+    prompts = ragged_prompts(cfg.vocab_size, [7, 2, 5], seed=5)
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (5, 2, 7)]
+    for backend in ("xla", "pallas"):
+        llm = Ouro(cfg, params, None, page_size=4, attention=backend, prefill_chunk=4)
+        for spec in (None, SpeculativeConfig(k=3, draft_loops=2)):
+            before = len(seen)
+            llm.generate(prompts, sps, speculative=spec)
+            assert len(seen) > before and sum(seen[before:]) > 0

@@ -183,6 +183,37 @@ def test_plane_given_as_base_and_offset():
     check(got, want, jnp.float32)
     with pytest.raises(ValueError, match="entry_stride"):
         paged_decode_attention(q, k, v, (1, 1), bt, lens, entry_stride=0, interpret=True)
+    with pytest.raises(ValueError, match="plain entry"):  # a scalar is the plane itself
+        paged_decode_attention(q, k, v, 1, bt, lens, entry_stride=3, interpret=True)
+
+
+class _StrictRef:
+    """A NumPy-backed stand-in for a kernel ref whose reads fail when an index is out of
+    bounds (interpret mode would clamp them silently; a GPU would read past the buffer)."""
+
+    def __init__(self, a):
+        self.a = np.asarray(a)
+        self.shape = self.a.shape
+
+    def __getitem__(self, idx):
+        idx = tuple(i if isinstance(i, slice) else np.asarray(i) for i in idx)
+        for dim, i in zip(self.shape, idx):
+            if not isinstance(i, slice) and (np.any(i < 0) or np.any(i >= dim)):
+                raise IndexError(f"index {i.max()} out of bounds for size {dim}")
+        return jnp.asarray(self.a[idx])
+
+
+def test_kv_block_reads_stay_inside_the_block_table():
+    """A padded prefill chunk can end past the block table (kv_len = chunk end): the page
+    lookup is clamped to the table's last column instead of reading past it."""
+    from pallas_kernels._common import load_kv_block
+
+    cache = np.arange(2 * 5 * 4 * 1 * 2, dtype=np.float32).reshape(2, 5, 4, 1, 2)
+    bt = _StrictRef(np.array([[3, 1]], np.int32))  # 2 pages of 4 tokens: positions 0..7
+    t = jnp.arange(6, 14)  # keys of a chunk ending at 14 > 8
+    k, v = load_kv_block(_StrictRef(cache), _StrictRef(cache), bt, 1, 0, 0, t, 13, 4)
+    assert k.shape == (8, 2)
+    np.testing.assert_array_equal(np.asarray(k[:2]), cache[1, 1, 2:4, 0])  # positions 6, 7
 
 
 def _pallas_outputs(fn, *args):
