@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.decode import step_bytes
-from benchmarks.kernel_trace import busy_ns, summarize
+from benchmarks.kernel_trace import busy_ns, kernel_kind, summarize
 from ouro_jax.config import PRESETS
 
 
@@ -27,6 +27,21 @@ def test_trace_summary_per_unit_and_top_kernels():
     assert top[0]["per_unit"] == 1 and top[0]["mean_us"] == pytest.approx(0.03)
     assert sum(t["share"] for t in top) == pytest.approx(1.0)
     assert "error" in summarize([], units=1)
+
+
+def test_trace_groups_per_layer_kernels_by_kind():
+    """Per-layer fusions get one kernel name each (input_scatter_fusion_8, _47, ...): each is
+    small by name, their kind is not. The 'top_kinds' table groups them."""
+    events = [("gemm_fusion_dot_483", 0, 20)] + [
+        (f"input_scatter_fusion_{i}", 30 + 10 * i, 7) for i in range(6)] + [("fusion.12", 99, 1)]
+    s = summarize(events, units=1, top=2)
+    assert s["top"][0]["name"] == "gemm_fusion_dot_483"  # by name the scatters are 7 each
+    kinds = {t["name"]: t for t in s["top_kinds"]}
+    assert kinds["input_scatter_fusion"]["count"] == 6
+    assert kinds["input_scatter_fusion"]["total_ms"] == pytest.approx(42e-6)
+    assert s["top_kinds"][0]["name"] == "input_scatter_fusion"
+    assert kernel_kind("fusion.12") == "fusion" and kernel_kind("paged_decode_attention") == \
+        "paged_decode_attention"
 
 
 def test_step_bytes_matches_the_published_roofline():
