@@ -111,34 +111,38 @@ def _chunk_program(llm, speculative, spec, mode, want_lp, state):
 
 
 def _append(fetched, first, out):
-    """Appends one fetch's tokens (-1 = none) to out = (toks, exits, lps); returns the new
-    tokens per request, for streaming."""
-    (o_tok, o_exit, o_lp) = fetched
+    """Appends one fetch's tokens (-1 = none) to out = (toks, exits, lps), after each row's
+    prefill token when `first` is given; returns the new tokens per request, for streaming.
+    `fetched` is None when only the first tokens exist."""
+    cols = [] if fetched is None else [np.asarray(x) for x in fetched]
+    if first is not None:
+        lead = [np.asarray(x)[:, None] for x in first]
+        cols = lead if not cols else [np.concatenate(p, axis=1) for p in zip(lead, cols)]
+    o_tok, o_exit, o_lp = cols
+    keep = o_tok >= 0
     new = []
     for i, (toks, exits, lps) in enumerate(zip(*out)):
-        cols = [(first[0][i], first[1][i], first[2][i])] if first is not None else []
-        cols += [(o_tok[i, j], o_exit[i, j], o_lp[i, j]) for j in range(o_tok.shape[1])
-                 if o_tok[i, j] >= 0]
-        toks.extend(int(t) for t, _, _ in cols)
-        exits.extend(int(e) + 1 for _, e, _ in cols)
-        lps.extend(float(lp) for _, _, lp in cols)
-        new.append([int(t) for t, _, _ in cols])
+        row = o_tok[i][keep[i]].tolist()
+        toks.extend(row)
+        exits.extend((o_exit[i][keep[i]] + 1).tolist())
+        lps.extend(o_lp[i][keep[i]].tolist())
+        new.append(row)
     return new
 
 
 def decode_loop(llm, planes, bt, state, first, program, static, counters, on_chunk, b):
     """Calls the chunk program until every row is done, with one device_get per call.
-    Returns planes, (toks, exits, lps), finish reasons, counters, number of fetches."""
+    Returns planes, (toks, exits, lps), finish reasons, counters, number of fetches.
+    program None: every request is complete with its first token; one fetch, no program."""
     out = ([[] for _ in range(b)], [[] for _ in range(b)], [[] for _ in range(b)])
+    if program is None:
+        f, finish = jax.device_get((first, state.finish))
+        new = _append(None, f, out)
+        if on_chunk is not None:
+            on_chunk(new)
+        return planes, out, finish, None, 1
     fetches = 0
     while True:
-        if program is None:  # every request is complete with its first token
-            f, done, finish = jax.device_get((first, state.done, state.finish))
-            empty = np.full((b, 0), -1)
-            new = _append((empty, empty, empty), f, out)
-            if on_chunk is not None:
-                on_chunk(new)
-            return planes, out, finish, None, 1
         if counters is None:
             planes, state, bufs = llm.programs.call(program, static, (1,), llm.params, planes, bt,
                                                     state, jnp.int32(llm.decode_chunk))
