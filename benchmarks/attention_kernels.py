@@ -22,32 +22,18 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import median_time
+from benchmarks.timing import median_time, pipelined_rate
 from pallas_kernels import (paged_decode_attention, paged_decode_attention_reference,
                             ragged_paged_attention, ragged_paged_attention_reference)
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 16, 128, jnp.bfloat16
 L2_DEFEAT_BYTES = 256 << 20  # K/V touched across the R unrolled calls: >> the 50 MB L2
-
-
-def _rate(f, x, nbytes, reps=20):
-    jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            y = f(x)
-        jax.block_until_ready(y)
-        ts.append((time.perf_counter() - t0) / reps)
-    return nbytes / statistics.median(ts)
 
 
 def copy_bandwidth(smoke: bool):
@@ -57,9 +43,10 @@ def copy_bandwidth(smoke: bool):
     rates = {}
     for dt in (jnp.bfloat16, jnp.float32):
         x = jnp.ones((nbytes // jnp.dtype(dt).itemsize,), dt)
-        rates[f"copy_{jnp.dtype(dt).name}"] = _rate(jax.jit(lambda a: a + 1), x, 2 * nbytes)
+        copy = pipelined_rate(jax.jit(lambda a: a + 1), x, 2 * nbytes, calls=20)
+        rates[f"copy_{jnp.dtype(dt).name}"] = copy
         if dt == jnp.float32:
-            rates["read_sum_float32"] = _rate(jax.jit(jnp.sum), x, nbytes)
+            rates["read_sum_float32"] = pipelined_rate(jax.jit(jnp.sum), x, nbytes, calls=20)
         del x
     return max(rates["copy_bfloat16"], rates["copy_float32"]), rates
 

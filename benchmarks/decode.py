@@ -27,25 +27,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import pipelined_rate
 
-def copy_bandwidth(gbytes: float = 2.0, calls: int = 10, trials: int = 5) -> float:
-    """Device copy bandwidth in bytes/s (read + write counted) of an XLA `a + 1` over `gbytes`:
-    `calls` back-to-back launches per trial, one sync at the end, median of `trials`.
-    (Until session 3 every call was synced, which added the dispatch and sync latency to each
-    ~1 ms copy and read 2.9-3.4 TB/s where the pipelined figure is ~4.2 TB/s.)"""
-    n = int(gbytes * 2**30 / 4)
-    x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(lambda a: a + 1)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        for _ in range(calls):
-            y = f(x)
-        y.block_until_ready()
-        times.append((time.perf_counter() - t) / calls)
-    del x, y
-    return 2 * n * 4 / statistics.median(times)
+
+def copy_bandwidth(gbytes: float = 2.0) -> float:
+    """Device copy bandwidth in bytes/s (read + write counted) of an XLA `a + 1` over `gbytes`,
+    launched back to back (timing.pipelined_rate). Until session 3 every call was synced,
+    which timed the dispatch and sync with each ~1 ms copy and read 2.9-3.4 TB/s where the
+    pipelined figure is ~4.2 TB/s."""
+    x = jnp.ones((int(gbytes * 2**30 / 4),), jnp.float32)
+    return pipelined_rate(jax.jit(lambda a: a + 1), x, 2 * x.nbytes)
 
 
 def step_bytes(cfg, batch: int, context: float, dtype_bytes: int = 2) -> float:

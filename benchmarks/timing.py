@@ -18,3 +18,17 @@ def median_time(fn, *args, runs: int = 11) -> float:
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def pipelined_rate(fn, x, nbytes: float, calls: int = 10, trials: int = 5) -> float:
+    """Bytes/s of fn(x) moving `nbytes`: `calls` back-to-back launches per trial, one sync at
+    the end (so dispatch and sync latency are not timed with each call), median of `trials`."""
+    jax.block_until_ready(fn(x))
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            y = fn(x)
+        jax.block_until_ready(y)
+        ts.append((time.perf_counter() - t0) / calls)
+    return nbytes / statistics.median(ts)
