@@ -176,7 +176,6 @@ RAGGED_SWEEP = [("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages
 # Short contexts at large batch (the protocol's 128-token prompts): many programs of few key
 # blocks each, where per-program overheads and wave quantisation matter more than pipelining.
 SHORT_DECODE_SWEEP = [
-    ("[padded out]", dict(padded_out=True)),
     ("[bt32]", dict(block_t=32)), ("[bt128]", dict(block_t=128)),
     ("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages=3)),
     ("[warps2]", dict(num_warps=2)), ("[warps8]", dict(num_warps=8)),

@@ -58,7 +58,7 @@ def _decode_kernel(base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_r
             return k, v, lambda: mask[None, :]
 
         o, lse = flash_tile(qt, n_blocks, block, scale)
-        if group_pad == o_ref.shape[3]:
+        if group_pad == group:
             o_ref[b, kvh, sp, :, :] = o.astype(o_ref.dtype)
             lse_ref[b, kvh, sp, :] = lse
         else:
@@ -131,8 +131,7 @@ TUNING: dict = {}
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
                            interpret: bool = False, block_t=None, num_splits=None,
                            num_warps=None, num_stages=None, use_dot: bool = True,
-                           rowwise: bool = False, padded_out: bool = False,
-                           entry_stride: int = 1):
+                           rowwise: bool = False, entry_stride: int = 1):
     """Decode attention over a paged KV cache.
 
     q [B, H, hd]; k_cache/v_cache [E, P, page_size, KVH, hd]; entry: the plane, an int32
@@ -143,8 +142,7 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
 
     Tuning: block_t keys per inner step (power of 2), num_splits flash-decoding splits per
     sequence (default: enough programs to fill the GPU), num_warps / num_stages (Triton),
-    use_dot (tensor-core path, default) and rowwise (see module doc). padded_out writes all
-    max(16, group) rows of the tensor-core tile (the layout measured in session 2; for A/B).
+    use_dot (tensor-core path, default) and rowwise (see module doc).
     """
     bsz, h, hd = q.shape
     _, _, page_size, kvh, hd_c = k_cache.shape
@@ -167,10 +165,10 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
         _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,
         block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise,
         entry_stride=entry_stride)
-    m_out = group_pad if (padded_out or not use_dot) else group
-    call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=m_out,
+    # Output rows: the group's real query heads (the tensor-core tile's padding stays on chip).
+    call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=group,
                                hd=hd, name="paged_decode_attention", num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret, out_dtype=q.dtype)
     out = call(*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
-               kv_lens.astype(jnp.int32), q, k_cache, v_cache)[:, :, :group]  # [B, KVH, G, hd]
+               kv_lens.astype(jnp.int32), q, k_cache, v_cache)  # [B, KVH, G, hd]
     return out.reshape(bsz, h, hd).astype(q.dtype)

@@ -127,7 +127,6 @@ DECODE_CASES = [
     # One split (the batch-64 default): the kernel writes bf16 and only the real rows.
     (jnp.bfloat16, 2, 1, dict(block_t=4, num_splits=1)),
     (jnp.bfloat16, 2, 4, dict(block_t=4, num_splits=1)),
-    (jnp.float32, 2, 1, dict(block_t=4, num_splits=2, padded_out=True)),  # session-2 layout
 ]
 
 
