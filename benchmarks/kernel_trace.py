@@ -19,6 +19,7 @@ import argparse
 import collections
 import glob
 import json
+import re
 import sys
 import tempfile
 
@@ -68,7 +69,6 @@ def kernel_kind(name: str) -> str:
     'input_scatter_fusion_8' are one kind. XLA compiles one kernel per distinct fusion, so a
     fusion that differs per layer (a constant baked in) appears under 24 names that each run
     a few times per step and none of which reaches the top by name; grouped, it does."""
-    import re
     return re.sub(r"[_.]\d+$", "", name)
 
 
