@@ -48,3 +48,23 @@ def reference_greedy(model, prompt, max_tokens, stop_ids=()):
 def ragged_prompts(vocab: int, lengths, seed: int = 1):
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(1, vocab, n)] for n in lengths]
+
+
+def pallas_call_eqns(fn, *args) -> list:
+    """The pallas_call equations in fn(*args)'s jaxpr, recursing into sub-jaxprs (pjit,
+    loops; open or closed), in trace order."""
+    import jax
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(eqn)
+            for value in eqn.params.values():
+                for x in (value if isinstance(value, (tuple, list)) else (value,)):
+                    sub = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks.decode import step_bytes
 from benchmarks.kernel_trace import busy_ns, kernel_kind, summarize
+from engine_helpers import pallas_call_eqns
 from ouro_jax.config import PRESETS
 
 
@@ -70,7 +71,6 @@ def test_result_record_pins_the_code(tmp_path):
 def test_kernel_tuning_overrides_reach_the_traced_kernel():
     """--decode-kernel sets the decode kernel's defaults for the process: the traced kernel's
     grid follows num_splits; explicit arguments still win; bad specs are refused."""
-    import jax
     import jax.numpy as jnp
 
     from benchmarks.decode import apply_kernel_tuning
@@ -84,8 +84,7 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
     from pallas_kernels import ragged as rk
 
     def call_params(fn, **kw):
-        jaxpr = jax.make_jaxpr(lambda q: fn(q, **kw))(q)
-        (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+        (eqn,) = pallas_call_eqns(lambda q: fn(q, **kw), q)
         cp = eqn.params["compiler_params"]
         cp = cp.get("triton", cp) if isinstance(cp, dict) else cp  # jax 0.10 / 0.11 layouts
         return (eqn.params["grid_mapping"].grid, getattr(cp, "num_warps", None),

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine_helpers import pallas_call_eqns
 from pallas_kernels import (paged_decode_attention, paged_decode_attention_reference,
                             ragged_paged_attention, ragged_paged_attention_reference)
 
@@ -215,23 +216,6 @@ def test_kv_block_reads_stay_inside_the_block_table():
     np.testing.assert_array_equal(np.asarray(k[:2]), cache[1, 1, 2:4, 0])  # positions 6, 7
 
 
-def _pallas_outputs(fn, *args):
-    """Output avals of the pallas_call equations in fn's jaxpr (recursing into sub-jaxprs)."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.append([(v.aval.shape, v.aval.dtype) for v in eqn.outvars])
-            for value in eqn.params.values():  # sub-jaxprs (pjit, loops), open or closed
-                for x in (value if isinstance(value, (tuple, list)) else (value,)):
-                    sub = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
-
-
 @pytest.mark.parametrize("group,splits,want_dtype", [(1, 1, jnp.bfloat16), (4, 1, jnp.bfloat16),
                                                      (1, 3, jnp.float32)])
 def test_decode_kernel_writes_only_real_rows(group, splits, want_dtype):
@@ -243,8 +227,8 @@ def test_decode_kernel_writes_only_real_rows(group, splits, want_dtype):
                                   dtype=jnp.bfloat16)
     fn = lambda q, k, v, bt, lens: paged_decode_attention(q, k, v, jnp.int32(1), bt, lens,
                                                           interpret=True, num_splits=splits)
-    (outs,) = _pallas_outputs(fn, q, k, v, bt, lens)
-    (o_shape, o_dtype), (lse_shape, _) = outs
+    (eqn,) = pallas_call_eqns(fn, q, k, v, bt, lens)
+    (o_shape, o_dtype), (lse_shape, _) = [(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
     assert o_shape == (2, 2, splits, group, 16) and lse_shape == (2, 2, splits, group)
     assert o_dtype == want_dtype
 
