@@ -18,10 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
+PAGE = 16  # KV page size (tokens)
+
+
 def main(argv=None) -> int:
     from benchmarks.decode import save_record, token_match
     from ouro_jax.api import Ouro
     from ouro_jax.config import PRESETS
+    from ouro_jax.kv_cache import pages_needed
     from ouro_jax.params import random_params
     from ouro_jax.sampling import SamplingParams
     from ouro_jax.speculative import SpeculativeConfig
@@ -51,9 +55,10 @@ def main(argv=None) -> int:
     rows, outs = [], {}
     for attention in ("xla", "pallas"):
         # An exact pool: at 64 x 2k the default bucket could round 107 GB of K/V up by 25%.
-        per_seq = -(-(args.prompt_len + args.new_tokens + args.speculative_k + 1) // 16) * 16
+        tokens = args.prompt_len + args.new_tokens + args.speculative_k + 1
+        per_seq = pages_needed(tokens, PAGE) * PAGE
         llm = Ouro(cfg, params, None, attention=attention, decode_chunk=args.new_tokens,
-                   prefill_chunk=args.prefill_chunk,
+                   prefill_chunk=args.prefill_chunk, page_size=PAGE,
                    kv_pool_tokens=args.batch * per_seq)
         llm.generate(prompts, sp, speculative=spec)  # warm-up (compiles)
         res = llm.generate(prompts, sp, speculative=spec)
