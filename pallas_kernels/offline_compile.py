@@ -1,7 +1,7 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints
@@ -54,11 +54,34 @@ def compile_captured(tag, num_warps=4, num_stages=2):
     _captured.clear()
 
 
+def check_gemv():
+    """Every benchmarks/gemv.py variant on the 1.4B projection shapes, 1 and 8 rows."""
+    from benchmarks.gemv import SHAPES, VARIANTS
+    from pallas_kernels.gemv import gemv
+    S = jax.ShapeDtypeStruct
+    for name, (n, k, gated) in SHAPES.items():
+        for m in (1, 8):
+            for vname, kw in VARIANTS.items():
+                if m > 4 and not kw["use_dot"]:
+                    continue
+                f = jax.jit(functools.partial(gemv, gated=gated, **kw))
+                try:
+                    f.trace(S((m, k), jnp.bfloat16), S((n, k), jnp.bfloat16)).lower(
+                        lowering_platforms=("cuda",))
+                except ValueError as e:  # a tiling this shape does not divide
+                    print(f"gemv {name} M{m} {vname}: skipped ({e})")
+                    continue
+                compile_captured(f"gemv {name} M{m} {vname}", num_warps=kw["num_warps"],
+                                 num_stages=kw["num_stages"])
+
+
 def main():
     if os.environ.get("TRITON_PKG"):
         sys.path.insert(0, os.environ["TRITON_PKG"])
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     _reg.lowering.lower_jaxpr_to_triton_module = _hook
+    if "--gemv" in sys.argv:
+        return check_gemv()
     from pallas_kernels import paged_decode_attention, ragged_paged_attention
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     pages = 40000  # > 4 GiB cache in fp32: exercises 64-bit offsets

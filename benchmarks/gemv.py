@@ -1,0 +1,129 @@
+"""Decode projections on the GPU: XLA's GEMM fusion vs the Pallas GEMV (pallas_kernels/gemv.py).
+
+Each timed program applies one projection shape to `--layers` distinct weight matrices in a
+row (as a decode step does; nothing stays in L2 between them), and back-to-back launches of
+it are timed with one sync at the end (benchmarks/timing.py), so launch gaps between the
+kernels count as they do in decode, and no per-call dispatch or sync does. Reports us per
+projection and the weight-read rate.
+
+  python -m benchmarks.gemv --rows 1,8 --out benchmarks/results/gemv_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.decode import save_record
+from pallas_kernels.gemv import gemv
+
+# name -> (N, K, gated) for the 1.4B/2.6B shape (hidden 2048, intermediate 5632, 16x128 heads)
+SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
+          "gate_up": (11264, 2048, True), "down": (2048, 5632, False)}
+
+VARIANTS = {  # name -> gemv tuning; "xla" is the model's einsum (+ SiLU for gate_up)
+    "dot16_k256_w4_s4": dict(use_dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4),
+    "dot16_k512_w4_s3": dict(use_dot=True, block_n=16, block_k=512, num_warps=4, num_stages=3),
+    "dot16_k128_w4_s6": dict(use_dot=True, block_n=16, block_k=128, num_warps=4, num_stages=6),
+    "dot16_k256_w2_s4": dict(use_dot=True, block_n=16, block_k=256, num_warps=2, num_stages=4),
+    "dot32_k256_w4_s4": dict(use_dot=True, block_n=32, block_k=256, num_warps=4, num_stages=4),
+    "dot32_k512_w8_s3": dict(use_dot=True, block_n=32, block_k=512, num_warps=8, num_stages=3),
+    "fma8_k256_w4": dict(use_dot=False, block_n=8, block_k=256, num_warps=4, num_stages=1),
+    "fma4_k512_w4": dict(use_dot=False, block_n=4, block_k=512, num_warps=4, num_stages=1),
+    "fma8_k512_w4_s2": dict(use_dot=False, block_n=8, block_k=512, num_warps=4, num_stages=2),
+    "fma16_k256_w8": dict(use_dot=False, block_n=16, block_k=256, num_warps=8, num_stages=1),
+    "fma2_k512_w2": dict(use_dot=False, block_n=2, block_k=512, num_warps=2, num_stages=1),
+}
+
+
+def xla_projection(x, w, gated):
+    from pallas_kernels.gemv import gemv_reference
+    return gemv_reference(x, w, gated=gated)
+
+
+def chain_fn(impl, gated):
+    """One program: the projection of x with each weight in turn (outputs stacked)."""
+    if impl == "xla":
+        one = lambda x, w: xla_projection(x, w, gated)
+    else:
+        one = lambda x, w: gemv(x, w, gated=gated, **VARIANTS[impl])
+    return jax.jit(lambda x, ws: jnp.stack([one(x, w) for w in ws]))
+
+
+def time_chain(fn, x, ws, calls: int, trials: int) -> float:
+    """Median seconds per call of `calls` back-to-back launches (one sync per trial)."""
+    jax.block_until_ready(fn(x, ws))
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            y = fn(x, ws)
+        jax.block_until_ready(y)
+        ts.append((time.perf_counter() - t0) / calls)
+    return statistics.median(ts)
+
+
+def max_rel_error(fn, x, ws, gated) -> float:
+    """Largest |y - XLA| / max|XLA| over the chain's first weight (bf16 accumulation-order noise)."""
+    y = fn(x, ws[:1])[0].astype(jnp.float32)
+    r = xla_projection(x, ws[0], gated).astype(jnp.float32)
+    return float(jnp.max(jnp.abs(y - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-30))
+
+
+def run(args) -> list:
+    rows_list = [int(r) for r in args.rows.split(",")]
+    impls = ["xla"] + [v for v in (args.variants.split(",") if args.variants else VARIANTS)]
+    results = []
+    for name in args.shapes.split(","):
+        n, k, gated = SHAPES[name]
+        keys = jax.random.split(jax.random.PRNGKey(0), args.layers + 1)
+        ws = [(jax.random.normal(kk, (n, k), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+              for kk in keys[1:]]
+        nbytes = n * k * 2
+        for m in rows_list:
+            x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+            for impl in impls:
+                row = dict(shape=name, rows=m, impl=impl, N=n, K=k, gated=gated)
+                try:
+                    fn = chain_fn(impl, gated)
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(x, ws))
+                    row["compile_s"] = round(time.perf_counter() - t0, 2)
+                    sec = time_chain(fn, x, ws, args.calls, args.trials) / args.layers
+                    row.update(us=round(sec * 1e6, 2), TBps=round(nbytes / sec / 1e12, 3))
+                    if impl != "xla":
+                        row["rel_err_vs_xla"] = max_rel_error(fn, x, ws, gated)
+                except Exception as e:  # an unsupported tiling for this shape, or a compile error
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                results.append(row)
+                print(f"{name:8s} M={m:2d} {impl:18s} " + (
+                    f"{row['us']:8.2f} us {row['TBps']:6.3f} TB/s" if "us" in row else row["error"]),
+                    flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rows", default="1,8", help="comma list of row counts (batch x tokens)")
+    ap.add_argument("--variants", default="", help=f"comma list from {sorted(VARIANTS)} (default all)")
+    ap.add_argument("--layers", type=int, default=24, help="distinct weights per timed program")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS)
+    if unknown or set(args.shapes.split(",")) - set(SHAPES):
+        raise SystemExit(f"unknown variants/shapes: {sorted(unknown)} {args.shapes}")
+    results = run(args)
+    save_record("benchmarks.gemv", argv, args.out, results=results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

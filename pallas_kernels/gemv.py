@@ -1,0 +1,162 @@
+"""Few-row projections (decode GEMVs): y [M, N] = x [M, K] @ W [N, K]^T, W in the HF layout.
+
+At batch 1 a decode step is ~96 matrix-vector products per token over 103 MB of weights per
+layer application; XLA's Triton GEMM fusions read them at 1.9-3.0 TB/s (docs/performance.md).
+This kernel streams W once with one program per block of `block_n` output rows, so it has no
+split-K partials to reduce, and its per-row result does not depend on how many rows are in
+the call (every row sees the same tiles in the same order): verification (k+1 rows) and
+decode (1 row) compute bit-identical projections.
+
+Two inner products, chosen per call:
+  * use_dot=True: tensor-core dots on x padded to 16 rows (clamped row indices; duplicates
+    are discarded). Triton software-pipelines the W tile loads that feed dots (cp.async,
+    `num_stages` deep), which keeps bytes in flight.
+  * use_dot=False: fp32 multiply-adds on the CUDA cores into a [block_n, block_k] accumulator
+    per row, reduced once at the end; enough programs per SM hide the load latency instead.
+
+`gated=True` takes W = [gate; up] ([2I, K]) and returns silu(gate) * up [M, I], rounding as
+the model does (each projection rounded to the activation dtype, silu in fp32 rounded once,
+the product rounded once), so the SiLU kernel after the GEMM disappears.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import compiler_params, dot, pl
+
+MAX_ROWS = 16
+# Measured defaults (benchmarks/gemv.py on the H200); see TUNING for the per-call override.
+DEFAULTS = dict(use_dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4)
+
+
+def _pow2_block(n: int, cap: int) -> int:
+    """Largest power of two <= cap dividing n (0 when none >= 16 exists)."""
+    b = cap
+    while b >= 16:
+        if n % b == 0:
+            return b
+        b //= 2
+    return 0
+
+
+def _mul(a, b, dt):
+    """a * b in fp32, rounded once to dt (how XLA multiplies two bf16 arrays)."""
+    return (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(dt)
+
+
+def _silu_mul(g, u, dt):
+    gf = g.astype(dt).astype(jnp.float32)
+    return _mul((gf * jax.nn.sigmoid(gf)).astype(dt), u.astype(dt), dt)
+
+
+def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_n: int, block_k: int,
+            use_dot: bool, gated: bool, up_offset: int):
+    j = pl.program_id(0)
+    dt = y_ref.dtype
+    nk = k // block_k
+    gate_rows = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
+    up_rows = pl.ds(pl.multiple_of(up_offset + j * block_n, block_n), block_n)
+
+    def cols(c):
+        return pl.ds(pl.multiple_of(c * block_k, block_k), block_k)
+
+    if use_dot:
+        mp = max(MAX_ROWS, m)
+        rows = jnp.minimum(lax.iota(jnp.int32, mp), m - 1)
+
+        def body(c, accs):
+            xc = x_ref[rows, cols(c)]  # [mp, bk]
+            out = (accs[0] + dot(xc, w_ref[gate_rows, cols(c)], ((1,), (1,))),)
+            if gated:
+                out += (accs[1] + dot(xc, w_ref[up_rows, cols(c)], ((1,), (1,))),)
+            return out
+
+        init = (jnp.zeros((mp, block_n), jnp.float32),) * (2 if gated else 1)
+        accs = lax.fori_loop(0, nk, body, init)
+        y = _silu_mul(accs[0], accs[1], dt) if gated else accs[0].astype(dt)
+        y_ref[rows, gate_rows] = y  # clamped duplicate rows write identical values
+        return
+
+    def body(c, accs):
+        wg = w_ref[gate_rows, cols(c)].astype(jnp.float32)  # [bn, bk]
+        wu = w_ref[up_rows, cols(c)].astype(jnp.float32) if gated else None
+        out = []
+        for r in range(m):
+            xr = x_ref[r, cols(c)].astype(jnp.float32)[None, :]
+            out.append(accs[len(out)] + wg * xr)
+            if gated:
+                out.append(accs[len(out)] + wu * xr)
+        return tuple(out)
+
+    per_row = 2 if gated else 1
+    init = (jnp.zeros((block_n, block_k), jnp.float32),) * (m * per_row)
+    accs = lax.fori_loop(0, nk, body, init)
+    for r in range(m):
+        g = jnp.sum(accs[r * per_row], axis=1)
+        y = _silu_mul(g, jnp.sum(accs[r * per_row + 1], axis=1), dt) if gated else g.astype(dt)
+        y_ref[r, gate_rows] = y
+
+
+def check_supported(m: int, k: int, n_out: int, *, use_dot: bool, block_n: int, block_k: int):
+    """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
+    if m < 1 or m > MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}")
+    if not use_dot and m > 4:
+        raise ValueError(f"gemv use_dot=False keeps one accumulator per row: at most 4 rows, got {m}")
+    for name, v in (("block_n", block_n), ("block_k", block_k)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"gemv {name} must be a power of two, got {v}")
+    if use_dot and block_n < 16:
+        raise ValueError(f"gemv use_dot=True needs block_n >= 16 (a tensor-core tile), got {block_n}")
+    if n_out % block_n or k % block_k:
+        raise ValueError(f"gemv: block_n={block_n} must divide N={n_out} and block_k={block_k} "
+                         f"must divide K={k}")
+
+
+def gemv(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = False,
+         **tuning) -> jax.Array:
+    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation); gated: w = [gate; up]
+    [2I, K] -> silu(x @ gate^T) * (x @ up^T) [M, I]. tuning: DEFAULTS' keys; block_k defaults
+    to the largest power of two <= 256 dividing K."""
+    unknown = set(tuning) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown gemv tuning keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv shape mismatch: x {x.shape} (want [M, K]), w {w.shape} (want [N, K])")
+    m, k = x.shape
+    n = w.shape[0]
+    if gated and n % 2:
+        raise ValueError(f"gated gemv needs w = [gate; up] with an even row count, got {n}")
+    n_out = n // 2 if gated else n
+    cfg = dict(DEFAULTS, **tuning)
+    if "block_k" not in tuning:
+        cfg["block_k"] = _pow2_block(k, cfg["block_k"]) or cfg["block_k"]
+    check_supported(m, k, n_out, use_dot=cfg["use_dot"], block_n=cfg["block_n"],
+                    block_k=cfg["block_k"])
+    kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
+                               block_k=cfg["block_k"], use_dot=cfg["use_dot"], gated=gated,
+                               up_offset=n_out)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n_out), x.dtype),
+        grid=(n_out // cfg["block_n"],),
+        compiler_params=compiler_params(cfg["num_warps"], cfg["num_stages"]),
+        interpret=interpret,
+        name="gemv_silu" if gated else "gemv",
+    )(x, w.astype(x.dtype))
+
+
+def gemv_reference(x, w, *, gated: bool = False):
+    """The model's own ops (model.linear, model.silu): the oracle for tests."""
+    from ouro_jax.model import linear, silu
+
+    y = linear(x, w)
+    if gated:
+        i = w.shape[0] // 2
+        y = silu(y[:, :i]) * y[:, i:]
+    return y
