@@ -38,6 +38,15 @@ VARIANTS = {  # name -> gemv tuning; "xla" is the model's einsum (+ SiLU for gat
     "fma8_k512_w4_s2": dict(use_dot=False, block_n=8, block_k=512, num_warps=4, num_stages=2),
     "fma16_k256_w8": dict(use_dot=False, block_n=16, block_k=256, num_warps=8, num_stages=1),
     "fma2_k512_w2": dict(use_dot=False, block_n=2, block_k=512, num_warps=2, num_stages=1),
+    # one load per program where K allows (no loop: every byte of the tile in flight at once)
+    "fma4_k2048_w4": dict(use_dot=False, block_n=4, block_k=2048, num_warps=4, num_stages=1),
+    "fma2_k2048_w4": dict(use_dot=False, block_n=2, block_k=2048, num_warps=4, num_stages=1),
+    "fma1_k2048_w2": dict(use_dot=False, block_n=1, block_k=2048, num_warps=2, num_stages=1),
+    "fma4_k1024_w4": dict(use_dot=False, block_n=4, block_k=1024, num_warps=4, num_stages=1),
+    "fma8_k1024_w8": dict(use_dot=False, block_n=8, block_k=1024, num_warps=8, num_stages=1),
+    "fma2_k1024_w2": dict(use_dot=False, block_n=2, block_k=1024, num_warps=2, num_stages=1),
+    "fma4_k512_w2": dict(use_dot=False, block_n=4, block_k=512, num_warps=2, num_stages=1),
+    "fma4_k256_w2": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1),
 }
 
 

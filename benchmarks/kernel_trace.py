@@ -27,9 +27,19 @@ import jax
 import numpy as np
 
 
-def device_events(xspace_path: str, lines_seen: list | None = None) -> list[tuple[str, float, float]]:
+def _event_stats(ev) -> dict:
+    """An event's profiler stats (bytes, memcpy details) as plain values, where readable."""
+    try:
+        return {str(k): (v if isinstance(v, (int, float, str)) else str(v)) for k, v in ev.stats}
+    except Exception:  # noqa: BLE001 - stats are best effort; names and times are what count
+        return {}
+
+
+def device_events(xspace_path: str, lines_seen: list | None = None,
+                  memcpy_stats: list | None = None) -> list[tuple[str, float, float]]:
     """(name, start_ns, duration_ns) of every event on a GPU device plane's kernel lines.
-    `lines_seen` collects (plane, line, events) for every device line, kept or not."""
+    `lines_seen` collects (plane, line, events) for every device line, kept or not;
+    `memcpy_stats` the stats of the first memcpy events (what is copied, how many bytes)."""
     pd = jax.profiler.ProfileData.from_file(xspace_path)
     out = []
     for plane in pd.planes:
@@ -45,6 +55,10 @@ def device_events(xspace_path: str, lines_seen: list | None = None) -> list[tupl
                 continue
             for ev in line.events:
                 out.append((ev.name, float(ev.start_ns), float(ev.duration_ns)))
+                if (memcpy_stats is not None and ev.name.startswith("Memcpy")
+                        and len(memcpy_stats) < 8):
+                    memcpy_stats.append(dict(name=ev.name, us=ev.duration_ns / 1e3,
+                                             **_event_stats(ev)))
     return out
 
 
@@ -78,6 +92,21 @@ def _table(groups: dict, units: int, kernel_ns: float, top: int) -> list[dict]:
              "mean_us": t / c / 1e3, "share": t / kernel_ns} for n, (c, t) in rows[:top]]
 
 
+def memcpy_neighbours(events, limit: int = 6) -> list[dict]:
+    """The kernels launched just before and after the longest memcpys: a whole-buffer copy
+    inside a program shows up as a memcpy between two of its kernels, which says where in
+    the program it sits (then read the dumped HLO for its copy instruction)."""
+    order = sorted(events, key=lambda e: e[1])
+    idx = [i for i, e in enumerate(order) if e[0].startswith("Memcpy")]
+    idx.sort(key=lambda i: -order[i][2])
+    out = []
+    for i in idx[:limit]:
+        out.append({"name": order[i][0], "us": order[i][2] / 1e3,
+                    "before": [e[0] for e in order[max(0, i - 3):i]],
+                    "after": [e[0] for e in order[i + 1:i + 4]]})
+    return out
+
+
 def summarize(events, units: int, top: int = 25) -> dict:
     if not events:
         return {"error": "no GPU events in the trace (CPU run, or the profiler saw no device)"}
@@ -103,6 +132,7 @@ def summarize(events, units: int, top: int = 25) -> dict:
         "per_unit_busy_us": busy_ns(events) / units / 1e3,
         "top": _table(by_name, units, kernel_ns, top),
         "top_kinds": _table(by_kind, units, kernel_ns, top),
+        "memcpy_neighbours": memcpy_neighbours(events),
     }
 
 
@@ -121,7 +151,8 @@ def trace_generate(llm, batch, k, args) -> dict:
             res = llm.generate(prompts, sps, speculative=spec)
         files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
         lines: list = []
-        events = device_events(files[0], lines) if files else []
+        memcpys: list = []
+        events = device_events(files[0], lines, memcpys) if files else []
     # Rounds the device ran: every row rounds in lockstep until the last is done, so the
     # longest row's count (stats.spec["rounds"] sums over rows).
     units = max(o.spec["rounds"] for o in res.outputs) if k else args.new_tokens - 1
@@ -129,6 +160,7 @@ def trace_generate(llm, batch, k, args) -> dict:
            "decode_tok_s": res.stats.decode_tok_s}
     row.update(summarize(events, max(1, units)))
     row["device_lines"] = lines
+    row["memcpy_stats"] = memcpys
     return row
 
 
@@ -152,13 +184,17 @@ def main(argv=None) -> int:
             row = trace_generate(llm, b, k, args)
             rows.append(row)
             head = {kk: (round(v, 3) if isinstance(v, float) else v)
-                    for kk, v in row.items() if kk not in ("top", "top_kinds", "device_lines")}
+                    for kk, v in row.items() if kk not in ("top", "top_kinds", "device_lines",
+                                                           "memcpy_neighbours", "memcpy_stats")}
             print(json.dumps(head), flush=True)
             for title in ("top", "top_kinds"):
                 print(f"  {title}:", flush=True)
                 for t in row.get(title, [])[:args.top]:
                     print(f"   {t['share']:6.1%} {t['per_unit']:7.1f}/unit {t['mean_us']:8.1f} us"
                           f"  {t['name'][:110]}", flush=True)
+            for mc in row.get("memcpy_neighbours", [])[:3]:
+                print(f"  {mc['name']} {mc['us']:.1f} us after {mc['before'][-1:]} before "
+                      f"{mc['after'][:1]}", flush=True)
     save_record("benchmarks.kernel_trace", argv, args.out, rows=rows)
     return 0
 

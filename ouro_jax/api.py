@@ -28,6 +28,8 @@ from ouro_jax.kv_cache import (KVPoolExhausted, bucket_pages, init_planes, kv_by
 from ouro_jax.model import ExitSpec
 from ouro_jax.params import OuroParams
 from ouro_jax.programs import ProgramCache
+from ouro_jax.projections import XLA as XLAProjections
+from ouro_jax.projections import parse as parse_projections
 from ouro_jax.sampling import SamplingParams
 from ouro_jax.tokenizer import Tokenizer
 
@@ -120,7 +122,7 @@ class Ouro:
                  *, page_size: int = 16, attention: str = "auto",
                  kv_pool_tokens: Optional[int] = None, prefill_chunk: int = 256,
                  decode_chunk: int = 32, fuse_projections: bool = True,
-                 unroll_loops: bool = False):
+                 unroll_loops: bool = False, projections: str = "xla"):
         if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
             raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
         from ouro_jax.model import unstack_layers
@@ -129,8 +131,14 @@ class Ouro:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.params = unstack_layers(params, fuse=fuse_projections)
         self.page_size = page_size
-        # "+unroll": loops unrolled in the program rather than a device while loop.
-        self.backend = resolve_backend(attention) + ("+unroll" if unroll_loops else "")
+        # "+unroll": loops unrolled in the program rather than a device while loop;
+        # "+gemv[:names]": few-row projections through the Pallas GEMV (ouro_jax.projections).
+        proj = parse_projections(projections)
+        if proj != XLAProjections() and not fuse_projections:
+            raise ValueError("projections='gemv...' needs fuse_projections=True (the gated "
+                             "kernel reads the fused [gate; up] weight)")
+        self.backend = (resolve_backend(attention) + ("+unroll" if unroll_loops else "")
+                        + ("" if proj == XLAProjections() else "+" + projections))
         self.prefill_chunk = next_pow2(prefill_chunk)
         self.decode_chunk = decode_chunk
         self.fixed_pool_pages = (None if kv_pool_tokens is None

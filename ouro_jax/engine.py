@@ -18,6 +18,7 @@ from ouro_jax.attention import make_paged_attend
 from ouro_jax.config import OuroConfig
 from ouro_jax.model import ExitSpec, embed, rope_cos_sin, run_loops, select_exit
 from ouro_jax.params import OuroParams
+from ouro_jax.projections import parse as parse_projections
 from ouro_jax.sampling import SamplingArrays, SamplingMode, sample, token_logprobs
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -41,16 +42,19 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
                   loops, backend: str, h=None):
     """Runs `loops` over a [B, C] block of tokens at `positions`, writing their K/V.
 
-    `backend` is the attention backend ("xla" | "pallas"), optionally with "+unroll" to unroll
-    the loop range in Python instead of a `fori_loop` (fewer device while loops per step,
-    larger programs). `h` overrides the embedding input (verification starts from the
-    draft's states)."""
-    attention, _, option = backend.partition("+")
+    `backend` is the attention backend ("xla" | "pallas"), optionally followed by options:
+    "+unroll" unrolls the loop range in Python instead of a `fori_loop` (fewer device while
+    loops per step, larger programs); "+gemv[:names]" computes few-row projections with the
+    Pallas GEMV (ouro_jax.projections.parse). `h` overrides the embedding input
+    (verification starts from the draft's states)."""
+    attention, *options = backend.split("+")
+    proj = parse_projections(next((o for o in options if o.startswith("gemv")), "xla"))
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
     if h is None:
         h = embed(params, ids, params.dtype)
     attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], attention)
-    return run_loops(params, h, cos, sin, cfg, attend, planes, loops, unroll=option == "unroll")
+    return run_loops(params, h, cos, sin, cfg, attend, planes, loops,
+                     unroll="unroll" in options, proj=proj)
 
 
 def prefill_chunk(params, planes, block_tables, ids, start, last_idx, last_h, last_g, *,

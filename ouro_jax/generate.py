@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("runtime")
     r.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     r.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"])
+    r.add_argument("--projections", default="xla",
+                   help="'xla' (einsum GEMMs), 'gemv' (one-row projections through the Pallas "
+                        "GEMV) or 'gemv:qkv,o,gate_up,down' (a subset)")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
     r.add_argument("--kv-pool-tokens", type=int, default=None,
@@ -137,6 +140,7 @@ def main(argv=None) -> int:
                 if args.speculative_k else None)
         t0 = time.perf_counter()
         llm = Ouro.load(args.model, args.dtype, page_size=args.page_size, attention=args.attention,
+                        projections=args.projections,
                         decode_chunk=args.decode_chunk, kv_pool_tokens=args.kv_pool_tokens)
         load_s = time.perf_counter() - t0
         if args.model is None and not args.json:

@@ -22,6 +22,9 @@ from jax import lax
 
 from ouro_jax.config import OuroConfig
 from ouro_jax.params import LayerParams, OuroParams
+from ouro_jax.projections import XLA as _XLAProjections
+
+XLA_PROJECTIONS = _XLAProjections()
 
 # attend(q [..., S, H, hd], k [..., S, KVH, hd], v, state, loop, layer) -> (out [..., S, H, hd], state)
 AttendFn = Callable[..., tuple[jax.Array, Any]]
@@ -101,35 +104,38 @@ def dense_causal_attend(q, k, v, state, loop, layer):
 
 
 def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, state,
-                  loop, layer):
-    """One sandwich-norm decoder layer. lp holds a single layer's weights (no [L] axis)."""
+                  loop, layer, proj=None):
+    """One sandwich-norm decoder layer. lp holds a single layer's weights (no [L] axis);
+    `proj` (ouro_jax.projections) computes the projections, XLA's einsums by default."""
+    proj = proj or XLA_PROJECTIONS
     eps = cfg.rms_norm_eps
     hx = rms_norm(x, lp.input_layernorm, eps)
     lead = hx.shape[:-1]
     nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     if lp.qkv_proj is not None:
-        qkv = linear(hx, lp.qkv_proj)
+        qkv = proj.project("qkv", hx, lp.qkv_proj)
         q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
-        q, k, v = linear(hx, lp.q_proj), linear(hx, lp.k_proj), linear(hx, lp.v_proj)
+        q, k, v = (proj.project("qkv", hx, w) for w in (lp.q_proj, lp.k_proj, lp.v_proj))
     q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
     k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
     v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn, state = attend(q, k, v, state, loop, layer)
-    attn = linear(attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim), lp.o_proj)
+    attn = proj.project("o", attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim),
+                        lp.o_proj)
     h = x + rms_norm(attn, lp.input_layernorm_2, eps)
     m = rms_norm(h, lp.post_attention_layernorm, eps)
     if lp.gate_up_proj is not None:
-        gu = linear(m, lp.gate_up_proj)
-        gate, up = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+        m = proj.gated(m, lp.gate_up_proj)
     else:
-        gate, up = linear(m, lp.gate_proj), linear(m, lp.up_proj)
-    m = linear(silu(gate) * up, lp.down_proj)
+        m = silu(linear(m, lp.gate_proj)) * linear(m, lp.up_proj)
+    m = proj.project("down", m, lp.down_proj)
     return h + rms_norm(m, lp.post_attention_layernorm_2, eps), state
 
 
-def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop):
+def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop,
+             proj=None):
     """One recurrent step: all L layers, then `model.norm`. `loop` may be traced.
 
     Stacked layer weights ([L, ...] arrays) run as a `lax.scan` (small programs, quick
@@ -138,13 +144,13 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
     weight inside a loop makes XLA copy it first, tripling the weight traffic of decode."""
     if isinstance(params.layers, (tuple, list)):
         for layer, lp in enumerate(params.layers):
-            h, state = decoder_layer(lp, h, cos, sin, cfg, attend, state, loop, layer)
+            h, state = decoder_layer(lp, h, cos, sin, cfg, attend, state, loop, layer, proj)
         return rms_norm(h, params.norm, cfg.rms_norm_eps), state
 
     def body(carry, xs):
         x, st = carry
         lp, layer = xs
-        x, st = decoder_layer(lp, x, cos, sin, cfg, attend, st, loop, layer)
+        x, st = decoder_layer(lp, x, cos, sin, cfg, attend, st, loop, layer, proj)
         return (x, st), None
 
     layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
@@ -185,7 +191,7 @@ def lm_head(params: OuroParams, h: jax.Array) -> jax.Array:
     return linear(h, params.lm_head)
 
 
-def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = False):
+def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = False, proj=None):
     """Runs a contiguous range of loops in a `lax.fori_loop` (one copy of the loop body in
     the program, whatever the range), or unrolled in Python with `unroll`.
     Returns states [n, ...], gate logits [n, ...], state."""
@@ -198,7 +204,7 @@ def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = Fal
     if unroll:
         hs, gs = [], []
         for loop in loops:
-            h, state = run_loop(params, h, cos, sin, cfg, attend, state, loop)
+            h, state = run_loop(params, h, cos, sin, cfg, attend, state, loop, proj)
             hs.append(h)
             gs.append(exit_gate_logit(params, h))
         return jnp.stack(hs), jnp.stack(gs), state
@@ -207,7 +213,7 @@ def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = Fal
 
     def body(i, carry):
         h, state, hs, gs = carry
-        h, state = run_loop(params, h, cos, sin, cfg, attend, state, start + i)
+        h, state = run_loop(params, h, cos, sin, cfg, attend, state, start + i, proj)
         return h, state, hs.at[i].set(h), gs.at[i].set(exit_gate_logit(params, h))
 
     _, state, hs, gs = lax.fori_loop(0, n, body, (h, state, hs, gs))

@@ -45,6 +45,15 @@ def test_trace_groups_per_layer_kernels_by_kind():
         "paged_decode_attention"
 
 
+def test_trace_places_the_longest_memcpys_between_their_kernels():
+    events = [("k1", 0, 5), ("MemcpyD2D", 10, 400), ("k2", 420, 5), ("k3", 430, 5),
+              ("MemcpyD2D", 440, 3), ("k4", 450, 5)]
+    near = summarize(events, units=1)["memcpy_neighbours"]
+    assert [m["us"] for m in near] == [pytest.approx(0.4), pytest.approx(0.003)]
+    assert near[0]["before"] == ["k1"] and near[0]["after"] == ["k2", "k3", "MemcpyD2D"]
+    assert near[1]["before"] == ["MemcpyD2D", "k2", "k3"] and near[1]["after"] == ["k4"]
+
+
 def test_step_bytes_matches_the_published_roofline():
     # OURO.md: one batch-1 step of the 1.4B model reads about 4 x 2.47 GB + 0.2 GB = 10.1 GB.
     b1 = step_bytes(PRESETS["1.4b"], batch=1, context=160)

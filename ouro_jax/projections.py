@@ -1,0 +1,110 @@
+"""How a decoder layer computes its four projections: XLA GEMMs, or the Pallas GEMV for few rows.
+
+`model.decoder_layer` asks a `Projections` object for qkv, o, the gated MLP input
+silu(gate) * up, and down. `XLA` is the plain einsum path (any shape, any backend).
+`PallasGemv(names)` routes the named projections through pallas_kernels.gemv when the call
+has at most `max_rows` rows (decode and the draft at batch 1-4) and falls back to XLA
+otherwise (prefill, verification, large batches), so one program may mix both. On a machine
+without a GPU the kernel runs in interpret mode (tests).
+
+The gated kernel returns silu(gate) * up directly, so XLA no longer fuses the SiLU into the
+down projection's prologue (which slowed that GEMM from 7.6 to 12.3 us per call at batch 1 on
+the H200, benchmarks/results/kernel_trace_pallas_b1_h200.json vs gemv_session4_h200.json).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+NAMES = ("qkv", "o", "gate_up", "down")
+
+# Per projection, the GEMV tiling measured fastest at one row on the H200
+# (benchmarks/results/gemv_session4_h200.json).
+GEMV_TUNING = {
+    "qkv": dict(use_dot=False, block_n=16, block_k=256, num_warps=8, num_stages=1),
+    "o": dict(use_dot=False, block_n=4, block_k=512, num_warps=4, num_stages=1),
+    "gate_up": dict(use_dot=False, block_n=8, block_k=256, num_warps=4, num_stages=1),
+    "down": dict(use_dot=False, block_n=4, block_k=512, num_warps=4, num_stages=1),
+}
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    b = cap
+    while b > 1 and n % b:
+        b //= 2
+    return b
+
+
+def fit_tuning(tuning: dict, n_out: int, k: int) -> dict:
+    """The tuning with block sizes shrunk (by halving) until they divide this shape: the
+    measured tilings are for the 1.4B/2.6B shapes; small test models get smaller tiles."""
+    out = dict(tuning)
+    out["block_n"] = _largest_pow2_divisor(n_out, tuning["block_n"])
+    out["block_k"] = _largest_pow2_divisor(k, tuning["block_k"])
+    if out["use_dot"] and out["block_n"] < 16:
+        out["use_dot"] = False
+    return out
+
+
+def _linear(x, w):
+    from ouro_jax.model import linear
+    return linear(x, w)
+
+
+@dataclasses.dataclass(frozen=True)
+class XLA:
+    """einsum projections (model.linear); the gated MLP input rounds like the reference."""
+
+    def project(self, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        return _linear(x, w)
+
+    def gated(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        from ouro_jax.model import silu
+        i = w.shape[0] // 2
+        gu = _linear(x, w)
+        return silu(gu[..., :i]) * gu[..., i:]
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasGemv(XLA):
+    names: tuple = NAMES
+    max_rows: int = 1
+
+    def _use(self, name: str, x: jax.Array) -> bool:
+        rows = 1
+        for d in x.shape[:-1]:
+            rows *= d
+        return name in self.names and rows <= self.max_rows
+
+    def _gemv(self, name, x, w, gated=False):
+        from pallas_kernels.gemv import gemv
+        lead = x.shape[:-1]
+        interpret = jax.default_backend() != "gpu"
+        n_out = w.shape[0] // 2 if gated else w.shape[0]
+        y = gemv(x.reshape(-1, x.shape[-1]), w, gated=gated, interpret=interpret,
+                 **fit_tuning(GEMV_TUNING[name], n_out, x.shape[-1]))
+        return y.reshape(*lead, y.shape[-1])
+
+    def project(self, name, x, w):
+        return self._gemv(name, x, w) if self._use(name, x) else _linear(x, w)
+
+    def gated(self, x, w):
+        return self._gemv("gate_up", x, w, gated=True) if self._use("gate_up", x) else \
+            super().gated(x, w)
+
+
+def parse(spec: str):
+    """'xla' -> XLA(); 'gemv' -> all four through the GEMV; 'gemv:gate_up,down' -> those."""
+    if spec in ("", "xla"):
+        return XLA()
+    kind, _, names = spec.partition(":")
+    if kind != "gemv":
+        raise ValueError(f"unknown projections {spec!r}: 'xla', 'gemv' or 'gemv:NAME,...' "
+                         f"with NAME in {NAMES}")
+    chosen = tuple(n for n in names.split(",") if n) if names else NAMES
+    bad = sorted(set(chosen) - set(NAMES))
+    if bad or not chosen:
+        raise ValueError(f"unknown projection name(s) {bad} in {spec!r}; choose from {NAMES}")
+    return PallasGemv(tuple(n for n in NAMES if n in chosen))
