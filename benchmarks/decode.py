@@ -106,7 +106,7 @@ def make_engine(args):
     kw = dict(page_size=args.page_size, attention=args.attention,
               decode_chunk=args.new_tokens, prefill_chunk=256,
               fuse_projections=not args.no_fuse, unroll_loops=args.unroll_loops,
-              projections=getattr(args, "projections", "xla"))
+              projections=getattr(args, "projections", "auto"))
     if args.model:
         return Ouro.load(args.model, args.dtype, **kw)
     cfg = PRESETS[args.synthetic]
@@ -121,7 +121,7 @@ def add_model_args(ap, attention: str = "xla") -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--attention", default=attention)
-    ap.add_argument("--projections", default="xla", help=PROJECTIONS_HELP)
+    ap.add_argument("--projections", default="auto", help=PROJECTIONS_HELP)
 
 
 def engine_for(args, new_tokens: int, unroll_loops: bool = False):
@@ -224,8 +224,8 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-PROJECTIONS_HELP = ("'xla' (einsum GEMMs), 'gemv' (one-row projections through the Pallas GEMV) "
-                    "or 'gemv:qkv,o,gate_up,down' (a subset)")
+PROJECTIONS_HELP = ("'auto' (default: 'gemv' on a GPU, else 'xla'), 'xla' (einsum GEMMs), 'gemv' "
+                    "(calls of <= 5 rows through the Pallas GEMV) or 'gemv:qkv,o,gate_up,down'")
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
 POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton warps
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="auto")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs")
-    p.add_argument("--projections", default="xla", help=PROJECTIONS_HELP)
+    p.add_argument("--projections", default="auto", help=PROJECTIONS_HELP)
     p.add_argument("--unroll-loops", action="store_true",
                    help="unroll the T loops in the program instead of a fori_loop")
     p.add_argument("--batch", default="1,8,32,64")

@@ -55,12 +55,15 @@ def xla_projection(x, w, gated):
     return gemv_reference(x, w, gated=gated)
 
 
-def chain_fn(impl, gated):
-    """One program: the projection of x with each weight in turn (outputs stacked)."""
+def chain_fn(impl, gated, shape):
+    """One program: the projection of x with each weight in turn (outputs stacked). impl:
+    "xla", "engine" (the tiling ouro_jax.projections uses for this shape) or a VARIANTS key."""
+    from ouro_jax.projections import GEMV_TUNING
     if impl == "xla":
         one = lambda x, w: xla_projection(x, w, gated)
     else:
-        one = lambda x, w: gemv(x, w, gated=gated, **VARIANTS[impl])
+        tuning = GEMV_TUNING[shape] if impl == "engine" else VARIANTS[impl]
+        one = lambda x, w: gemv(x, w, gated=gated, **tuning)
     return jax.jit(lambda x, ws: jnp.stack([one(x, w) for w in ws]))
 
 
@@ -86,7 +89,8 @@ def max_rel_error(fn, x, ws, gated) -> float:
 
 def run(args) -> list:
     rows_list = [int(r) for r in args.rows.split(",")]
-    impls = ["xla"] + [v for v in (args.variants.split(",") if args.variants else VARIANTS)]
+    impls = ["xla", "engine"] + [v for v in (args.variants.split(",") if args.variants else VARIANTS)
+                                 if v != "engine"]
     results = []
     for name in args.shapes.split(","):
         n, k, gated = SHAPES[name]
@@ -99,7 +103,7 @@ def run(args) -> list:
             for impl in impls:
                 row = dict(shape=name, rows=m, impl=impl, N=n, K=k, gated=gated)
                 try:
-                    fn = chain_fn(impl, gated)
+                    fn = chain_fn(impl, gated, name)
                     t0 = time.perf_counter()
                     jax.block_until_ready(fn(x, ws))
                     row["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -120,13 +124,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default="1,8", help="comma list of row counts (batch x tokens)")
-    ap.add_argument("--variants", default="", help=f"comma list from {sorted(VARIANTS)} (default all)")
+    ap.add_argument("--variants", default="", help=f"comma list from {sorted(VARIANTS)} (default "
+                    "all; 'none': only XLA and the engine's tiling)")
     ap.add_argument("--layers", type=int, default=24, help="distinct weights per timed program")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS)
+    if args.variants == "none":
+        args.variants = "engine"
+    unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS) - {"engine"}
     if unknown or set(args.shapes.split(",")) - set(SHAPES):
         raise SystemExit(f"unknown variants/shapes: {sorted(unknown)} {args.shapes}")
     results = run(args)

@@ -30,6 +30,7 @@ from ouro_jax.params import OuroParams
 from ouro_jax.programs import ProgramCache
 from ouro_jax.projections import XLA as XLAProjections
 from ouro_jax.projections import parse as parse_projections
+from ouro_jax.projections import resolve as resolve_projections
 from ouro_jax.sampling import SamplingParams
 from ouro_jax.tokenizer import Tokenizer
 
@@ -122,7 +123,7 @@ class Ouro:
                  *, page_size: int = 16, attention: str = "auto",
                  kv_pool_tokens: Optional[int] = None, prefill_chunk: int = 256,
                  decode_chunk: int = 32, fuse_projections: bool = True,
-                 unroll_loops: bool = False, projections: str = "xla"):
+                 unroll_loops: bool = False, projections: str = "auto"):
         if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
             raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
         from ouro_jax.model import unstack_layers
@@ -133,6 +134,7 @@ class Ouro:
         self.page_size = page_size
         # "+unroll": loops unrolled in the program rather than a device while loop;
         # "+gemv[:names]": few-row projections through the Pallas GEMV (ouro_jax.projections).
+        projections = resolve_projections(projections)
         proj = parse_projections(projections)
         if proj != XLAProjections() and not fuse_projections:
             raise ValueError("projections='gemv...' needs fuse_projections=True (the gated "

@@ -20,10 +20,12 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
-def choose_num_splits(work_items: int, max_tokens: int, block_t: int) -> int:
-    """Flash-decoding split count: enough programs to fill the GPU, >= 2 key blocks per split."""
+def choose_num_splits(work_items: int, max_tokens: int, block_t: int,
+                      min_blocks_per_split: int = 2) -> int:
+    """Flash-decoding split count: enough programs to fill the GPU, at least
+    `min_blocks_per_split` key blocks (of the table's capacity) per split."""
     want = cdiv(TARGET_PROGRAMS, max(1, work_items))
-    cap = max(1, max_tokens // (2 * block_t))
+    cap = max(1, max_tokens // (min_blocks_per_split * block_t))
     return int(max(1, min(want, cap)))
 
 

@@ -159,7 +159,10 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
     group_pad = max(16, next_pow2(group)) if use_dot else group
     max_tokens = block_tables.shape[1] * page_size
     if num_splits is None:
-        num_splits = choose_num_splits(bsz * kvh, max_tokens, block_t)
+        # One key block per split is enough for decode: at batch 1 (16 programs unsplit) the
+        # 2-block floor left 1-2 splits for a 256-token table; 4 splits took batch-1 decode
+        # from 163.5 to 170.2 tok/s on the H200 (benchmarks/results/ab_splits*_b1_h200.json).
+        num_splits = choose_num_splits(bsz * kvh, max_tokens, block_t, min_blocks_per_split=1)
 
     kernel = functools.partial(
         _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,

@@ -30,6 +30,7 @@ from jax import lax
 from pallas_kernels._common import compiler_params, dot, pl
 
 MAX_ROWS = 16
+MAX_FMA_ROWS = 8  # registers: one [block_n, block_k] fp32 accumulator per row
 # Measured defaults (benchmarks/gemv.py on the H200); see TUNING for the per-call override.
 DEFAULTS = dict(use_dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4)
 
@@ -106,8 +107,9 @@ def check_supported(m: int, k: int, n_out: int, *, use_dot: bool, block_n: int, 
     """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
     if m < 1 or m > MAX_ROWS:
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}")
-    if not use_dot and m > 4:
-        raise ValueError(f"gemv use_dot=False keeps one accumulator per row: at most 4 rows, got {m}")
+    if not use_dot and m > MAX_FMA_ROWS:
+        raise ValueError(f"gemv use_dot=False keeps one accumulator tile per row: at most "
+                         f"{MAX_FMA_ROWS} rows, got {m}")
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"gemv {name} must be a power of two, got {v}")

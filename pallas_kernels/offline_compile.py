@@ -55,10 +55,22 @@ def compile_captured(tag, num_warps=4, num_stages=2):
 
 
 def check_gemv():
-    """Every benchmarks/gemv.py variant on the 1.4B projection shapes, 1 and 8 rows."""
+    """The engine's GEMV tilings (ouro_jax.projections) at 1-5 rows, then every
+    benchmarks/gemv.py variant on the 1.4B projection shapes at 1 and 8 rows."""
     from benchmarks.gemv import SHAPES, VARIANTS
+    from ouro_jax.projections import GEMV_MAX_ROWS, GEMV_TUNING
     from pallas_kernels.gemv import gemv
     S = jax.ShapeDtypeStruct
+    for name, (n, k, gated) in SHAPES.items():
+        kw = GEMV_TUNING[name]
+        for m in range(1, GEMV_MAX_ROWS + 1):
+            f = jax.jit(functools.partial(gemv, gated=gated, **kw))
+            f.trace(S((m, k), jnp.bfloat16), S((n, k), jnp.bfloat16)).lower(
+                lowering_platforms=("cuda",))
+            compile_captured(f"gemv engine {name} M{m}", num_warps=kw["num_warps"],
+                             num_stages=kw["num_stages"])
+    if "--engine-only" in sys.argv:
+        return
     for name, (n, k, gated) in SHAPES.items():
         for m in (1, 8):
             for vname, kw in VARIANTS.items():

@@ -46,11 +46,7 @@ def test_gemv_row_results_do_not_depend_on_the_row_count():
     five give bit-identical projections (decode vs verification rows)."""
     x, w = _xw(5, 256, 64, jnp.bfloat16)
     for kw in (dict(use_dot=True, block_n=16), dict(use_dot=False, block_n=4)):
-        if not kw["use_dot"]:
-            x4 = x[:4]
-            many = gemv(x4, w, interpret=True, block_k=64, **kw)
-        else:
-            many = gemv(x, w, interpret=True, block_k=64, **kw)
+        many = gemv(x, w, interpret=True, block_k=64, **kw)
         one = gemv(x[2:3], w, interpret=True, block_k=64, **kw)
         np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(many[2]))
 
@@ -72,8 +68,8 @@ def test_gemv_rejects_bad_shapes():
         gemv(x, w[:, :128], interpret=True)
     with pytest.raises(ValueError, match="1..16 rows"):
         gemv(jnp.zeros((17, 256)), w, interpret=True)
-    with pytest.raises(ValueError, match="at most 4 rows"):
-        gemv(jnp.zeros((5, 256)), w, interpret=True, use_dot=False, block_n=4)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        gemv(jnp.zeros((9, 256)), w, interpret=True, use_dot=False, block_n=4)
     with pytest.raises(ValueError, match="even row count"):
         gemv(x, w[:63], gated=True, interpret=True)
 
@@ -81,18 +77,60 @@ def test_gemv_rejects_bad_shapes():
 def test_projection_specs_parse_and_reject_unknown_names():
     from ouro_jax.projections import NAMES, XLA, PallasGemv, parse
     assert parse("xla") == XLA() and parse("gemv") == PallasGemv(NAMES)
+    assert parse("auto") == XLA()  # no GPU here: the kernel would only interpret
     assert parse("gemv:down,gate_up").names == ("gate_up", "down")
     for bad in ("cublas", "gemv:qkv,mlp", "gemv:,"):
         with pytest.raises(ValueError, match="unknown projection"):
             parse(bad)
 
 
-def test_gemv_projections_route_one_row_calls_only():
-    """One-row calls go through the kernel, more rows through XLA (counted in the jaxpr)."""
+def test_gemv_projections_route_few_row_calls_only():
+    """Calls of <= max_rows rows go through the kernel, more rows through XLA (jaxpr count)."""
     from engine_helpers import pallas_call_eqns
     from ouro_jax.projections import PallasGemv
-    proj = PallasGemv(("o",))
+    proj = PallasGemv(("o",), max_rows=2)
     x, w = _xw(1, 256, 64)
     assert len(pallas_call_eqns(lambda a: proj.project("o", a[:, None], w), x)) == 1
-    assert len(pallas_call_eqns(lambda a: proj.project("o", a, w), jnp.zeros((2, 256)))) == 0
+    assert len(pallas_call_eqns(lambda a: proj.project("o", a, w), jnp.zeros((2, 256)))) == 1
+    assert len(pallas_call_eqns(lambda a: proj.project("o", a, w), jnp.zeros((3, 256)))) == 0
     assert len(pallas_call_eqns(lambda a: proj.project("qkv", a, w), x)) == 0
+
+
+def test_batch1_speculative_matches_native_in_bf16_through_the_gemv(monkeypatch):
+    """With the GEMV, batch-1 decode (1 row), draft (1 row) and verification (k+1 rows) all go
+    through the one per-row kernel (row counts recorded at trace time), whose rows do not
+    depend on the row count (test above): greedy speculative output equals greedy decode."""
+    from ouro_jax import projections
+    from ouro_jax.api import Ouro
+    from ouro_jax.config import PRESETS
+    from ouro_jax.params import random_params
+    from ouro_jax.sampling import SamplingParams
+    from ouro_jax.speculative import SpeculativeConfig
+
+    cfg = PRESETS["tiny-mha"]
+    llm = Ouro(cfg, random_params(cfg, 3, jnp.bfloat16, 0.003, 0.0), None, attention="xla",
+               projections="gemv", decode_chunk=8)
+    assert llm.backend == "xla+gemv"
+    rows_seen = set()
+    real = projections.PallasGemv._gemv
+
+    def spy(self, name, x, w, gated=False):
+        rows_seen.add((name, x.size // x.shape[-1]))
+        return real(self, name, x, w, gated)
+    monkeypatch.setattr(projections.PallasGemv, "_gemv", spy)
+    sp = [SamplingParams(max_tokens=12, ignore_eos=True)]
+    native = llm.generate([[5, 9, 2, 7]], sp).outputs[0].token_ids
+    spec = llm.generate([[5, 9, 2, 7]], sp, speculative=SpeculativeConfig(4, 2)).outputs[0].token_ids
+    assert spec == native and len(native) == 12
+    assert {(n, r) for n in projections.NAMES for r in (1, 5)} <= rows_seen
+
+
+def test_gemv_projections_need_fused_weights():
+    from ouro_jax.api import Ouro
+    from ouro_jax.config import PRESETS
+    from ouro_jax.params import random_params
+
+    cfg = PRESETS["tiny-mha"]
+    with pytest.raises(ValueError, match="fuse_projections"):
+        Ouro(cfg, random_params(cfg, 0, jnp.float32, 0.003, 0.0), None, projections="gemv",
+             fuse_projections=False)
