@@ -2,9 +2,9 @@
 
 `model.decoder_layer` asks a `Projections` object for qkv, o, the gated MLP input
 silu(gate) * up, and down. `XLA` is the plain einsum path (any shape, any backend).
-`PallasGemv(names)` routes the named projections through pallas_kernels.gemv when the call
-has at most `max_rows` rows (decode, draft and verification at batch 1; decode up to batch 5)
-and falls back to XLA otherwise (prefill, large batches), so one program may mix both. On a
+`PallasGemv(names, max_rows)` routes the named projections through pallas_kernels.gemv when
+the call has at most `max_rows` rows (default 1: batch-1 decode and draft) and falls back to
+XLA otherwise (prefill, verification, larger batches), so one program may mix both. On a
 machine without a GPU the kernel runs in interpret mode (tests). `projections="auto"` (the
 engine's default) picks the GEMV on a GPU: batch-1 decode on the H200 went from 163.7 to
 179.2 tok/s with it (benchmarks/results/ab_proj_*_b1_h200.json).
@@ -25,16 +25,18 @@ NAMES = ("qkv", "o", "gate_up", "down")
 # Per projection, the GEMV tiling measured fastest at one row on the H200 among those whose
 # per-row accumulators also fit 5 rows in registers (benchmarks/results/gemv_session4*_h200.*).
 # One tiling per projection for every row count: a row's result then does not depend on how
-# many rows share the call, so decode (1 row) and batch-1 verification (k+1 rows) agree bit
-# for bit, and greedy speculative output stays identical to greedy decode at batch 1.
+# many rows share the call, so with 'gemv@5' decode (1 row) and batch-1 verification (k+1
+# rows) agree bit for bit and greedy speculative output equals greedy decode in bf16 too.
 GEMV_TUNING = {
     "qkv": dict(use_dot=False, block_n=16, block_k=256, num_warps=8, num_stages=1),
     "o": dict(use_dot=False, block_n=2, block_k=2048, num_warps=4, num_stages=1),
     "gate_up": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1),
     "down": dict(use_dot=False, block_n=4, block_k=512, num_warps=4, num_stages=1),
 }
-# Calls with more rows go to XLA: 5 = k+1 rows of batch-1 verification at the default k=4.
-GEMV_MAX_ROWS = 5
+# Calls with more rows go to XLA. Default 1: at 5 rows the kernel is 3-5x slower than XLA
+# (qkv 37.4 vs 7.8 us, gemv_engine_session4_h200.json), which took batch-1 speculative k=4
+# from ~230 to 209.8 tok/s; 'gemv@5' keeps that mode for bit-identical batch-1 speculation.
+GEMV_MAX_ROWS = 1
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -112,17 +114,25 @@ def resolve(spec: str) -> str:
 
 
 def parse(spec: str):
-    """'xla' -> XLA(); 'gemv' -> all four through the GEMV; 'gemv:gate_up,down' -> those;
-    'auto' -> see resolve."""
+    """'xla' -> XLA(); 'gemv' -> all four through the GEMV for one-row calls; 'gemv@5' -> for
+    calls of up to 5 rows; 'gemv:gate_up,down' (or 'gemv@5:...') -> only those; 'auto' -> see
+    resolve."""
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
-    kind, _, names = spec.partition(":")
+    head, _, names = spec.partition(":")
+    kind, at, rows = head.partition("@")
     if kind != "gemv":
-        raise ValueError(f"unknown projections {spec!r}: 'xla', 'gemv' or 'gemv:NAME,...' "
+        raise ValueError(f"unknown projections {spec!r}: 'xla', 'gemv[@ROWS][:NAME,...]' "
                          f"with NAME in {NAMES}")
+    max_rows = GEMV_MAX_ROWS
+    if at:
+        from pallas_kernels.gemv import MAX_FMA_ROWS
+        if not rows.isdigit() or not 1 <= int(rows) <= MAX_FMA_ROWS:
+            raise ValueError(f"projections {spec!r}: ROWS after '@' must be 1..{MAX_FMA_ROWS}")
+        max_rows = int(rows)
     chosen = tuple(n for n in names.split(",") if n) if names else NAMES
     bad = sorted(set(chosen) - set(NAMES))
     if bad or not chosen:
         raise ValueError(f"unknown projection name(s) {bad} in {spec!r}; choose from {NAMES}")
-    return PallasGemv(tuple(n for n in NAMES if n in chosen))
+    return PallasGemv(tuple(n for n in NAMES if n in chosen), max_rows)

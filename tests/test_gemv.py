@@ -79,8 +79,12 @@ def test_projection_specs_parse_and_reject_unknown_names():
     assert parse("xla") == XLA() and parse("gemv") == PallasGemv(NAMES)
     assert parse("auto") == XLA()  # no GPU here: the kernel would only interpret
     assert parse("gemv:down,gate_up").names == ("gate_up", "down")
+    assert parse("gemv").max_rows == 1 and parse("gemv@5:o") == PallasGemv(("o",), 5)
     for bad in ("cublas", "gemv:qkv,mlp", "gemv:,"):
         with pytest.raises(ValueError, match="unknown projection"):
+            parse(bad)
+    for bad in ("gemv@0", "gemv@9", "gemv@x:o"):
+        with pytest.raises(ValueError, match="ROWS"):
             parse(bad)
 
 
@@ -97,7 +101,7 @@ def test_gemv_projections_route_few_row_calls_only():
 
 
 def test_batch1_speculative_matches_native_in_bf16_through_the_gemv(monkeypatch):
-    """With the GEMV, batch-1 decode (1 row), draft (1 row) and verification (k+1 rows) all go
+    """With 'gemv@5', batch-1 decode (1 row), draft (1 row) and verification (k+1 rows) all go
     through the one per-row kernel (row counts recorded at trace time), whose rows do not
     depend on the row count (test above): greedy speculative output equals greedy decode."""
     from ouro_jax import projections
@@ -109,8 +113,8 @@ def test_batch1_speculative_matches_native_in_bf16_through_the_gemv(monkeypatch)
 
     cfg = PRESETS["tiny-mha"]
     llm = Ouro(cfg, random_params(cfg, 3, jnp.bfloat16, 0.003, 0.0), None, attention="xla",
-               projections="gemv", decode_chunk=8)
-    assert llm.backend == "xla+gemv"
+               projections="gemv@5", decode_chunk=8)
+    assert llm.backend == "xla+gemv@5"
     rows_seen = set()
     real = projections.PallasGemv._gemv
 
