@@ -112,7 +112,8 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
         assert call_params(decode, num_splits=2, num_warps=4) == ((2, 2, 2), 4, 3)
         assert call_params(ragged)[0][2] == 1
         apply_kernel_tuning("", "")
-        assert call_params(decode) == ((2, 2, 2), 4, 2)  # the defaults for this shape
+        # the defaults for this shape: a 16-token table in 4-key blocks, one block per split
+        assert call_params(decode) == ((2, 2, 4), 4, 2)
         assert call_params(ragged)[0][2] == 2  # the default for this shape
         for bad in ("num_splits", "splits=2", "num_warps=two", "block_t=0", "block_t=48",
                     "num_warps=3"):
