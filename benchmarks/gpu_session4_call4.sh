@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 4, device call 4 (issue 6): batch 1 with one-row GEMV projections (the default after
-# call 3 showed 5-row GEMVs slow verification), k=2 at batch 64, the batch-1 kernel trace of
-# the final defaults, T=0.8 at batch 64. ~6.5 minutes, most important first.
+# call 3 showed 5-row GEMVs slow verification), two projection subsets (the GEMV is slower
+# than XLA alone for qkv and down), k=2 at batch 64, the batch-1 kernel trace of the final
+# defaults. ~6 minutes, most important first.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session4_call4.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -9,9 +10,11 @@ OUT=${OUT:-benchmarks/results}
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
 timeout 130 $D --batch 1 --k 0,2,4 --temperature 0 --out $OUT/decode_session4_b1_h200.json 2>&1 | grep -v "^{" | tail -5
 rm -f $OUT/*.partial
+for P in gemv:qkv,o,gate_up gemv:o,gate_up,down; do
+  timeout 40 $D --batch 1 --k 0 --temperature 0 --projections $P 2>&1 | grep -E "^ *1 native"
+done
 timeout 75 $D --batch 64 --k 2 --temperature 0 --out $OUT/decode_session4_k2_b64_h200.json 2>&1 | grep -v "^{" | tail -2
 rm -f $OUT/*.partial
 timeout 75 python3 -m benchmarks.kernel_trace --synthetic 1.4b --batch 1 --k 0 --attention pallas \
   --top 16 --out $OUT/kernel_trace_session4_b1_h200.json 2>&1 | grep -v "Memcpy" | tail -36
-timeout 110 $D --batch 64 --k 0,4 --temperature 0.8 --out $OUT/decode_session4_t08_b64_h200.json 2>&1 | grep -v "^{" | tail -3
 rm -f $OUT/*.partial; ls $OUT
