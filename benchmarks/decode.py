@@ -225,8 +225,8 @@ def table(rows) -> str:
 
 
 PROJECTIONS_HELP = ("'auto' (default: 'gemv' on a GPU, else 'xla'), 'xla' (einsum GEMMs), 'gemv' "
-                    "(one-row calls through the Pallas GEMV), 'gemv@5' (up to 5 rows: bit-identical "
-                    "batch-1 speculation, slower) or 'gemv[@N]:qkv,o,gate_up,down'")
+                    "(one-row calls through the Pallas GEMV), 'gemv@N' (up to N rows; slower beyond "
+                    "one) or 'gemv[@N]:qkv,o,gate_up,down'")
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
 POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton warps

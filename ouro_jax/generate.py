@@ -56,9 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"])
     r.add_argument("--projections", default="auto",
                    help="'auto' (default: 'gemv' on a GPU, else 'xla'), 'xla' (einsum GEMMs), "
-                        "'gemv' (one-row calls through the Pallas GEMV), 'gemv@5' (calls of up to "
-                        "5 rows: bit-identical batch-1 speculation, slower), "
-                        "'gemv[@N]:qkv,o,gate_up,down' (a subset)")
+                        "'gemv' (one-row calls through the Pallas GEMV), 'gemv@N' (calls of up to "
+                        "N rows; slower beyond one), 'gemv[@N]:qkv,o,gate_up,down' (a subset)")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
     r.add_argument("--kv-pool-tokens", type=int, default=None,

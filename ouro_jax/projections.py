@@ -25,8 +25,10 @@ NAMES = ("qkv", "o", "gate_up", "down")
 # Per projection, the GEMV tiling measured fastest at one row on the H200 among those whose
 # per-row accumulators also fit 5 rows in registers (benchmarks/results/gemv_session4*_h200.*).
 # One tiling per projection for every row count: a row's result then does not depend on how
-# many rows share the call, so with 'gemv@5' decode (1 row) and batch-1 verification (k+1
-# rows) agree bit for bit and greedy speculative output equals greedy decode in bf16 too.
+# many rows share the call ('gemv@5': decode's 1 row and batch-1 verification's k+1 rows get
+# bit-identical projections). Bit-identical speculation in bf16 would also need decode and
+# verification to share an attention kernel: with Pallas attention they do not (decode vs
+# ragged kernel), and on the H200 'gemv@5' matched greedy decode no better than 'gemv'.
 GEMV_TUNING = {
     "qkv": dict(use_dot=False, block_n=16, block_k=256, num_warps=8, num_stages=1),
     "o": dict(use_dot=False, block_n=2, block_k=2048, num_warps=4, num_stages=1),
@@ -35,7 +37,7 @@ GEMV_TUNING = {
 }
 # Calls with more rows go to XLA. Default 1: at 5 rows the kernel is 3-5x slower than XLA
 # (qkv 37.4 vs 7.8 us, gemv_engine_session4_h200.json), which took batch-1 speculative k=4
-# from ~230 to 209.8 tok/s; 'gemv@5' keeps that mode for bit-identical batch-1 speculation.
+# from ~230 to 209.8 tok/s (decode_session4_greedy_h200.json).
 GEMV_MAX_ROWS = 1
 
 
