@@ -11,9 +11,11 @@ D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.
 timeout 130 $D --batch 1 --k 0,2,4 --temperature 0 --out $OUT/decode_session4_b1_h200.json 2>&1 | grep -v "^{" | tail -5
 rm -f $OUT/*.partial
 for P in gemv:qkv,o,gate_up gemv:o,gate_up,down; do
-  timeout 40 $D --batch 1 --k 0 --temperature 0 --projections $P 2>&1 | grep -E "^ *1 native"
+  timeout 40 $D --batch 1 --k 0 --temperature 0 --projections $P \
+    --out $OUT/ab_proj_${P//[:,]/_}_b1_h200.json 2>&1 | grep -E "^ *1 native"
 done
 timeout 75 $D --batch 64 --k 2 --temperature 0 --out $OUT/decode_session4_k2_b64_h200.json 2>&1 | grep -v "^{" | tail -2
 rm -f $OUT/*.partial
-timeout 50 $D --batch 8 --k 4 --temperature 0 --decode-kernel num_splits=1 2>&1 | grep -E "^ *8 spec"
+timeout 50 $D --batch 8 --k 4 --temperature 0 --decode-kernel num_splits=1 \
+  --out $OUT/ab_splits1_b8_spec_h200.json 2>&1 | grep -E "^ *8 spec"
 rm -f $OUT/*.partial; ls $OUT
