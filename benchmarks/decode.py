@@ -343,7 +343,8 @@ def _run(args, argv, tuning) -> int:
     save_record(
         "benchmarks.decode", argv, args.out, copy_bandwidth_Bps=args.copy_bw,
         model=args.model or f"synthetic {args.synthetic} (branch_scale {args.branch_scale})",
-        dtype=args.dtype, attention=llm.backend, fused_projections=not args.no_fuse,
+        dtype=args.dtype, attention=llm.backend.split("+")[0], backend=llm.backend,
+        fused_projections=not args.no_fuse,
         prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
         compiles_total=llm.programs.compiles, branch_scale=args.branch_scale,
         branch_scale_sweep=sweep, greedy_token_match=matches,

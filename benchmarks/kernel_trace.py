@@ -57,8 +57,8 @@ def device_events(xspace_path: str, lines_seen: list | None = None,
                 out.append((ev.name, float(ev.start_ns), float(ev.duration_ns)))
                 if (memcpy_stats is not None and ev.name.startswith("Memcpy")
                         and len(memcpy_stats) < 8):
-                    memcpy_stats.append(dict(name=ev.name, us=ev.duration_ns / 1e3,
-                                             **_event_stats(ev)))
+                    memcpy_stats.append({**_event_stats(ev), "name": ev.name,
+                                         "us": ev.duration_ns / 1e3})
     return out
 
 

@@ -30,7 +30,6 @@ from ouro_jax.params import OuroParams
 from ouro_jax.programs import ProgramCache
 from ouro_jax.projections import XLA as XLAProjections
 from ouro_jax.projections import parse as parse_projections
-from ouro_jax.projections import resolve as resolve_projections
 from ouro_jax.sampling import SamplingParams
 from ouro_jax.tokenizer import Tokenizer
 
@@ -128,19 +127,17 @@ class Ouro:
             raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
         from ouro_jax.model import unstack_layers
 
+        proj = parse_projections(projections)  # validated before anything is built
+
         # Per-layer weights (no in-loop slicing copies), q/k/v and gate/up fused.
         self.cfg, self.tokenizer = cfg, tokenizer
         self.params = unstack_layers(params, fuse=fuse_projections)
         self.page_size = page_size
         # "+unroll": loops unrolled in the program rather than a device while loop;
-        # "+gemv[:names]": few-row projections through the Pallas GEMV (ouro_jax.projections).
-        projections = resolve_projections(projections)
-        proj = parse_projections(projections)
-        if proj != XLAProjections() and not fuse_projections:
-            raise ValueError("projections='gemv...' needs fuse_projections=True (the gated "
-                             "kernel reads the fused [gate; up] weight)")
+        # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in
+        # canonical form so equal settings give equal program keys.
         self.backend = (resolve_backend(attention) + ("+unroll" if unroll_loops else "")
-                        + ("" if proj == XLAProjections() else "+" + projections))
+                        + ("" if proj == XLAProjections() else "+" + proj.spec))
         self.prefill_chunk = next_pow2(prefill_chunk)
         self.decode_chunk = decode_chunk
         self.fixed_pool_pages = (None if kv_pool_tokens is None

@@ -23,6 +23,18 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _projections(text: str) -> str:
+    """Checks a --projections spec at parse time (before any checkpoint is read)."""
+    if text == "auto":
+        return text
+    from ouro_jax.projections import parse
+    try:
+        parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ouro_jax.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("runtime")
     r.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     r.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"])
-    r.add_argument("--projections", default="auto",
+    r.add_argument("--projections", default="auto", type=_projections,
                    help="'auto' (default: 'gemv' on a GPU, else 'xla'), 'xla' (einsum GEMMs), "
                         "'gemv' (one-row calls through the Pallas GEMV), 'gemv@N' (calls of up to "
                         "N rows; slower beyond one), 'gemv[@N]:qkv,o,gate_up,down' (a subset)")

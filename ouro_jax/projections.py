@@ -39,6 +39,9 @@ GEMV_TUNING = {
 # (qkv 37.4 vs 7.8 us, gemv_engine_session4_h200.json), which took batch-1 speculative k=4
 # from ~230 to 209.8 tok/s (decode_session4_greedy_h200.json).
 GEMV_MAX_ROWS = 1
+# 'gemv@N' takes N up to 5: the tilings above were compiled (offline_compile) and measured
+# for 1-5 rows; gate/up uses 254 registers per thread at 5 rows, more would spill.
+GEMV_ROW_LIMIT = 5
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -83,6 +86,13 @@ class PallasGemv(XLA):
     names: tuple = NAMES
     max_rows: int = GEMV_MAX_ROWS
 
+    @property
+    def spec(self) -> str:
+        """The canonical spec string: parse(p.spec) == p."""
+        rows = "" if self.max_rows == GEMV_MAX_ROWS else f"@{self.max_rows}"
+        names = "" if self.names == NAMES else ":" + ",".join(self.names)
+        return "gemv" + rows + names
+
     def _use(self, name: str, x: jax.Array) -> bool:
         rows = 1
         for d in x.shape[:-1]:
@@ -122,17 +132,19 @@ def parse(spec: str):
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
-    head, _, names = spec.partition(":")
+    head, sep, names = spec.partition(":")
     kind, at, rows = head.partition("@")
     if kind != "gemv":
         raise ValueError(f"unknown projections {spec!r}: 'xla', 'gemv[@ROWS][:NAME,...]' "
                          f"with NAME in {NAMES}")
     max_rows = GEMV_MAX_ROWS
     if at:
-        from pallas_kernels.gemv import MAX_FMA_ROWS
-        if not rows.isdigit() or not 1 <= int(rows) <= MAX_FMA_ROWS:
-            raise ValueError(f"projections {spec!r}: ROWS after '@' must be 1..{MAX_FMA_ROWS}")
+        if not rows.isdigit() or not 1 <= int(rows) <= GEMV_ROW_LIMIT:
+            raise ValueError(f"projections {spec!r}: ROWS after '@' must be 1..{GEMV_ROW_LIMIT}")
         max_rows = int(rows)
+    if sep and not names:
+        raise ValueError(f"unknown projection name(s) [] in {spec!r}: give NAME,... after ':' "
+                         f"with NAME in {NAMES}, or leave out the ':'")
     chosen = tuple(n for n in names.split(",") if n) if names else NAMES
     bad = sorted(set(chosen) - set(NAMES))
     if bad or not chosen:

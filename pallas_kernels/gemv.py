@@ -31,7 +31,8 @@ from pallas_kernels._common import compiler_params, dot, pl
 
 MAX_ROWS = 16
 MAX_FMA_ROWS = 8  # registers: one [block_n, block_k] fp32 accumulator per row
-# Measured defaults (benchmarks/gemv.py on the H200); see TUNING for the per-call override.
+# Defaults when a call gives no tuning; the engine passes its own per-projection tilings
+# (ouro_jax.projections.GEMV_TUNING, measured with benchmarks/gemv.py on the H200).
 DEFAULTS = dict(use_dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4)
 
 
@@ -113,8 +114,9 @@ def check_supported(m: int, k: int, n_out: int, *, use_dot: bool, block_n: int, 
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"gemv {name} must be a power of two, got {v}")
-    if use_dot and block_n < 16:
-        raise ValueError(f"gemv use_dot=True needs block_n >= 16 (a tensor-core tile), got {block_n}")
+    if use_dot and (block_n < 16 or block_k < 16):
+        raise ValueError(f"gemv use_dot=True needs block_n and block_k >= 16 (a tensor-core "
+                         f"tile), got {block_n} and {block_k}")
     if n_out % block_n or k % block_k:
         raise ValueError(f"gemv: block_n={block_n} must divide N={n_out} and block_k={block_k} "
                          f"must divide K={k}")
@@ -124,7 +126,8 @@ def gemv(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
          **tuning) -> jax.Array:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation); gated: w = [gate; up]
     [2I, K] -> silu(x @ gate^T) * (x @ up^T) [M, I]. tuning: DEFAULTS' keys; block_k defaults
-    to the largest power of two <= 256 dividing K."""
+    to the largest power of two in 16..256 dividing K (256 when none does, which K then
+    fails to divide: an error)."""
     unknown = set(tuning) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown gemv tuning keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}")

@@ -58,12 +58,12 @@ def check_gemv():
     """The engine's GEMV tilings (ouro_jax.projections) at 1-5 rows, then every
     benchmarks/gemv.py variant on the 1.4B projection shapes at 1 and 8 rows."""
     from benchmarks.gemv import SHAPES, VARIANTS
-    from ouro_jax.projections import GEMV_MAX_ROWS, GEMV_TUNING
+    from ouro_jax.projections import GEMV_ROW_LIMIT, GEMV_TUNING
     from pallas_kernels.gemv import gemv
     S = jax.ShapeDtypeStruct
     for name, (n, k, gated) in SHAPES.items():
         kw = GEMV_TUNING[name]
-        for m in range(1, max(GEMV_MAX_ROWS, 5) + 1):  # 5: the gemv@5 mode
+        for m in range(1, GEMV_ROW_LIMIT + 1):  # up to the largest gemv@N
             f = jax.jit(functools.partial(gemv, gated=gated, **kw))
             f.trace(S((m, k), jnp.bfloat16), S((n, k), jnp.bfloat16)).lower(
                 lowering_platforms=("cuda",))

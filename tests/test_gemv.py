@@ -53,7 +53,8 @@ def test_gemv_row_results_do_not_depend_on_the_row_count():
 
 @pytest.mark.parametrize("bad,msg", [
     (dict(block_n=3), "power of two"), (dict(block_k=48), "power of two"),
-    (dict(block_n=128), "must divide"), (dict(use_dot=True, block_n=8), "block_n >= 16"),
+    (dict(block_n=128), "must divide"), (dict(use_dot=True, block_n=8), "block_n and block_k >= 16"),
+    (dict(use_dot=True, block_n=16, block_k=8), "block_n and block_k >= 16"),
     (dict(num_stages=2, foo=1), "unknown gemv tuning"),
 ])
 def test_gemv_rejects_bad_tilings(bad, msg):
@@ -74,16 +75,23 @@ def test_gemv_rejects_bad_shapes():
         gemv(x, w[:63], gated=True, interpret=True)
 
 
-def test_projection_specs_parse_and_reject_unknown_names():
+def test_projection_specs_parse_and_reject_unknown_names(monkeypatch):
+    from ouro_jax import attention
     from ouro_jax.projections import NAMES, XLA, PallasGemv, parse
     assert parse("xla") == XLA() and parse("gemv") == PallasGemv(NAMES)
-    assert parse("auto") == XLA()  # no GPU here: the kernel would only interpret
+    monkeypatch.setattr(attention, "resolve_backend", lambda b: "xla")  # as on a CPU
+    assert parse("auto") == XLA()
+    monkeypatch.setattr(attention, "resolve_backend", lambda b: "pallas")  # as on a GPU
+    assert parse("auto") == PallasGemv(NAMES)
+    for spec in ("gemv", "gemv@5", "gemv:o", "gemv@3:qkv,down"):
+        assert parse(parse(spec).spec) == parse(spec)
+    assert parse("gemv@1:down,o,qkv,gate_up").spec == "gemv"  # canonical: one program key
     assert parse("gemv:down,gate_up").names == ("gate_up", "down")
     assert parse("gemv").max_rows == 1 and parse("gemv@5:o") == PallasGemv(("o",), 5)
-    for bad in ("cublas", "gemv:qkv,mlp", "gemv:,"):
+    for bad in ("cublas", "gemv:qkv,mlp", "gemv:,", "gemv:"):
         with pytest.raises(ValueError, match="unknown projection"):
             parse(bad)
-    for bad in ("gemv@0", "gemv@9", "gemv@x:o"):
+    for bad in ("gemv@0", "gemv@6", "gemv@x:o"):
         with pytest.raises(ValueError, match="ROWS"):
             parse(bad)
 
@@ -100,12 +108,11 @@ def test_gemv_projections_route_few_row_calls_only():
     assert len(pallas_call_eqns(lambda a: proj.project("qkv", a, w), x)) == 0
 
 
-def test_batch1_speculative_matches_native_in_bf16_through_the_gemv(monkeypatch):
+def test_gemv_rows_mode_routes_decode_draft_and_verification(monkeypatch):
     """With 'gemv@5', batch-1 decode (1 row), draft (1 row) and verification (k+1 rows) all go
-    through the one per-row kernel (row counts recorded at trace time), whose rows do not
-    depend on the row count (test above). With the XLA attention path, whose rows do not
-    depend on the query count either, greedy speculative output equals greedy decode in bf16
-    (with Pallas attention, decode and verification use different kernels: not bit-equal)."""
+    through the kernel (row counts recorded at trace time); with the default 'gemv' only the
+    one-row calls do. Greedy speculative output still equals greedy decode (bf16, tiny model:
+    a sanity check of the engine with the kernel in it, not a rounding test)."""
     from ouro_jax import projections
     from ouro_jax.api import Ouro
     from ouro_jax.config import PRESETS
@@ -129,17 +136,40 @@ def test_batch1_speculative_matches_native_in_bf16_through_the_gemv(monkeypatch)
     spec = llm.generate([[5, 9, 2, 7]], sp, speculative=SpeculativeConfig(4, 2)).outputs[0].token_ids
     assert spec == native and len(native) == 12
     assert {(n, r) for n in projections.NAMES for r in (1, 5)} <= rows_seen
+    rows_seen.clear()
+    one_row = Ouro(cfg, llm.params, None, attention="xla", projections="gemv", decode_chunk=8)
+    one_row.generate([[5, 9, 2, 7]], sp, speculative=SpeculativeConfig(4, 2))
+    assert {r for _, r in rows_seen} == {1}
 
 
-def test_gemv_projections_need_fused_weights():
+def test_gemv_projections_with_unfused_weights():
+    """Unfused q/k/v go through the GEMV one by one; unfused gate/up stay on XLA (the gated
+    kernel reads a [gate; up] weight). Same greedy tokens as XLA projections in fp32."""
     from ouro_jax.api import Ouro
     from ouro_jax.config import PRESETS
     from ouro_jax.params import random_params
+    from ouro_jax.sampling import SamplingParams
 
     cfg = PRESETS["tiny-mha"]
-    with pytest.raises(ValueError, match="fuse_projections"):
-        Ouro(cfg, random_params(cfg, 0, jnp.float32, 0.003, 0.0), None, projections="gemv",
-             fuse_projections=False)
+    params = random_params(cfg, 0, jnp.float32, 0.003, 0.0)
+    sp = [SamplingParams(max_tokens=6, ignore_eos=True)]
+    toks = [Ouro(cfg, params, None, attention="xla", projections=p, fuse_projections=False)
+            .generate([[3, 1, 4]], sp).outputs[0].token_ids for p in ("xla", "gemv")]
+    assert toks[0] == toks[1] and len(toks[0]) == 6
+
+
+def test_unknown_backend_options_and_bad_projections_are_refused():
+    from ouro_jax.api import Ouro
+    from ouro_jax.config import PRESETS
+    from ouro_jax.engine import forward_block
+    from ouro_jax.generate import build_parser
+
+    with pytest.raises(ValueError, match="unknown backend option"):
+        forward_block(None, None, None, None, None, PRESETS["tiny-mha"], range(1), "xla+unrol")
+    with pytest.raises(ValueError, match="unknown projection"):
+        Ouro(PRESETS["tiny-mha"], None, None, projections="gemv:mlp")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--projections", "gemv@7"])
 
 
 def _has_gpu() -> bool:
