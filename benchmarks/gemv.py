@@ -12,7 +12,6 @@ projection and the weight-read rate.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -20,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.decode import save_record
-from pallas_kernels.gemv import gemv
+from benchmarks.timing import pipelined_seconds
+from pallas_kernels.gemv import gemv, gemv_reference
 
 # name -> (N, K, gated) for the 1.4B/2.6B shape (hidden 2048, intermediate 5632, 16x128 heads)
 SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
@@ -50,40 +50,22 @@ VARIANTS = {  # name -> gemv tuning; "xla" is the model's einsum (+ SiLU for gat
 }
 
 
-def xla_projection(x, w, gated):
-    from pallas_kernels.gemv import gemv_reference
-    return gemv_reference(x, w, gated=gated)
-
-
 def chain_fn(impl, gated, shape):
     """One program: the projection of x with each weight in turn (outputs stacked). impl:
     "xla", "engine" (the tiling ouro_jax.projections uses for this shape) or a VARIANTS key."""
     from ouro_jax.projections import GEMV_TUNING
     if impl == "xla":
-        one = lambda x, w: xla_projection(x, w, gated)
+        one = lambda x, w: gemv_reference(x, w, gated=gated)
     else:
         tuning = GEMV_TUNING[shape] if impl == "engine" else VARIANTS[impl]
         one = lambda x, w: gemv(x, w, gated=gated, **tuning)
     return jax.jit(lambda x, ws: jnp.stack([one(x, w) for w in ws]))
 
 
-def time_chain(fn, x, ws, calls: int, trials: int) -> float:
-    """Median seconds per call of `calls` back-to-back launches (one sync per trial)."""
-    jax.block_until_ready(fn(x, ws))
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            y = fn(x, ws)
-        jax.block_until_ready(y)
-        ts.append((time.perf_counter() - t0) / calls)
-    return statistics.median(ts)
-
-
 def max_rel_error(fn, x, ws, gated) -> float:
     """Largest |y - XLA| / max|XLA| over the chain's first weight (bf16 accumulation-order noise)."""
     y = fn(x, ws[:1])[0].astype(jnp.float32)
-    r = xla_projection(x, ws[0], gated).astype(jnp.float32)
+    r = gemv_reference(x, ws[0], gated=gated).astype(jnp.float32)
     return float(jnp.max(jnp.abs(y - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-30))
 
 
@@ -107,7 +89,8 @@ def run(args) -> list:
                     t0 = time.perf_counter()
                     jax.block_until_ready(fn(x, ws))
                     row["compile_s"] = round(time.perf_counter() - t0, 2)
-                    sec = time_chain(fn, x, ws, args.calls, args.trials) / args.layers
+                    sec = pipelined_seconds(fn, x, ws, calls=args.calls,
+                                            trials=args.trials) / args.layers
                     row.update(us=round(sec * 1e6, 2), TBps=round(nbytes / sec / 1e12, 3))
                     if impl != "xla":
                         row["rel_err_vs_xla"] = max_rel_error(fn, x, ws, gated)

@@ -20,15 +20,21 @@ def median_time(fn, *args, runs: int = 11) -> float:
     return statistics.median(ts)
 
 
-def pipelined_rate(fn, x, nbytes: float, calls: int = 10, trials: int = 5) -> float:
-    """Bytes/s of fn(x) moving `nbytes`: `calls` back-to-back launches per trial, one sync at
-    the end (so dispatch and sync latency are not timed with each call), median of `trials`."""
-    jax.block_until_ready(fn(x))
+def pipelined_seconds(fn, *args, calls: int = 10, trials: int = 5) -> float:
+    """Seconds per call of fn(*args): `calls` back-to-back launches per trial, one sync at the
+    end (so dispatch and sync latency are not timed with each call), median of `trials`,
+    after one untimed call (compile, warm-up)."""
+    jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(trials):
         t0 = time.perf_counter()
         for _ in range(calls):
-            y = fn(x)
+            y = fn(*args)
         jax.block_until_ready(y)
         ts.append((time.perf_counter() - t0) / calls)
-    return nbytes / statistics.median(ts)
+    return statistics.median(ts)
+
+
+def pipelined_rate(fn, x, nbytes: float, calls: int = 10, trials: int = 5) -> float:
+    """Bytes/s of fn(x) moving `nbytes`, timed as in pipelined_seconds."""
+    return nbytes / pipelined_seconds(fn, x, calls=calls, trials=trials)

@@ -17,6 +17,7 @@ the H200, benchmarks/results/kernel_trace_pallas_b1_h200.json vs gemv_session4_h
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
@@ -44,19 +45,13 @@ GEMV_MAX_ROWS = 1
 GEMV_ROW_LIMIT = 5
 
 
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    b = cap
-    while b > 1 and n % b:
-        b //= 2
-    return b
-
-
 def fit_tuning(tuning: dict, n_out: int, k: int) -> dict:
     """The tuning with block sizes shrunk (by halving) until they divide this shape: the
     measured tilings are for the 1.4B/2.6B shapes; small test models get smaller tiles."""
+    from pallas_kernels.gemv import pow2_divisor
     out = dict(tuning)
-    out["block_n"] = _largest_pow2_divisor(n_out, tuning["block_n"])
-    out["block_k"] = _largest_pow2_divisor(k, tuning["block_k"])
+    out["block_n"] = pow2_divisor(n_out, tuning["block_n"])
+    out["block_k"] = pow2_divisor(k, tuning["block_k"])
     if out["use_dot"] and out["block_n"] < 16:
         out["use_dot"] = False
     return out
@@ -94,10 +89,7 @@ class PallasGemv(XLA):
         return "gemv" + rows + names
 
     def _use(self, name: str, x: jax.Array) -> bool:
-        rows = 1
-        for d in x.shape[:-1]:
-            rows *= d
-        return name in self.names and rows <= self.max_rows
+        return name in self.names and math.prod(x.shape[:-1]) <= self.max_rows
 
     def _gemv(self, name, x, w, gated=False):
         from pallas_kernels.gemv import gemv

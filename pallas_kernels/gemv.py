@@ -36,10 +36,10 @@ MAX_FMA_ROWS = 8  # registers: one [block_n, block_k] fp32 accumulator per row
 DEFAULTS = dict(use_dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4)
 
 
-def _pow2_block(n: int, cap: int) -> int:
-    """Largest power of two <= cap dividing n (0 when none >= 16 exists)."""
+def pow2_divisor(n: int, cap: int, floor: int = 1) -> int:
+    """Largest power of two in [floor, cap] dividing n, or 0 when there is none."""
     b = cap
-    while b >= 16:
+    while b >= floor:
         if n % b == 0:
             return b
         b //= 2
@@ -68,7 +68,7 @@ def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_n: int, block_k: int,
         return pl.ds(pl.multiple_of(c * block_k, block_k), block_k)
 
     if use_dot:
-        mp = max(MAX_ROWS, m)
+        mp = MAX_ROWS  # one tensor-core tile of rows (m <= MAX_ROWS)
         rows = jnp.minimum(lax.iota(jnp.int32, mp), m - 1)
 
         def body(c, accs):
@@ -140,7 +140,7 @@ def gemv(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
     n_out = n // 2 if gated else n
     cfg = dict(DEFAULTS, **tuning)
     if "block_k" not in tuning:
-        cfg["block_k"] = _pow2_block(k, cfg["block_k"]) or cfg["block_k"]
+        cfg["block_k"] = pow2_divisor(k, cfg["block_k"], floor=16) or cfg["block_k"]
     check_supported(m, k, n_out, use_dot=cfg["use_dot"], block_n=cfg["block_n"],
                     block_k=cfg["block_k"])
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
@@ -157,11 +157,7 @@ def gemv(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
 
 
 def gemv_reference(x, w, *, gated: bool = False):
-    """The model's own ops (model.linear, model.silu): the oracle for tests."""
-    from ouro_jax.model import linear, silu
+    """The engine's XLA projections (model.linear, model.silu): the oracle for tests."""
+    from ouro_jax.projections import XLA
 
-    y = linear(x, w)
-    if gated:
-        i = w.shape[0] // 2
-        y = silu(y[:, :i]) * y[:, i:]
-    return y
+    return XLA().gated(x, w) if gated else XLA().project("", x, w)

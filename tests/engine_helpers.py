@@ -68,3 +68,13 @@ def pallas_call_eqns(fn, *args) -> list:
                         walk(sub)
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+def has_gpu() -> bool:
+    """Whether JAX sees a CUDA GPU (the `gpu`-marked tests skip without one)."""
+    import jax
+
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False

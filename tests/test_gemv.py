@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine_helpers import has_gpu
 from pallas_kernels.gemv import gemv, gemv_reference
 
 KEY = jax.random.PRNGKey(0)
@@ -172,14 +173,7 @@ def test_unknown_backend_options_and_bad_projections_are_refused():
         build_parser().parse_args(["--projections", "gemv@7"])
 
 
-def _has_gpu() -> bool:
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
 @pytest.mark.parametrize("m", [1, 5])

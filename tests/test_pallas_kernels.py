@@ -12,19 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import pallas_call_eqns
+from engine_helpers import has_gpu, pallas_call_eqns
 from pallas_kernels import (paged_decode_attention, paged_decode_attention_reference,
                             ragged_paged_attention, ragged_paged_attention_reference)
 
 
-def _has_gpu() -> bool:
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
-gpu = pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
