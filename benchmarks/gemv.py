@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from benchmarks.decode import save_record
 from benchmarks.timing import pipelined_seconds
+from pallas_kernels.gemm import gemm
 from pallas_kernels.gemv import gemv, gemv_reference
 
 # name -> (N, K, gated) for the 1.4B/2.6B shape (hidden 2048, intermediate 5632, 16x128 heads)
@@ -49,6 +50,17 @@ VARIANTS = {  # name -> gemv tuning; "xla" is the model's einsum (+ SiLU for gat
     "fma4_k256_w2": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1),
 }
 
+# Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows): "mm" +
+# block_m, block_n, block_k, warps, stages.
+GEMM_VARIANTS = {
+    f"mm{bm}_n{bn}_k{bk}_w{w}_s{st}": dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w,
+                                          num_stages=st)
+    for bm, bn, bk, w, st in [
+        (64, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 5),
+        (64, 64, 256, 4, 3), (64, 32, 256, 4, 3), (64, 128, 128, 8, 3), (64, 64, 128, 8, 4),
+        (64, 16, 256, 4, 4), (128, 64, 128, 8, 3), (64, 32, 64, 4, 6), (32, 64, 128, 4, 4)]
+}
+
 
 def chain_fn(impl, gated, shape):
     """One program: the projection of x with each weight in turn (outputs stacked). impl:
@@ -56,6 +68,8 @@ def chain_fn(impl, gated, shape):
     from ouro_jax.projections import GEMV_TUNING
     if impl == "xla":
         one = lambda x, w: gemv_reference(x, w, gated=gated)
+    elif impl in GEMM_VARIANTS:
+        one = lambda x, w: gemm(x, w, gated=gated, **GEMM_VARIANTS[impl])
     else:
         tuning = GEMV_TUNING[shape] if impl == "engine" else VARIANTS[impl]
         one = lambda x, w: gemv(x, w, gated=gated, **tuning)
@@ -71,8 +85,11 @@ def max_rel_error(fn, x, ws, gated) -> float:
 
 def run(args) -> list:
     rows_list = [int(r) for r in args.rows.split(",")]
-    impls = ["xla", "engine"] + [v for v in (args.variants.split(",") if args.variants else VARIANTS)
-                                 if v != "engine"]
+    if args.variants == "gemm":  # the skinny GEMM's tilings against XLA
+        impls = ["xla"] + list(GEMM_VARIANTS)
+    else:
+        impls = ["xla", "engine"] + [v for v in (args.variants.split(",") if args.variants
+                                                 else VARIANTS) if v != "engine"]
     results = []
     for name in args.shapes.split(","):
         n, k, gated = SHAPES[name]
@@ -108,7 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default="1,8", help="comma list of row counts (batch x tokens)")
     ap.add_argument("--variants", default="", help=f"comma list from {sorted(VARIANTS)} (default "
-                    "all; 'none': only XLA and the engine's tiling)")
+                    "all GEMV variants; 'none': only XLA and the engine's tiling; 'gemm': XLA and "
+                    "every GEMM_VARIANTS tiling of the skinny GEMM)")
     ap.add_argument("--layers", type=int, default=24, help="distinct weights per timed program")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=5)
@@ -116,7 +134,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.variants == "none":
         args.variants = "engine"
-    unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS) - {"engine"}
+    unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS) - set(GEMM_VARIANTS) \
+        - {"engine", "gemm"}
     if unknown or set(args.shapes.split(",")) - set(SHAPES):
         raise SystemExit(f"unknown variants/shapes: {sorted(unknown)} {args.shapes}")
     results = run(args)

@@ -44,14 +44,16 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
 
     `backend` is the attention backend ("xla" | "pallas"), optionally followed by options:
     "+unroll" unrolls the loop range in Python instead of a `fori_loop` (fewer device while
-    loops per step, larger programs); "+gemv[@N][:names]" computes few-row projections with the
-    Pallas GEMV (ouro_jax.projections.parse). `h` overrides the embedding input
-    (verification starts from the draft's states)."""
+    loops per step, larger programs); "+gemv[@N][:names]" and "+gemm[@N][:names]" compute
+    few-row projections with the Pallas GEMV / skinny GEMM (ouro_jax.projections.parse). `h`
+    overrides the embedding input (verification starts from the draft's states)."""
     attention, *options = backend.split("+")
-    unknown = [o for o in options if o != "unroll" and not o.startswith("gemv")]
+    kernels = [o for o in options if o.startswith(("gemv", "gemm"))]
+    unknown = [o for o in options if o != "unroll" and o not in kernels]
     if unknown:
-        raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', 'gemv...'")
-    proj = parse_projections(next((o for o in options if o.startswith("gemv")), "xla"))
+        raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', "
+                         f"'gemv...', 'gemm...'")
+    proj = parse_projections("+".join(kernels) or "xla")
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
     if h is None:
         h = embed(params, ids, params.dtype)

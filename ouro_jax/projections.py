@@ -45,6 +45,28 @@ GEMV_MAX_ROWS = 1
 GEMV_ROW_LIMIT = 5
 
 
+# The skinny GEMM (pallas_kernels/gemm.py) for calls of 2..GEMM_MAX_ROWS rows ('gemm' in the
+# spec; batched decode and draft): first guesses, chosen so that each projection's grid fills
+# the 132 SMs in one wave with the shared memory of 1-2 programs per SM (offline compile).
+GEMM_TUNING = {
+    "qkv": dict(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=4),
+    "o": dict(block_m=64, block_n=16, block_k=256, num_warps=4, num_stages=4),
+    "gate_up": dict(block_m=64, block_n=32, block_k=64, num_warps=4, num_stages=6),
+    "down": dict(block_m=64, block_n=16, block_k=256, num_warps=4, num_stages=4),
+}
+GEMM_MAX_ROWS = 64
+GEMM_ROW_LIMIT = 512  # without split-K the kernel turns compute-bound well before this
+
+
+def fit_gemm_tuning(tuning: dict, n_out: int, k: int) -> dict:
+    """GEMM tiling shrunk (by halving, not below 16) to divide a small test model's shape."""
+    from pallas_kernels.gemv import pow2_divisor
+    out = dict(tuning)
+    out["block_n"] = pow2_divisor(n_out, tuning["block_n"], floor=16) or tuning["block_n"]
+    out["block_k"] = pow2_divisor(k, tuning["block_k"], floor=16) or tuning["block_k"]
+    return out
+
+
 def fit_tuning(tuning: dict, n_out: int, k: int) -> dict:
     """The tuning with block sizes shrunk (by halving) until they divide this shape: the
     measured tilings are for the 1.4B/2.6B shapes; small test models get smaller tiles."""
@@ -78,18 +100,34 @@ class XLA:
 
 @dataclasses.dataclass(frozen=True)
 class PallasGemv(XLA):
+    """Routes each projection call by name and row count: to the GEMV (`names`, calls of at
+    most `max_rows` rows), else to the skinny GEMM (`gemm_names`, calls of 2 to
+    `gemm_max_rows` rows), else to XLA."""
     names: tuple = NAMES
     max_rows: int = GEMV_MAX_ROWS
+    gemm_names: tuple = ()
+    gemm_max_rows: int = GEMM_MAX_ROWS
 
     @property
     def spec(self) -> str:
         """The canonical spec string: parse(p.spec) == p."""
-        rows = "" if self.max_rows == GEMV_MAX_ROWS else f"@{self.max_rows}"
-        names = "" if self.names == NAMES else ":" + ",".join(self.names)
-        return "gemv" + rows + names
+        def part(kind, names, rows, default_rows):
+            at = "" if rows == default_rows else f"@{rows}"
+            return kind + at + ("" if names == NAMES else ":" + ",".join(names))
+        parts = []
+        if self.names:
+            parts.append(part("gemv", self.names, self.max_rows, GEMV_MAX_ROWS))
+        if self.gemm_names:
+            parts.append(part("gemm", self.gemm_names, self.gemm_max_rows, GEMM_MAX_ROWS))
+        return "+".join(parts)
 
-    def _use(self, name: str, x: jax.Array) -> bool:
-        return name in self.names and math.prod(x.shape[:-1]) <= self.max_rows
+    def _route(self, name: str, x: jax.Array) -> str:
+        rows = math.prod(x.shape[:-1])
+        if name in self.names and rows <= self.max_rows:
+            return "gemv"
+        if name in self.gemm_names and 2 <= rows <= self.gemm_max_rows:
+            return "gemm"
+        return "xla"
 
     def _gemv(self, name, x, w, gated=False):
         from pallas_kernels.gemv import gemv
@@ -100,11 +138,26 @@ class PallasGemv(XLA):
                  **fit_tuning(GEMV_TUNING[name], n_out, x.shape[-1]))
         return y.reshape(*lead, y.shape[-1])
 
+    def _gemm(self, name, x, w, gated=False):
+        from pallas_kernels.gemm import gemm
+        lead = x.shape[:-1]
+        interpret = jax.default_backend() != "gpu"
+        n_out = w.shape[0] // 2 if gated else w.shape[0]
+        y = gemm(x.reshape(-1, x.shape[-1]), w, gated=gated, interpret=interpret,
+                 **fit_gemm_tuning(GEMM_TUNING[name], n_out, x.shape[-1]))
+        return y.reshape(*lead, y.shape[-1])
+
     def project(self, name, x, w):
-        return self._gemv(name, x, w) if self._use(name, x) else _linear(x, w)
+        route = self._route(name, x)
+        if route == "gemv":
+            return self._gemv(name, x, w)
+        return self._gemm(name, x, w) if route == "gemm" else _linear(x, w)
 
     def gated(self, x, w):
-        return self._gemv("gate_up", x, w, gated=True) if self._use("gate_up", x) else \
+        route = self._route("gate_up", x)
+        if route == "gemv":
+            return self._gemv("gate_up", x, w, gated=True)
+        return self._gemm("gate_up", x, w, gated=True) if route == "gemm" else \
             super().gated(x, w)
 
 
@@ -117,22 +170,21 @@ def resolve(spec: str) -> str:
     return "gemv" if resolve_backend("auto") == "pallas" else "xla"
 
 
-def parse(spec: str):
-    """'xla' -> XLA(); 'gemv' -> all four through the GEMV for one-row calls; 'gemv@5' -> for
-    calls of up to 5 rows; 'gemv:gate_up,down' (or 'gemv@5:...') -> only those; 'auto' -> see
-    resolve."""
-    spec = resolve(spec)
-    if spec in ("", "xla"):
-        return XLA()
-    head, sep, names = spec.partition(":")
+_LIMITS = {"gemv": (GEMV_MAX_ROWS, 1, GEMV_ROW_LIMIT), "gemm": (GEMM_MAX_ROWS, 2, GEMM_ROW_LIMIT)}
+
+
+def _parse_part(spec: str, part: str):
+    head, sep, names = part.partition(":")
     kind, at, rows = head.partition("@")
-    if kind != "gemv":
-        raise ValueError(f"unknown projections {spec!r}: 'xla', 'gemv[@ROWS][:NAME,...]' "
-                         f"with NAME in {NAMES}")
-    max_rows = GEMV_MAX_ROWS
+    if kind not in _LIMITS:
+        raise ValueError(f"unknown projections {spec!r}: 'xla', or '+'-joined parts "
+                         f"'gemv[@ROWS][:NAME,...]' and 'gemm[@ROWS][:NAME,...]' with NAME in "
+                         f"{NAMES}")
+    default, lo, hi = _LIMITS[kind]
+    max_rows = default
     if at:
-        if not rows.isdigit() or not 1 <= int(rows) <= GEMV_ROW_LIMIT:
-            raise ValueError(f"projections {spec!r}: ROWS after '@' must be 1..{GEMV_ROW_LIMIT}")
+        if not rows.isdigit() or not lo <= int(rows) <= hi:
+            raise ValueError(f"projections {spec!r}: ROWS after '{kind}@' must be {lo}..{hi}")
         max_rows = int(rows)
     if sep and not names:
         raise ValueError(f"unknown projection name(s) [] in {spec!r}: give NAME,... after ':' "
@@ -141,4 +193,23 @@ def parse(spec: str):
     bad = sorted(set(chosen) - set(NAMES))
     if bad or not chosen:
         raise ValueError(f"unknown projection name(s) {bad} in {spec!r}; choose from {NAMES}")
-    return PallasGemv(tuple(n for n in NAMES if n in chosen), max_rows)
+    return kind, tuple(n for n in NAMES if n in chosen), max_rows
+
+
+def parse(spec: str):
+    """'xla' -> XLA(); 'gemv' -> all four through the GEMV for one-row calls; 'gemv@5' -> for
+    calls of up to 5 rows; 'gemv:gate_up,down' (or 'gemv@5:...') -> only those; 'gemm[@N]' ->
+    calls of 2..N rows (default GEMM_MAX_ROWS) through the skinny GEMM; 'gemv+gemm' -> both;
+    'auto' -> see resolve."""
+    spec = resolve(spec)
+    if spec in ("", "xla"):
+        return XLA()
+    kw = {}
+    for part in spec.split("+"):
+        kind, names, rows = _parse_part(spec, part)
+        if kind in kw:
+            raise ValueError(f"projections {spec!r}: '{kind}' given twice")
+        kw[kind] = (names, rows)
+    gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
+    gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
+    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows)

@@ -1,7 +1,7 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv]
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints
@@ -87,6 +87,22 @@ def check_gemv():
                                  num_stages=kw["num_stages"])
 
 
+def check_gemm():
+    """Every benchmarks/gemv.py GEMM_VARIANTS tiling of the skinny GEMM on the 1.4B projection
+    shapes at 64 and 192 rows (batch-64 decode and batch-64 k=2 verification)."""
+    from benchmarks.gemv import GEMM_VARIANTS, SHAPES
+    from pallas_kernels.gemm import gemm
+    S = jax.ShapeDtypeStruct
+    for name, (n, k, gated) in SHAPES.items():
+        for m in (64, 192):
+            for vname, kw in GEMM_VARIANTS.items():
+                f = jax.jit(functools.partial(gemm, gated=gated, **kw))
+                f.trace(S((m, k), jnp.bfloat16), S((n, k), jnp.bfloat16)).lower(
+                    lowering_platforms=("cuda",))
+                compile_captured(f"gemm {name} M{m} {vname}", num_warps=kw["num_warps"],
+                                 num_stages=kw["num_stages"])
+
+
 def main():
     if os.environ.get("TRITON_PKG"):
         sys.path.insert(0, os.environ["TRITON_PKG"])
@@ -94,6 +110,8 @@ def main():
     _reg.lowering.lower_jaxpr_to_triton_module = _hook
     if "--gemv" in sys.argv:
         return check_gemv()
+    if "--gemm" in sys.argv:
+        return check_gemm()
     from pallas_kernels import paged_decode_attention, ragged_paged_attention
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     pages = 40000  # > 4 GiB cache in fp32: exercises 64-bit offsets

@@ -1,0 +1,103 @@
+"""Skinny projections for batched decode: y [M, N] = x [M, K] @ W [N, K]^T, M of 8-512 rows.
+
+At batch 64 a decode step's four GEMMs read 103 MB of weights per layer application; XLA's
+Triton GEMM fusions read them at ~2.4 TB/s with split-K and fp32 partials (a separate reduce
+kernel per GEMM, ~20 MB of partial traffic per layer; docs/performance.md, batch-64 profile).
+This kernel has no split-K: one program per (block_n output columns, block_m rows) streams
+its W columns over the whole K on the tensor cores (Triton pipelines the W tile loads,
+`num_stages` deep) and writes the activation dtype directly, so there is no partial buffer
+and no reduce kernel. `gated=True` takes W = [gate; up] and returns silu(gate) * up, rounded
+as the model rounds (see pallas_kernels.gemv), so the SiLU kernel disappears as well.
+
+Rows: M need not divide block_m; the last row block clamps its row indices to M - 1 (the
+duplicates load and store identical values), so no pad or slice kernel is needed. A row's
+result does not depend on the other rows in the call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import cdiv, compiler_params, dot, pl
+from pallas_kernels.gemv import _silu_mul
+
+DEFAULTS = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
+TRANS_B = ((1,), (1,))  # [bm, bk] x [bn, bk] -> [bm, bn]
+
+
+def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_m: int, block_n: int,
+            block_k: int, gated: bool, up_offset: int):
+    # Row blocks vary fastest, so the programs sharing a W tile run together and the tile
+    # comes from HBM once (L2 serves the others).
+    i, j = pl.program_id(0), pl.program_id(1)
+    dt = y_ref.dtype
+    if m % block_m == 0:
+        rows = pl.ds(pl.multiple_of(i * block_m, block_m), block_m)
+    else:  # ragged last block: clamp (duplicate rows compute and store identical values)
+        rows = jnp.minimum(i * block_m + lax.iota(jnp.int32, block_m), m - 1)
+    gate_cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
+    up_cols = pl.ds(pl.multiple_of(up_offset + j * block_n, block_n), block_n)
+
+    def ks(c):
+        return pl.ds(pl.multiple_of(c * block_k, block_k), block_k)
+
+    def body(c, accs):
+        xc = x_ref[rows, ks(c)]
+        out = (accs[0] + dot(xc, w_ref[gate_cols, ks(c)], TRANS_B),)
+        if gated:
+            out += (accs[1] + dot(xc, w_ref[up_cols, ks(c)], TRANS_B),)
+        return out
+
+    init = (jnp.zeros((block_m, block_n), jnp.float32),) * (2 if gated else 1)
+    accs = lax.fori_loop(0, k // block_k, body, init)
+    y = _silu_mul(accs[0], accs[1], dt) if gated else accs[0].astype(dt)
+    y_ref[rows, gate_cols] = y
+
+
+def check_supported(m: int, k: int, n_out: int, *, block_m: int, block_n: int, block_k: int):
+    """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
+    if m < 1:
+        raise ValueError(f"gemm needs at least one row, got {m}")
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"gemm {name} must be a power of two >= 16 (a tensor-core tile), "
+                             f"got {v}")
+    if n_out % block_n or k % block_k:
+        raise ValueError(f"gemm: block_n={block_n} must divide N={n_out} and block_k={block_k} "
+                         f"must divide K={k}")
+
+
+def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = False,
+         **tuning) -> jax.Array:
+    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation); gated: w = [gate; up]
+    [2I, K] -> silu(x @ gate^T) * (x @ up^T) [M, I]. tuning: DEFAULTS' keys; block_m is cut
+    to the next power of two >= M (at least 16) so few-row calls do not compute empty rows."""
+    unknown = set(tuning) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown gemm tuning keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"gemm shape mismatch: x {x.shape} (want [M, K]), w {w.shape} (want [N, K])")
+    m, k = x.shape
+    n = w.shape[0]
+    if gated and n % 2:
+        raise ValueError(f"gated gemm needs w = [gate; up] with an even row count, got {n}")
+    n_out = n // 2 if gated else n
+    cfg = dict(DEFAULTS, **tuning)
+    cfg["block_m"] = min(cfg["block_m"], max(16, 1 << (m - 1).bit_length()))
+    check_supported(m, k, n_out, block_m=cfg["block_m"], block_n=cfg["block_n"],
+                    block_k=cfg["block_k"])
+    kernel = functools.partial(_kernel, m=m, k=k, block_m=cfg["block_m"],
+                               block_n=cfg["block_n"], block_k=cfg["block_k"], gated=gated,
+                               up_offset=n_out)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n_out), x.dtype),
+        grid=(cdiv(m, cfg["block_m"]), n_out // cfg["block_n"]),
+        compiler_params=compiler_params(cfg["num_warps"], cfg["num_stages"]),
+        interpret=interpret,
+        name="gemm_silu" if gated else "gemm",
+    )(x, w.astype(x.dtype))
