@@ -226,7 +226,9 @@ def table(rows) -> str:
 
 PROJECTIONS_HELP = ("'auto' (default: 'gemv' on a GPU, else 'xla'), 'xla' (einsum GEMMs), 'gemv' "
                     "(one-row calls through the Pallas GEMV), 'gemv@N' (up to N rows; slower beyond "
-                    "one) or 'gemv[@N]:qkv,o,gate_up,down'")
+                    "one), 'gemv[@N]:qkv,o,gate_up,down', '+gemm[@N][:names]' (2..N-row calls "
+                    "through the skinny Pallas GEMM), '+norms' (RMSNorms and residual adds in "
+                    "the GEMV prologues)")
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
 POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton warps

@@ -23,6 +23,7 @@ from jax import lax
 from ouro_jax.config import OuroConfig
 from ouro_jax.params import LayerParams, OuroParams
 from ouro_jax.projections import XLA as _XLAProjections
+from ouro_jax.projections import Residual
 
 XLA_PROJECTIONS = _XLAProjections()
 
@@ -106,17 +107,20 @@ def dense_causal_attend(q, k, v, state, loop, layer):
 def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, state,
                   loop, layer, proj=None):
     """One sandwich-norm decoder layer. lp holds a single layer's weights (no [L] axis);
-    `proj` (ouro_jax.projections) computes the projections, XLA's einsums by default."""
+    `proj` (ouro_jax.projections) computes the projections, XLA's einsums by default. `x` and
+    the result are the residual stream: an array, or with proj 'norms' a deferred
+    projections.Residual that the next projection's prologue adds up (proj.materialize)."""
     proj = proj or XLA_PROJECTIONS
     eps = cfg.rms_norm_eps
-    hx = rms_norm(x, lp.input_layernorm, eps)
-    lead = hx.shape[:-1]
     nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     if lp.qkv_proj is not None:
-        qkv = proj.project("qkv", hx, lp.qkv_proj)
+        qkv, x = proj.normed("qkv", x, lp.input_layernorm, lp.qkv_proj, eps)
         q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
+        x = proj.materialize(x, eps)
+        hx = rms_norm(x, lp.input_layernorm, eps)
         q, k, v = (proj.project("qkv", hx, w) for w in (lp.q_proj, lp.k_proj, lp.v_proj))
+    lead = x.shape[:-1]
     q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
     k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
     v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
@@ -124,14 +128,16 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     attn, state = attend(q, k, v, state, loop, layer)
     attn = proj.project("o", attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim),
                         lp.o_proj)
-    h = x + rms_norm(attn, lp.input_layernorm_2, eps)
-    m = rms_norm(h, lp.post_attention_layernorm, eps)
+    h = Residual(x, attn, lp.input_layernorm_2)  # h = x + rms_norm(attn, input_layernorm_2)
     if lp.gate_up_proj is not None:
-        m = proj.gated(m, lp.gate_up_proj)
+        m, h = proj.normed("gate_up", h, lp.post_attention_layernorm, lp.gate_up_proj, eps,
+                           gated=True)
     else:
+        h = proj.materialize(h, eps)
+        m = rms_norm(h, lp.post_attention_layernorm, eps)
         m = silu(linear(m, lp.gate_proj)) * linear(m, lp.up_proj)
     m = proj.project("down", m, lp.down_proj)
-    return h + rms_norm(m, lp.post_attention_layernorm_2, eps), state
+    return proj.residual(h, m, lp.post_attention_layernorm_2, eps), state
 
 
 def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop,
@@ -145,13 +151,15 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
     if isinstance(params.layers, (tuple, list)):
         for layer, lp in enumerate(params.layers):
             h, state = decoder_layer(lp, h, cos, sin, cfg, attend, state, loop, layer, proj)
+        h = (proj or XLA_PROJECTIONS).materialize(h, cfg.rms_norm_eps)
         return rms_norm(h, params.norm, cfg.rms_norm_eps), state
 
     def body(carry, xs):
         x, st = carry
         lp, layer = xs
         x, st = decoder_layer(lp, x, cos, sin, cfg, attend, st, loop, layer, proj)
-        return (x, st), None
+        # A scan carry keeps one type: the residual stream goes on as an array.
+        return ((proj or XLA_PROJECTIONS).materialize(x, cfg.rms_norm_eps), st), None
 
     layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
     (h, state), _ = lax.scan(body, (h, state), (params.layers, layer_ids))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 
@@ -79,6 +80,20 @@ def fit_tuning(tuning: dict, n_out: int, k: int) -> dict:
     return out
 
 
+class Residual(NamedTuple):
+    """A residual stream not yet added up: resid + rms_norm(branch, weight). With 'norms' the
+    sandwich layer hands this to the next projection, whose GEMV prologue does the add and
+    the norms (the layer's small XLA norm and add kernels disappear)."""
+    resid: jax.Array
+    branch: jax.Array
+    weight: jax.Array
+
+
+def _rms_norm(x, w, eps):
+    from ouro_jax.model import rms_norm
+    return rms_norm(x, w, eps)
+
+
 def _linear(x, w):
     from ouro_jax.model import linear
     return linear(x, w)
@@ -97,6 +112,22 @@ class XLA:
         gu = _linear(x, w)
         return silu(gu[..., :i]) * gu[..., i:]
 
+    def materialize(self, x, eps: float) -> jax.Array:
+        """The residual stream as an array (a Residual is added up here)."""
+        if isinstance(x, Residual):
+            return x.resid + _rms_norm(x.branch, x.weight, eps)
+        return x
+
+    def normed(self, name: str, x, norm_w, w, eps: float, gated: bool = False):
+        """(projection of rms_norm(x, norm_w), x as an array); gated: the gated MLP input."""
+        x = self.materialize(x, eps)
+        hx = _rms_norm(x, norm_w, eps)
+        return (self.gated(hx, w) if gated else self.project(name, hx, w)), x
+
+    def residual(self, h, m, w, eps: float):
+        """The layer output h + rms_norm(m, w), now (XLA) or deferred (see Residual)."""
+        return h + _rms_norm(m, w, eps)
+
 
 @dataclasses.dataclass(frozen=True)
 class PallasGemv(XLA):
@@ -107,6 +138,7 @@ class PallasGemv(XLA):
     max_rows: int = GEMV_MAX_ROWS
     gemm_names: tuple = ()
     gemm_max_rows: int = GEMM_MAX_ROWS
+    fuse_norms: bool = False
 
     @property
     def spec(self) -> str:
@@ -119,6 +151,8 @@ class PallasGemv(XLA):
             parts.append(part("gemv", self.names, self.max_rows, GEMV_MAX_ROWS))
         if self.gemm_names:
             parts.append(part("gemm", self.gemm_names, self.gemm_max_rows, GEMM_MAX_ROWS))
+        if self.fuse_norms:
+            parts.append("norms")
         return "+".join(parts)
 
     def _route(self, name: str, x: jax.Array) -> str:
@@ -146,6 +180,28 @@ class PallasGemv(XLA):
         y = gemm(x.reshape(-1, x.shape[-1]), w, gated=gated, interpret=interpret,
                  **fit_gemm_tuning(GEMM_TUNING[name], n_out, x.shape[-1]))
         return y.reshape(*lead, y.shape[-1])
+
+    def _fuses(self, name, x) -> bool:
+        return self.fuse_norms and self._route(name, x) == "gemv"
+
+    def normed(self, name, x, norm_w, w, eps, gated=False):
+        from pallas_kernels.gemv import gemv_normed
+        resid = x.resid if isinstance(x, Residual) else x
+        if not self._fuses(name, resid):
+            return super().normed(name, x, norm_w, w, eps, gated)
+        lead, k = resid.shape[:-1], resid.shape[-1]
+        n_out = w.shape[0] // 2 if gated else w.shape[0]
+        branch = dict(branch=x.branch.reshape(-1, k), branch_w=x.weight) \
+            if isinstance(x, Residual) else {}
+        y, x_new = gemv_normed(resid.reshape(-1, k), norm_w, w, eps=eps, gated=gated,
+                               interpret=jax.default_backend() != "gpu", **branch,
+                               **fit_tuning(GEMV_TUNING[name], n_out, k))
+        return y.reshape(*lead, n_out), x_new.reshape(*lead, k)
+
+    def residual(self, h, m, w, eps):
+        # Deferred when the next layer's qkv GEMV can take it (same rows); run_loop
+        # materializes what is left after the last layer.
+        return Residual(h, m, w) if self._fuses("qkv", h) else super().residual(h, m, w, eps)
 
     def project(self, name, x, w):
         route = self._route(name, x)
@@ -205,11 +261,17 @@ def parse(spec: str):
     if spec in ("", "xla"):
         return XLA()
     kw = {}
-    for part in spec.split("+"):
+    parts = spec.split("+")
+    fuse_norms = "norms" in parts
+    kinds = [p.partition(":")[0].partition("@")[0] for p in parts]
+    if parts.count("norms") > 1 or (fuse_norms and "gemv" not in kinds):
+        raise ValueError(f"projections {spec!r}: 'norms' (RMSNorms and residual adds in the GEMV "
+                         f"prologue) is given once, with a 'gemv' part")
+    for part in (p for p in parts if p != "norms"):
         kind, names, rows = _parse_part(spec, part)
         if kind in kw:
             raise ValueError(f"projections {spec!r}: '{kind}' given twice")
         kw[kind] = (names, rows)
     gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
     gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
-    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows)
+    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms)

@@ -56,8 +56,29 @@ def _silu_mul(g, u, dt):
     return _mul((gf * jax.nn.sigmoid(gf)).astype(dt), u.astype(dt), dt)
 
 
-def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_n: int, block_k: int,
-            use_dot: bool, gated: bool, up_offset: int):
+def _rms_scale(xf, k: int, eps: float):
+    """rsqrt(mean(x^2) + eps) of a full fp32 row (model.rms_norm's statistic)."""
+    return lax.rsqrt(jnp.sum(xf * xf) / k + eps)
+
+
+def _normed(xf, scale, weight, dt):
+    """model.rms_norm's rounding: (x * scale) rounded to dt, times the weight, rounded."""
+    return _mul((xf * scale).astype(dt), weight, dt)
+
+
+def _kernel(*refs, m: int, k: int, block_n: int, block_k: int, use_dot: bool, gated: bool,
+            up_offset: int, prologue: str = "", eps: float = 0.0):
+    """prologue "": refs = (x, w, y). "norm": (x, wx, w, y), the GEMV of rms_norm(x, wx).
+    "add_norm": (x, b, wb, wx, w, y, x_out): the residual stream x_out = x + rms_norm(b, wb)
+    (program 0 stores it) and the GEMV of rms_norm(x_out, wx). The row statistics need the
+    whole row, so every program computes them from the full rows (a few KB from L2) and then
+    recomputes each block_k chunk of the normed input inside the K loop."""
+    if prologue == "add_norm":
+        x_ref, b_ref, wb_ref, wx_ref, w_ref, y_ref, xo_ref = refs
+    elif prologue == "norm":
+        x_ref, wx_ref, w_ref, y_ref = refs
+    else:
+        x_ref, w_ref, y_ref = refs
     j = pl.program_id(0)
     dt = y_ref.dtype
     nk = k // block_k
@@ -84,12 +105,40 @@ def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_n: int, block_k: int,
         y_ref[rows, gate_rows] = y  # clamped duplicate rows write identical values
         return
 
+    # Per-row norm scales (prologue): s_b for the branch, s_x for the (new) residual row.
+    scales = []
+    for r in range(m):
+        if prologue == "add_norm":
+            bf = b_ref[r, :].astype(jnp.float32)
+            s_b = _rms_scale(bf, k, eps)
+            xn = (x_ref[r, :].astype(jnp.float32)
+                  + _normed(bf, s_b, wb_ref[:], dt).astype(jnp.float32)).astype(dt)
+
+            @pl.when(j == 0)
+            def _():
+                xo_ref[r, :] = xn
+
+            scales.append((s_b, _rms_scale(xn.astype(jnp.float32), k, eps)))
+        elif prologue == "norm":
+            scales.append((None, _rms_scale(x_ref[r, :].astype(jnp.float32), k, eps)))
+
+    def x_chunk(r, c):
+        """Row r's GEMV input for columns chunk c, in fp32."""
+        if not prologue:
+            return x_ref[r, cols(c)].astype(jnp.float32)
+        s_b, s_x = scales[r]
+        xc = x_ref[r, cols(c)]
+        if prologue == "add_norm":
+            nb = _normed(b_ref[r, cols(c)].astype(jnp.float32), s_b, wb_ref[cols(c)], dt)
+            xc = (xc.astype(jnp.float32) + nb.astype(jnp.float32)).astype(dt)
+        return _normed(xc.astype(jnp.float32), s_x, wx_ref[cols(c)], dt).astype(jnp.float32)
+
     def body(c, accs):
         wg = w_ref[gate_rows, cols(c)].astype(jnp.float32)  # [bn, bk]
         wu = w_ref[up_rows, cols(c)].astype(jnp.float32) if gated else None
         out = []
         for r in range(m):
-            xr = x_ref[r, cols(c)].astype(jnp.float32)[None, :]
+            xr = x_chunk(r, c)[None, :]
             out.append(accs[len(out)] + wg * xr)
             if gated:
                 out.append(accs[len(out)] + wu * xr)
@@ -154,6 +203,52 @@ def gemv(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
         interpret=interpret,
         name="gemv_silu" if gated else "gemv",
     )(x, w.astype(x.dtype))
+
+
+def gemv_normed(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: float,
+                branch: jax.Array | None = None, branch_w: jax.Array | None = None,
+                gated: bool = False, interpret: bool = False, **tuning):
+    """The projection of rms_norm(x', norm_w) with the RMSNorm done in the kernel's prologue,
+    where x' = x, or with `branch` x' = x + rms_norm(branch, branch_w) (the sandwich layer's
+    residual add). Returns (y, x'): x' is the residual stream the layer goes on with (x
+    itself without a branch). Only the CUDA-core path (use_dot=False) has the prologue."""
+    unknown = set(tuning) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown gemv tuning keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    cfg = dict(DEFAULTS, **tuning)
+    if cfg["use_dot"]:
+        raise ValueError("gemv_normed: the norm prologue needs use_dot=False")
+    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv shape mismatch: x {x.shape} (want [M, K]), w {w.shape} (want [N, K])")
+    m, k = x.shape
+    if norm_w.shape != (k,):
+        raise ValueError(f"gemv_normed: norm weight shape {norm_w.shape}, want ({k},)")
+    if (branch is None) != (branch_w is None):
+        raise ValueError("gemv_normed: give branch and branch_w together")
+    if branch is not None and (branch.shape != x.shape or branch_w.shape != (k,)):
+        raise ValueError(f"gemv_normed: branch {branch.shape} / branch_w {branch_w.shape} do not "
+                         f"match x {x.shape}")
+    n = w.shape[0]
+    if gated and n % 2:
+        raise ValueError(f"gated gemv needs w = [gate; up] with an even row count, got {n}")
+    n_out = n // 2 if gated else n
+    check_supported(m, k, n_out, use_dot=False, block_n=cfg["block_n"], block_k=cfg["block_k"])
+    prologue = "norm" if branch is None else "add_norm"
+    kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
+                               block_k=cfg["block_k"], use_dot=False, gated=gated,
+                               up_offset=n_out, prologue=prologue, eps=float(eps))
+    dt = x.dtype
+    y_shape = jax.ShapeDtypeStruct((m, n_out), dt)
+    call = functools.partial(
+        pl.pallas_call, kernel, grid=(n_out // cfg["block_n"],),
+        compiler_params=compiler_params(cfg["num_warps"], cfg["num_stages"]),
+        interpret=interpret, name=("gemv_silu" if gated else "gemv") + "_" + prologue)
+    if branch is None:
+        y = call(out_shape=y_shape)(x, norm_w.astype(dt), w.astype(dt))
+        return y, x
+    y, x_new = call(out_shape=(y_shape, jax.ShapeDtypeStruct((m, k), dt)))(
+        x, branch.astype(dt), branch_w.astype(dt), norm_w.astype(dt), w.astype(dt))
+    return y, x_new
 
 
 def gemv_reference(x, w, *, gated: bool = False):

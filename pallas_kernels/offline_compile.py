@@ -69,6 +69,20 @@ def check_gemv():
                 lowering_platforms=("cuda",))
             compile_captured(f"gemv engine {name} M{m}", num_warps=kw["num_warps"],
                              num_stages=kw["num_stages"])
+    from pallas_kernels.gemv import gemv_normed
+    for name, (n, k, gated) in SHAPES.items():  # the 'norms' prologues (qkv and gate_up)
+        if name not in ("qkv", "gate_up"):
+            continue
+        kw = GEMV_TUNING[name]
+        for branch in (False, True):
+            def f(x, nw, w, b=None, bw=None, gated=gated, kw=kw):
+                return gemv_normed(x, nw, w, eps=1e-6, branch=b, branch_w=bw, gated=gated, **kw)
+            args = [S((1, k), jnp.bfloat16), S((k,), jnp.bfloat16), S((n, k), jnp.bfloat16)]
+            if branch:
+                args += [S((1, k), jnp.bfloat16), S((k,), jnp.bfloat16)]
+            jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+            compile_captured(f"gemv_normed engine {name} branch={branch}",
+                             num_warps=kw["num_warps"], num_stages=kw["num_stages"])
     if "--engine-only" in sys.argv:
         return
     for name, (n, k, gated) in SHAPES.items():

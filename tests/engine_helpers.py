@@ -78,3 +78,13 @@ def has_gpu() -> bool:
         return bool(jax.devices("gpu"))
     except RuntimeError:
         return False
+
+
+def pallas_call_names(fn, *args) -> list:
+    """The kernel names of fn(*args)'s pallas_calls in trace order (the params key differs
+    between JAX versions: 'name' or 'name_and_src_info')."""
+    out = []
+    for e in pallas_call_eqns(fn, *args):
+        info = e.params.get("name_and_src_info", e.params.get("name", ""))
+        out.append(str(getattr(info, "name", info)).split()[0])
+    return out

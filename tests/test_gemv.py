@@ -191,3 +191,120 @@ def test_engine_gemv_tilings_on_the_gpu(name, m):
     assert err <= 8e-3, err
     one = gemv(x[:1], w, gated=gated, **GEMV_TUNING[name])
     np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(y[0].astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_norm_prologue_matches_the_layer_math(dtype, gated, m):
+    """'norms': the GEMV prologue adds the residual and applies both RMSNorms. Same result as
+    model.rms_norm + the XLA projection: bit-identical in bf16 on these inputs, fp32 within
+    accumulation order; the new residual stream equals x + rms_norm(branch, wb)."""
+    from ouro_jax.model import rms_norm
+    from pallas_kernels.gemv import gemv_normed
+    ks = jax.random.split(jax.random.PRNGKey(m), 5)
+    x = jax.random.normal(ks[0], (m, 256)).astype(dtype)
+    b = (jax.random.normal(ks[1], (m, 256)) * 3).astype(dtype)
+    wb, wx = ((1 + 0.1 * jax.random.normal(kk, (256,))).astype(dtype) for kk in ks[2:4])
+    w = (jax.random.normal(ks[4], (128, 256)) * 0.06).astype(dtype)
+    kw = dict(gated=gated, interpret=True, use_dot=False, block_n=8, block_k=64)
+    y, x_new = gemv_normed(x, wx, w, eps=1e-6, branch=b, branch_w=wb, **kw)
+    x_ref = x + rms_norm(b, wb, 1e-6)
+    ref = gemv_reference(rms_norm(x_ref, wx, 1e-6), w, gated=gated)
+    y2, same = gemv_normed(x, wx, w, eps=1e-6, **kw)
+    ref2 = gemv_reference(rms_norm(x, wx, 1e-6), w, gated=gated)
+    assert same is x
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=0, atol=0)
+    f = lambda a: np.asarray(a, np.float32)
+    np.testing.assert_allclose(f(x_new), f(x_ref), **tol)
+    np.testing.assert_allclose(f(y), f(ref), **tol)
+    np.testing.assert_allclose(f(y2), f(ref2), **tol)
+
+
+def test_gemv_norm_prologue_rejects_bad_input():
+    from pallas_kernels.gemv import gemv_normed
+    x, w = _xw(1, 256, 64)
+    nw = jnp.ones((256,))
+    with pytest.raises(ValueError, match="use_dot=False"):
+        gemv_normed(x, nw, w, eps=1e-6, interpret=True, use_dot=True)
+    with pytest.raises(ValueError, match="norm weight shape"):
+        gemv_normed(x, nw[:128], w, eps=1e-6, interpret=True, use_dot=False, block_n=4)
+    with pytest.raises(ValueError, match="together"):
+        gemv_normed(x, nw, w, eps=1e-6, branch=x, interpret=True, use_dot=False, block_n=4)
+
+
+def test_norms_spec_fuses_the_layer_norms_into_the_gemv():
+    """With 'gemv+norms' a batch-1 decoder layer runs 5 Pallas kernels: qkv with the input
+    norm (no branch on a loop's first layer), attention is XLA here, o, gate/up with the
+    residual add and both norms, down; the next layer's qkv takes the deferred residual."""
+    from engine_helpers import pallas_call_names
+    from ouro_jax.config import PRESETS
+    from ouro_jax.model import decoder_layer, dense_causal_attend, rope_cos_sin, unstack_layers
+    from ouro_jax.params import random_params
+    from ouro_jax.projections import Residual, parse
+
+    cfg = PRESETS["tiny-mha"]
+    lp = unstack_layers(random_params(cfg, 0, jnp.float32, 0.003, 0.0), fuse=True).layers[0]
+    cos, sin = rope_cos_sin(jnp.zeros((1,), jnp.int32), cfg.head_dim, cfg.rope_theta, jnp.float32)
+    x = jax.random.normal(KEY, (1, cfg.hidden_size))
+
+    def names(proj, inp):
+        def f(a):
+            out, _ = decoder_layer(lp, a, cos, sin, cfg, dense_causal_attend, None, 0, 0, proj)
+            return out
+        return pallas_call_names(f, inp)
+    assert names(parse("gemv+norms"), x) == ["gemv_norm", "gemv", "gemv_silu_add_norm", "gemv"]
+    assert names(parse("gemv"), x) == ["gemv", "gemv", "gemv_silu", "gemv"]
+    fused = decoder_layer(lp, x, cos, sin, cfg, dense_causal_attend, None, 0, 0,
+                          parse("gemv+norms"))[0]
+    plain = decoder_layer(lp, x, cos, sin, cfg, dense_causal_attend, None, 0, 0)[0]
+    assert isinstance(fused, Residual)
+    np.testing.assert_allclose(np.asarray(parse("gemv+norms").materialize(fused, cfg.rms_norm_eps)),
+                               np.asarray(plain), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_tokens_with_fused_norms():
+    """Greedy decode, native and speculative (batch 1: decode and draft through the fused
+    prologues, verification on XLA), fp32: the same tokens as XLA projections."""
+    from ouro_jax.api import Ouro
+    from ouro_jax.config import PRESETS
+    from ouro_jax.params import random_params
+    from ouro_jax.sampling import SamplingParams
+    from ouro_jax.speculative import SpeculativeConfig
+
+    cfg = PRESETS["tiny-mha"]
+    params = random_params(cfg, 0, jnp.float32, 0.003, 0.0)
+    sp = [SamplingParams(max_tokens=10, ignore_eos=True)]
+    out = {}
+    for p in ("xla", "gemv+norms"):
+        llm = Ouro(cfg, params, None, attention="xla", projections=p, decode_chunk=8)
+        out[p] = (llm.generate([[3, 1, 4]], sp).outputs[0].token_ids,
+                  llm.generate([[3, 1, 4]], sp, speculative=SpeculativeConfig(4, 2))
+                  .outputs[0].token_ids)
+    assert llm.backend == "xla+gemv+norms"
+    assert out["xla"] == out["gemv+norms"] and out["xla"][0] == out["xla"][1]
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "gate_up"])
+@pytest.mark.parametrize("branch", [False, True])
+def test_engine_gemv_norm_prologue_on_the_gpu(name, branch):
+    """The compiled prologue kernels on the 1.4B shapes in bf16, against the layer math."""
+    from benchmarks.gemv import SHAPES
+    from ouro_jax.model import rms_norm
+    from ouro_jax.projections import GEMV_TUNING
+    from pallas_kernels.gemv import gemv_normed
+
+    n, k, gated = SHAPES[name]
+    x, w = _xw(1, k, n, jnp.bfloat16)
+    b = (x[:, ::-1] * 3).astype(jnp.bfloat16)
+    nw = (1 + 0.1 * jnp.cos(jnp.arange(k))).astype(jnp.bfloat16)
+    extra = dict(branch=b, branch_w=nw[::-1]) if branch else {}
+    y, x_new = gemv_normed(x, nw, w, eps=1e-6, gated=gated, **extra, **GEMV_TUNING[name])
+    x_ref = x + rms_norm(b, nw[::-1], 1e-6) if branch else x
+    ref = gemv_reference(rms_norm(x_ref, nw, 1e-6), w, gated=gated).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(x_new.astype(jnp.float32) - x_ref.astype(jnp.float32)))) <= \
+        2 ** -7 * float(jnp.max(jnp.abs(x_ref.astype(jnp.float32))))
+    err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+    assert err <= 8e-3, err
