@@ -9,6 +9,11 @@ machine without a GPU the kernel runs in interpret mode (tests). `projections="a
 engine's default) picks the GEMV on a GPU: batch-1 decode on the H200 went from 163.7 to
 179.2 tok/s with it (benchmarks/results/ab_proj_*_b1_h200.json).
 
+Two opt-in parts, both measured and neither faster on the H200 (docs/performance.md):
+'+gemm[@N]' sends calls of 2..N rows to the skinny Pallas GEMM (pallas_kernels.gemm), and
+'+norms' moves the RMSNorms and residual adds around qkv and gate/up into the GEMV prologue
+(the layer output is then a deferred `Residual` that the next qkv GEMV adds up).
+
 The gated kernel returns silu(gate) * up directly, so XLA no longer fuses the SiLU into the
 down projection's prologue (which slowed that GEMM from 7.6 to 12.3 us per call at batch 1 on
 the H200, benchmarks/results/kernel_trace_pallas_b1_h200.json vs gemv_session4_h200.json).
@@ -47,12 +52,13 @@ GEMV_ROW_LIMIT = 5
 
 
 # The skinny GEMM (pallas_kernels/gemm.py) for calls of 2..GEMM_MAX_ROWS rows ('gemm' in the
-# spec; batched decode and draft): first guesses, chosen so that each projection's grid fills
-# the 132 SMs in one wave with the shared memory of 1-2 programs per SM (offline compile).
+# spec): per projection the tiling fastest at 64 rows on the H200 among 12
+# (benchmarks/results/gemm_session5_h200.json; only o_proj beats XLA there). The end-to-end
+# A/B (ab_proj_gemv_gemm_b8_64_h200.json) ran with earlier first guesses for qkv and gate/up.
 GEMM_TUNING = {
-    "qkv": dict(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=4),
+    "qkv": dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4),
     "o": dict(block_m=64, block_n=16, block_k=256, num_warps=4, num_stages=4),
-    "gate_up": dict(block_m=64, block_n=32, block_k=64, num_warps=4, num_stages=6),
+    "gate_up": dict(block_m=64, block_n=64, block_k=128, num_warps=8, num_stages=4),
     "down": dict(block_m=64, block_n=16, block_k=256, num_warps=4, num_stages=4),
 }
 GEMM_MAX_ROWS = 64
