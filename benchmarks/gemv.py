@@ -48,7 +48,29 @@ VARIANTS = {  # name -> gemv tuning; "xla" is the model's einsum (+ SiLU for gat
     "fma2_k1024_w2": dict(use_dot=False, block_n=2, block_k=1024, num_warps=2, num_stages=1),
     "fma4_k512_w2": dict(use_dot=False, block_n=4, block_k=512, num_warps=2, num_stages=1),
     "fma4_k256_w2": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1),
+    # prefetch=P: P K-chunks requested ahead of the math (session 6)
+    "fma4_k256_w2_pf2": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1,
+                             prefetch=2),
+    "fma4_k256_w2_pf3": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1,
+                             prefetch=3),
+    "fma2_k256_w2_pf3": dict(use_dot=False, block_n=2, block_k=256, num_warps=2, num_stages=1,
+                             prefetch=3),
+    "fma4_k512_w4_pf2": dict(use_dot=False, block_n=4, block_k=512, num_warps=4, num_stages=1,
+                             prefetch=2),
+    "fma2_k512_w2_pf2": dict(use_dot=False, block_n=2, block_k=512, num_warps=2, num_stages=1,
+                             prefetch=2),
+    "fma8_k256_w4_pf2": dict(use_dot=False, block_n=8, block_k=256, num_warps=4, num_stages=1,
+                             prefetch=2),
+    "fma8_k512_w4_pf1": dict(use_dot=False, block_n=8, block_k=512, num_warps=4, num_stages=1,
+                             prefetch=1),
+    "fma16_k256_w8_pf2": dict(use_dot=False, block_n=16, block_k=256, num_warps=8, num_stages=1,
+                              prefetch=2),
+    "fma2_k1024_w2_pf1": dict(use_dot=False, block_n=2, block_k=1024, num_warps=2, num_stages=1,
+                              prefetch=1),
+    "fma4_k1024_w4_pf1": dict(use_dot=False, block_n=4, block_k=1024, num_warps=4, num_stages=1,
+                              prefetch=1),
 }
+ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))
 
 # Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows): "mm" +
 # block_m, block_n, block_k, warps, stages.
@@ -62,16 +84,26 @@ GEMM_VARIANTS = {
 }
 
 
+def engine_tuning(impl: str, shape: str) -> dict:
+    """'engine' (ouro_jax.projections' tiling for this shape) or 'engine_pfN' (the same with
+    prefetch depth N)."""
+    from ouro_jax.projections import GEMV_TUNING
+    tuning = dict(GEMV_TUNING[shape])
+    if impl != "engine":
+        tuning["prefetch"] = int(impl.removeprefix("engine_pf"))
+    return tuning
+
+
 def chain_fn(impl, gated, shape):
     """One program: the projection of x with each weight in turn (outputs stacked). impl:
-    "xla", "engine" (the tiling ouro_jax.projections uses for this shape) or a VARIANTS key."""
-    from ouro_jax.projections import GEMV_TUNING
+    "xla", "engine" (the tiling ouro_jax.projections uses for this shape), "engine_pfN" or a
+    VARIANTS key."""
     if impl == "xla":
         one = lambda x, w: gemv_reference(x, w, gated=gated)
     elif impl in GEMM_VARIANTS:
         one = lambda x, w: gemm(x, w, gated=gated, **GEMM_VARIANTS[impl])
     else:
-        tuning = GEMV_TUNING[shape] if impl == "engine" else VARIANTS[impl]
+        tuning = engine_tuning(impl, shape) if impl.startswith("engine") else VARIANTS[impl]
         one = lambda x, w: gemv(x, w, gated=gated, **tuning)
     return jax.jit(lambda x, ws: jnp.stack([one(x, w) for w in ws]))
 
@@ -124,7 +156,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default="1,8", help="comma list of row counts (batch x tokens)")
-    ap.add_argument("--variants", default="", help=f"comma list from {sorted(VARIANTS)} (default "
+    ap.add_argument("--variants", default="", help=f"comma list from {sorted(VARIANTS) + list(ENGINE_PF)} (default "
                     "all GEMV variants; 'none': only XLA and the engine's tiling; 'gemm': XLA and "
                     "every GEMM_VARIANTS tiling of the skinny GEMM)")
     ap.add_argument("--layers", type=int, default=24, help="distinct weights per timed program")
@@ -135,6 +167,7 @@ def main(argv=None) -> int:
     if args.variants == "none":
         args.variants = "engine"
     unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS) - set(GEMM_VARIANTS) \
+        - set(ENGINE_PF) \
         - {"engine", "gemm"}
     if unknown or set(args.shapes.split(",")) - set(SHAPES):
         raise SystemExit(f"unknown variants/shapes: {sorted(unknown)} {args.shapes}")

@@ -45,14 +45,15 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     `backend` is the attention backend ("xla" | "pallas"), optionally followed by options:
     "+unroll" unrolls the loop range in Python instead of a `fori_loop` (fewer device while
     loops per step, larger programs); "+gemv[@N][:names]" and "+gemm[@N][:names]" compute
-    few-row projections (and with "+norms" the RMSNorms and residual adds around them) with the Pallas GEMV / skinny GEMM (ouro_jax.projections.parse). `h`
-    overrides the embedding input (verification starts from the draft's states)."""
+    few-row projections (and with "+norms" the RMSNorms and residual adds around them;
+    "+pfN" sets the GEMV's prefetch depth) with the Pallas GEMV / skinny GEMM
+    (ouro_jax.projections.parse). `h` overrides the embedding input (verification starts from the draft's states)."""
     attention, *options = backend.split("+")
-    kernels = [o for o in options if o.startswith(("gemv", "gemm")) or o == "norms"]
+    kernels = [o for o in options if o.startswith(("gemv", "gemm", "pf")) or o == "norms"]
     unknown = [o for o in options if o != "unroll" and o not in kernels]
     if unknown:
         raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', "
-                         f"'gemv...', 'gemm...', 'norms'")
+                         f"'gemv...', 'gemm...', 'norms', 'pfN'")
     proj = parse_projections("+".join(kernels) or "xla")
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
     if h is None:

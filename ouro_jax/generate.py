@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "N rows; slower beyond one), 'gemv[@N]:qkv,o,gate_up,down' (a subset); "
                         "'+gemm[@N][:names]' adds the skinny Pallas GEMM for 2..N-row calls, "
                         "'+norms' the RMSNorms and residual adds in the GEMV prologues (neither "
-                        "is faster on the H200, docs/performance.md)")
+                        "is faster on the H200, docs/performance.md), '+pfN' the GEMV's "
+                        "prefetch depth (K chunks loaded ahead, 0..4)")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
     r.add_argument("--kv-pool-tokens", type=int, default=None,

@@ -145,6 +145,7 @@ class PallasGemv(XLA):
     gemm_names: tuple = ()
     gemm_max_rows: int = GEMM_MAX_ROWS
     fuse_norms: bool = False
+    prefetch: int | None = None  # '+pf<N>': every GEMV's prefetch depth instead of GEMV_TUNING's
 
     @property
     def spec(self) -> str:
@@ -159,7 +160,16 @@ class PallasGemv(XLA):
             parts.append(part("gemm", self.gemm_names, self.gemm_max_rows, GEMM_MAX_ROWS))
         if self.fuse_norms:
             parts.append("norms")
+        if self.prefetch is not None:
+            parts.append(f"pf{self.prefetch}")
         return "+".join(parts)
+
+    def tuning(self, name: str, n_out: int, k: int) -> dict:
+        """The GEMV tiling for projection `name` on an [n_out, k] weight."""
+        t = fit_tuning(GEMV_TUNING[name], n_out, k)
+        if self.prefetch is not None and not t["use_dot"]:
+            t["prefetch"] = self.prefetch
+        return t
 
     def _route(self, name: str, x: jax.Array) -> str:
         rows = math.prod(x.shape[:-1])
@@ -175,7 +185,7 @@ class PallasGemv(XLA):
         interpret = jax.default_backend() != "gpu"
         n_out = w.shape[0] // 2 if gated else w.shape[0]
         y = gemv(x.reshape(-1, x.shape[-1]), w, gated=gated, interpret=interpret,
-                 **fit_tuning(GEMV_TUNING[name], n_out, x.shape[-1]))
+                 **self.tuning(name, n_out, x.shape[-1]))
         return y.reshape(*lead, y.shape[-1])
 
     def _gemm(self, name, x, w, gated=False):
@@ -201,7 +211,7 @@ class PallasGemv(XLA):
             if isinstance(x, Residual) else {}
         y, x_new = gemv_normed(resid.reshape(-1, k), norm_w, w, eps=eps, gated=gated,
                                interpret=jax.default_backend() != "gpu", **branch,
-                               **fit_tuning(GEMV_TUNING[name], n_out, k))
+                               **self.tuning(name, n_out, k))
         return y.reshape(*lead, n_out), x_new.reshape(*lead, k)
 
     def residual(self, h, m, w, eps):
@@ -262,7 +272,8 @@ def parse(spec: str):
     """'xla' -> XLA(); 'gemv' -> all four through the GEMV for one-row calls; 'gemv@5' -> for
     calls of up to 5 rows; 'gemv:gate_up,down' (or 'gemv@5:...') -> only those; 'gemm[@N]' ->
     calls of 2..N rows (default GEMM_MAX_ROWS) through the skinny GEMM; 'gemv+gemm' -> both;
-    'auto' -> see resolve."""
+    '+norms' -> the norm prologue; '+pfN' -> every GEMV loads N chunks ahead (default: each
+    projection's GEMV_TUNING); 'auto' -> see resolve."""
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
@@ -273,11 +284,20 @@ def parse(spec: str):
     if parts.count("norms") > 1 or (fuse_norms and "gemv" not in kinds):
         raise ValueError(f"projections {spec!r}: 'norms' (RMSNorms and residual adds in the GEMV "
                          f"prologue) is given once, with a 'gemv' part")
-    for part in (p for p in parts if p != "norms"):
+    pf = [p for p in parts if p.startswith("pf")]
+    prefetch = None
+    if pf:
+        from pallas_kernels.gemv import MAX_PREFETCH
+        if len(pf) > 1 or "gemv" not in kinds or not pf[0][2:].isdigit() \
+                or int(pf[0][2:]) > MAX_PREFETCH:
+            raise ValueError(f"projections {spec!r}: 'pfN' (the GEMV's prefetch depth, N in "
+                             f"0..{MAX_PREFETCH}) is given once, with a 'gemv' part")
+        prefetch = int(pf[0][2:])
+    for part in (p for p in parts if p != "norms" and not p.startswith("pf")):
         kind, names, rows = _parse_part(spec, part)
         if kind in kw:
             raise ValueError(f"projections {spec!r}: '{kind}' given twice")
         kw[kind] = (names, rows)
     gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
     gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
-    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms)
+    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch)

@@ -12,7 +12,11 @@ Two inner products, chosen per call:
     are discarded). Triton software-pipelines the W tile loads that feed dots (cp.async,
     `num_stages` deep), which keeps bytes in flight.
   * use_dot=False: fp32 multiply-adds on the CUDA cores into a [block_n, block_k] accumulator
-    per row, reduced once at the end; enough programs per SM hide the load latency instead.
+    per row, reduced once at the end. Triton does not pipeline loads that feed no dot, so a
+    program waits a full memory round trip per K chunk; `prefetch=P` software-pipelines by
+    hand: the loop carries the next P chunks' raw loads and requests chunk c+P before the
+    math on chunk c, so P+1 tiles per program are in flight. The summation order is the
+    same for every P (bit-identical results).
 
 `gated=True` takes W = [gate; up] ([2I, K]) and returns silu(gate) * up [M, I], rounding as
 the model does (each projection rounded to the activation dtype, silu in fp32 rounded once,
@@ -33,7 +37,8 @@ MAX_ROWS = 16
 MAX_FMA_ROWS = 8  # registers: one [block_n, block_k] fp32 accumulator per row
 # Defaults when a call gives no tuning; the engine passes its own per-projection tilings
 # (ouro_jax.projections.GEMV_TUNING, measured with benchmarks/gemv.py on the H200).
-DEFAULTS = dict(use_dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4)
+DEFAULTS = dict(use_dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4, prefetch=0)
+MAX_PREFETCH = 4  # chunks loaded ahead (registers: one weight tile per chunk per program)
 
 
 def pow2_divisor(n: int, cap: int, floor: int = 1) -> int:
@@ -67,7 +72,7 @@ def _normed(xf, scale, weight, dt):
 
 
 def _kernel(*refs, m: int, k: int, block_n: int, block_k: int, use_dot: bool, gated: bool,
-            up_offset: int, prologue: str = "", eps: float = 0.0):
+            up_offset: int, prologue: str = "", eps: float = 0.0, prefetch: int = 0):
     """prologue "": refs = (x, w, y). "norm": (x, wx, w, y), the GEMV of rms_norm(x, wx).
     "add_norm": (x, b, wb, wx, w, y, x_out): the residual stream x_out = x + rms_norm(b, wb)
     (program 0 stores it) and the GEMV of rms_norm(x_out, wx). The row statistics need the
@@ -86,6 +91,8 @@ def _kernel(*refs, m: int, k: int, block_n: int, block_k: int, use_dot: bool, ga
     up_rows = pl.ds(pl.multiple_of(up_offset + j * block_n, block_n), block_n)
 
     def cols(c):
+        if isinstance(c, int):  # a prefetched chunk's static index (Triton cannot tag constants)
+            return pl.ds(c * block_k, block_k)
         return pl.ds(pl.multiple_of(c * block_k, block_k), block_k)
 
     if use_dot:
@@ -105,6 +112,25 @@ def _kernel(*refs, m: int, k: int, block_n: int, block_k: int, use_dot: bool, ga
         y_ref[rows, gate_rows] = y  # clamped duplicate rows write identical values
         return
 
+    # Raw loads of chunk c (weight tiles, row inputs, norm-weight chunks), apart from the math
+    # on them, so that chunks can be loaded `prefetch` iterations ahead of their use.
+    def load(c):
+        t = dict(wg=w_ref[gate_rows, cols(c)],
+                 x=tuple(x_ref[r, cols(c)] for r in range(m)))
+        if gated:
+            t["wu"] = w_ref[up_rows, cols(c)]
+        if prologue == "add_norm":
+            t["b"] = tuple(b_ref[r, cols(c)] for r in range(m))
+            t["wb"] = wb_ref[cols(c)]
+        if prologue:
+            t["wx"] = wx_ref[cols(c)]
+        return t
+
+    # The first `prefetch` chunks are requested before the prologue's row statistics, so the
+    # weight stream is already in flight while they are computed.
+    prefetch = min(prefetch, nk)
+    ahead = tuple(load(c) for c in range(prefetch))
+
     # Per-row norm scales (prologue): s_b for the branch, s_x for the (new) residual row.
     scales = []
     for r in range(m):
@@ -122,39 +148,54 @@ def _kernel(*refs, m: int, k: int, block_n: int, block_k: int, use_dot: bool, ga
         elif prologue == "norm":
             scales.append((None, _rms_scale(x_ref[r, :].astype(jnp.float32), k, eps)))
 
-    def x_chunk(r, c):
-        """Row r's GEMV input for columns chunk c, in fp32."""
+    def x_chunk(t, r):
+        """Row r's GEMV input for the loaded chunk t, in fp32."""
         if not prologue:
-            return x_ref[r, cols(c)].astype(jnp.float32)
+            return t["x"][r].astype(jnp.float32)
         s_b, s_x = scales[r]
-        xc = x_ref[r, cols(c)]
+        xc = t["x"][r]
         if prologue == "add_norm":
-            nb = _normed(b_ref[r, cols(c)].astype(jnp.float32), s_b, wb_ref[cols(c)], dt)
+            nb = _normed(t["b"][r].astype(jnp.float32), s_b, t["wb"], dt)
             xc = (xc.astype(jnp.float32) + nb.astype(jnp.float32)).astype(dt)
-        return _normed(xc.astype(jnp.float32), s_x, wx_ref[cols(c)], dt).astype(jnp.float32)
+        return _normed(xc.astype(jnp.float32), s_x, t["wx"], dt).astype(jnp.float32)
 
-    def body(c, accs):
-        wg = w_ref[gate_rows, cols(c)].astype(jnp.float32)  # [bn, bk]
-        wu = w_ref[up_rows, cols(c)].astype(jnp.float32) if gated else None
+    def accumulate(t, accs):
+        wg = t["wg"].astype(jnp.float32)  # [bn, bk]
+        wu = t["wu"].astype(jnp.float32) if gated else None
         out = []
         for r in range(m):
-            xr = x_chunk(r, c)[None, :]
+            xr = x_chunk(t, r)[None, :]
             out.append(accs[len(out)] + wg * xr)
             if gated:
                 out.append(accs[len(out)] + wu * xr)
         return tuple(out)
 
+    def body(c, carry):
+        ahead, accs = carry
+        if not prefetch:
+            return ahead, accumulate(load(c), accs)
+        nxt = load(c + prefetch)  # issued before the math on chunk c, which does not wait on it
+        return ahead[1:] + (nxt,), accumulate(ahead[0], accs)
+
     per_row = 2 if gated else 1
     init = (jnp.zeros((block_n, block_k), jnp.float32),) * (m * per_row)
-    accs = lax.fori_loop(0, nk, body, init)
+    ahead, accs = lax.fori_loop(0, nk - prefetch, body, (ahead, init))
+    for t in ahead:  # the last `prefetch` chunks, already loaded
+        accs = accumulate(t, accs)
     for r in range(m):
         g = jnp.sum(accs[r * per_row], axis=1)
         y = _silu_mul(g, jnp.sum(accs[r * per_row + 1], axis=1), dt) if gated else g.astype(dt)
         y_ref[r, gate_rows] = y
 
 
-def check_supported(m: int, k: int, n_out: int, *, use_dot: bool, block_n: int, block_k: int):
+def check_supported(m: int, k: int, n_out: int, *, use_dot: bool, block_n: int, block_k: int,
+                    prefetch: int = 0):
     """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
+    if not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH:
+        raise ValueError(f"gemv prefetch must be an int in 0..{MAX_PREFETCH}, got {prefetch!r}")
+    if use_dot and prefetch:
+        raise ValueError("gemv prefetch is for the CUDA-core path (use_dot=False); the dot path "
+                         "pipelines its loads through num_stages")
     if m < 1 or m > MAX_ROWS:
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}")
     if not use_dot and m > MAX_FMA_ROWS:
@@ -191,10 +232,10 @@ def gemv(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
     if "block_k" not in tuning:
         cfg["block_k"] = pow2_divisor(k, cfg["block_k"], floor=16) or cfg["block_k"]
     check_supported(m, k, n_out, use_dot=cfg["use_dot"], block_n=cfg["block_n"],
-                    block_k=cfg["block_k"])
+                    block_k=cfg["block_k"], prefetch=cfg["prefetch"])
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
                                block_k=cfg["block_k"], use_dot=cfg["use_dot"], gated=gated,
-                               up_offset=n_out)
+                               up_offset=n_out, prefetch=cfg["prefetch"])
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n_out), x.dtype),
@@ -232,11 +273,13 @@ def gemv_normed(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: float,
     if gated and n % 2:
         raise ValueError(f"gated gemv needs w = [gate; up] with an even row count, got {n}")
     n_out = n // 2 if gated else n
-    check_supported(m, k, n_out, use_dot=False, block_n=cfg["block_n"], block_k=cfg["block_k"])
+    check_supported(m, k, n_out, use_dot=False, block_n=cfg["block_n"], block_k=cfg["block_k"],
+                    prefetch=cfg["prefetch"])
     prologue = "norm" if branch is None else "add_norm"
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
                                block_k=cfg["block_k"], use_dot=False, gated=gated,
-                               up_offset=n_out, prologue=prologue, eps=float(eps))
+                               up_offset=n_out, prologue=prologue, eps=float(eps),
+                               prefetch=cfg["prefetch"])
     dt = x.dtype
     y_shape = jax.ShapeDtypeStruct((m, n_out), dt)
     call = functools.partial(

@@ -52,11 +52,43 @@ def test_gemv_row_results_do_not_depend_on_the_row_count():
         np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(many[2]))
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_prefetch_is_bit_identical(gated, m):
+    """Loading K chunks ahead changes when bytes arrive, not the summation order: every
+    depth, including one past the chunk count (all loads up front), gives the same bits."""
+    x, w = _xw(m, 256, 64, jnp.bfloat16)
+    kw = dict(gated=gated, interpret=True, use_dot=False, block_n=4, block_k=64)  # 4 chunks
+    base = np.asarray(gemv(x, w, **kw), np.float32)
+    for prefetch in (1, 2, 3, 4):
+        np.testing.assert_array_equal(np.asarray(gemv(x, w, prefetch=prefetch, **kw), np.float32),
+                                      base, err_msg=f"prefetch={prefetch}")
+    one_chunk = dict(kw, block_k=256)
+    np.testing.assert_array_equal(np.asarray(gemv(x, w, prefetch=2, **one_chunk), np.float32),
+                                  np.asarray(gemv(x, w, **one_chunk), np.float32))
+
+
+def test_gemv_norm_prologue_with_prefetch_is_bit_identical():
+    from pallas_kernels.gemv import gemv_normed
+    x, w = _xw(2, 256, 64, jnp.bfloat16)
+    b = (x * 3)[::-1]
+    nw = jnp.linspace(0.5, 1.5, 256).astype(jnp.bfloat16)
+    kw = dict(eps=1e-6, branch=b, branch_w=nw[::-1], gated=True, interpret=True, use_dot=False,
+              block_n=4, block_k=64)
+    (y0, x0), (y2, x2) = (gemv_normed(x, nw, w, prefetch=p, **kw) for p in (0, 2))
+    np.testing.assert_array_equal(np.asarray(y2, np.float32), np.asarray(y0, np.float32))
+    np.testing.assert_array_equal(np.asarray(x2, np.float32), np.asarray(x0, np.float32))
+
+
 @pytest.mark.parametrize("bad,msg", [
     (dict(block_n=3), "power of two"), (dict(block_k=48), "power of two"),
     (dict(block_n=128), "must divide"), (dict(use_dot=True, block_n=8), "block_n and block_k >= 16"),
     (dict(use_dot=True, block_n=16, block_k=8), "block_n and block_k >= 16"),
     (dict(num_stages=2, foo=1), "unknown gemv tuning"),
+    (dict(use_dot=False, block_n=4, prefetch=5), "prefetch must be an int in 0..4"),
+    (dict(use_dot=False, block_n=4, prefetch=-1), "prefetch must be an int"),
+    (dict(use_dot=False, block_n=4, prefetch=1.0), "prefetch must be an int"),
+    (dict(use_dot=True, block_n=16, prefetch=1), "prefetch is for the CUDA-core path"),
 ])
 def test_gemv_rejects_bad_tilings(bad, msg):
     x, w = _xw(1, 256, 64)
@@ -94,6 +126,12 @@ def test_projection_specs_parse_and_reject_unknown_names(monkeypatch):
             parse(bad)
     for bad in ("gemv@0", "gemv@6", "gemv@x:o"):
         with pytest.raises(ValueError, match="ROWS"):
+            parse(bad)
+    assert parse("gemv+pf2").prefetch == 2 and parse("gemv").prefetch is None
+    assert parse(parse("gemv+norms+pf0").spec) == parse("gemv+norms+pf0")
+    assert parse("gemv+pf3").tuning("down", 2048, 5632)["prefetch"] == 3
+    for bad in ("gemv+pf5", "gemv+pf", "gemv+pfx", "gemm+pf1", "gemv+pf1+pf2"):
+        with pytest.raises(ValueError, match="pfN"):
             parse(bad)
 
 
@@ -191,6 +229,22 @@ def test_engine_gemv_tilings_on_the_gpu(name, m):
     assert err <= 8e-3, err
     one = gemv(x[:1], w, gated=gated, **GEMV_TUNING[name])
     np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(y[0].astype(jnp.bfloat16)))
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
+def test_gemv_prefetch_on_the_gpu_is_bit_identical(name):
+    """The compiled kernels at prefetch depths 0-3 with the engine's tiling: the same bits."""
+    from benchmarks.gemv import SHAPES
+    from ouro_jax.projections import GEMV_TUNING
+
+    n, k, gated = SHAPES[name]
+    x, w = _xw(1, k, n, jnp.bfloat16)
+    ys = [np.asarray(gemv(x, w, gated=gated, **dict(GEMV_TUNING[name], prefetch=p)), np.float32)
+          for p in range(4)]
+    for p in range(1, 4):
+        np.testing.assert_array_equal(ys[p], ys[0], err_msg=f"prefetch={p}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
