@@ -106,7 +106,8 @@ def make_engine(args):
     kw = dict(page_size=args.page_size, attention=args.attention,
               decode_chunk=args.new_tokens, prefill_chunk=256,
               fuse_projections=not args.no_fuse, unroll_loops=args.unroll_loops,
-              projections=getattr(args, "projections", "auto"))
+              projections=getattr(args, "projections", "auto"),
+              fused_kv_write=not getattr(args, "kvxla", False))
     if args.model:
         return Ouro.load(args.model, args.dtype, **kw)
     cfg = PRESETS[args.synthetic]
@@ -283,6 +284,9 @@ def main(argv=None) -> int:
     p.add_argument("--projections", default="auto", help=PROJECTIONS_HELP)
     p.add_argument("--unroll-loops", action="store_true",
                    help="unroll the T loops in the program instead of a fori_loop")
+    p.add_argument("--kvxla", action="store_true",
+                   help="decode's K/V write as a separate XLA scatter instead of inside the "
+                        "Pallas decode kernel (the pre-session-6 path, for A/B runs)")
     p.add_argument("--batch", default="1,8,32,64")
     p.add_argument("--k", default="0,2,4", help="0 = native decode")
     p.add_argument("--draft-loops", type=int, default=2)

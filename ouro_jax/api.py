@@ -122,7 +122,8 @@ class Ouro:
                  *, page_size: int = 16, attention: str = "auto",
                  kv_pool_tokens: Optional[int] = None, prefill_chunk: int = 256,
                  decode_chunk: int = 32, fuse_projections: bool = True,
-                 unroll_loops: bool = False, projections: str = "auto"):
+                 unroll_loops: bool = False, projections: str = "auto",
+                 fused_kv_write: bool = True):
         if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
             raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
         from ouro_jax.model import unstack_layers
@@ -135,8 +136,10 @@ class Ouro:
         self.page_size = page_size
         # "+unroll": loops unrolled in the program rather than a device while loop;
         # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in
-        # canonical form so equal settings give equal program keys.
+        # canonical form so equal settings give equal program keys; "+kvxla": decode's K/V
+        # write as an XLA scatter rather than inside the Pallas decode kernel (A/B runs).
         self.backend = (resolve_backend(attention) + ("+unroll" if unroll_loops else "")
+                        + ("" if fused_kv_write else "+kvxla")
                         + ("" if proj == XLAProjections() else "+" + proj.spec))
         self.prefill_chunk = next_pow2(prefill_chunk)
         self.decode_chunk = decode_chunk

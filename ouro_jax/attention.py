@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ouro_jax.config import OuroConfig
-from ouro_jax.kv_cache import gather_kv, slot_indices, write_kv
+from ouro_jax.kv_cache import TRASH_PAGE, gather_kv, slot_indices, write_kv
 from ouro_jax.model import attention_core
 
 BACKENDS = ("auto", "xla", "pallas")
@@ -40,8 +40,12 @@ def _pallas_available() -> bool:
 
 
 def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.Array,
-                      page_size: int, backend: str = "xla"):
-    """attend(q, k, v, planes, loop, layer) over query positions [B, C] (all rows have C)."""
+                      page_size: int, backend: str = "xla", fused_kv_write: bool = True):
+    """attend(q, k, v, planes, loop, layer) over query positions [B, C] (all rows have C).
+
+    With the pallas backend and C == 1 (decode, draft) the decode kernel writes the new K/V
+    itself (`fused_kv_write`, the default): two fewer XLA kernels per layer application.
+    fused_kv_write=False keeps the separate scatter (engine option '+kvxla', for A/B runs)."""
     page, slot = slot_indices(block_tables, positions, page_size)
     num_layers = cfg.num_hidden_layers
 
@@ -53,10 +57,16 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
         interpret = jax.default_backend() != "gpu"  # CPU: the kernels' interpret mode
 
         def attend(q, k, v, planes, loop, layer):
-            planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
             # The kernels compute the plane from (loop, layer) themselves: handing them a
             # precomputed index costs one tiny XLA kernel per layer application on the GPU.
             plane = dict(entry=(loop, layer), entry_stride=num_layers)
+            if c == 1 and fused_kv_write:
+                out, kc, vc = pk.paged_decode_attention(
+                    q[:, 0], planes[0], planes[1], block_tables=block_tables, kv_lens=kv_lens,
+                    interpret=interpret, new_kv=(k[:, 0], v[:, 0], page[:, 0], slot[:, 0]),
+                    trash_page=TRASH_PAGE, **plane)
+                return out[:, None], (kc, vc)
+            planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
             if c == 1:
                 out = pk.paged_decode_attention(q[:, 0], planes[0], planes[1],
                                                 block_tables=block_tables, kv_lens=kv_lens,

@@ -104,12 +104,13 @@ QK = ((1,), (1,))  # [M, d] x [T, d] -> [M, T]
 PV = ((1,), (0,))  # [M, T] x [T, d] -> [M, d]
 
 
-def flash_tile(qt, n_blocks, block, scale: float):
+def flash_tile(qt, n_blocks, block, scale: float, extra=None):
     """Online-softmax attention of a query tile qt [M, hd] over key blocks 0..n_blocks-1 on
     the tensor cores. block(i) -> (k [T, hd], v [T, hd], mask()), where mask() gives the
     validity mask broadcastable to [M, T]; it is called after the score dot, the order the
-    kernels had when they were measured on the H200. Returns the normalised output [M, hd]
-    (fp32) and its log-sum-exp [M] (see finish)."""
+    kernels had when they were measured on the H200. `extra(m, l, acc)` may fold more keys
+    into the softmax state after the loop (decode's new token). Returns the normalised output
+    [M, hd] (fp32) and its log-sum-exp [M] (see finish)."""
     rows, hd = qt.shape
 
     def body(i, carry):
@@ -123,6 +124,8 @@ def flash_tile(qt, n_blocks, block, scale: float):
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, hd), jnp.float32))
     m, l, acc = lax.fori_loop(0, n_blocks, body, init)
+    if extra is not None:
+        m, l, acc = extra(m, l, acc)
     return finish(acc, m, l)
 
 
@@ -146,26 +149,31 @@ def combine_splits(o, lse, axis: int):
 
 def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int, hd: int,
                         name: str, num_warps: int, num_stages: int, interpret: bool,
-                        out_dtype=jnp.float32):
+                        out_dtype=jnp.float32, updated=()):
     """pallas_call over grid (rows, KVH, splits) whose kernel writes a normalised partial
     output [.., m, hd] and its log-sum-exp per (row, KV head, split); returns a function of
     the kernel's inputs giving the merged [rows, KVH, m, hd] output. With one split there is
     nothing to merge, so the kernel writes `out_dtype` itself (no separate convert kernel);
-    with several, partials stay fp32 for the combine."""
+    with several, partials stay fp32 for the combine. `updated`: (input index, shape dtype)
+    pairs of inputs the kernel updates in place (aliased outputs after o and lse); the
+    function then returns (output, *updated arrays)."""
     o_dtype = out_dtype if num_splits == 1 else jnp.float32
     call = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((rows, kvh, num_splits, m, hd), o_dtype),
-                   jax.ShapeDtypeStruct((rows, kvh, num_splits, m), jnp.float32)),
+                   jax.ShapeDtypeStruct((rows, kvh, num_splits, m), jnp.float32),
+                   *(sd for _, sd in updated)),
         grid=(rows, kvh, num_splits),
+        input_output_aliases={i: 2 + j for j, (i, _) in enumerate(updated)},
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
     )
 
     def run(*args):
-        o, lse = call(*args)
-        return combine_splits(o, lse, axis=2)
+        o, lse, *rest = call(*args)
+        out = combine_splits(o, lse, axis=2)
+        return (out, *rest) if updated else out
     return run
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -32,17 +33,53 @@ from pallas_kernels._common import (NEG_INF, choose_num_splits, finish, flash_ti
 
 
 
-def _decode_kernel(base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                   group: int, group_pad: int, use_dot: bool, page_size: int, block_t: int,
-                   num_splits: int, scale: float, rowwise: bool, entry_stride: int):
+def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: int,
+                   block_t: int, num_splits: int, scale: float, rowwise: bool, entry_stride: int,
+                   write_new: bool = False, trash_page: int = 0):
+    """write_new: refs also hold the new token's k/v [B, KVH, hd] and its (page, slot) [B]
+    as inputs and the K/V caches as aliased outputs (see paged_decode_attention)."""
+    if write_new:
+        (base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, wpage_ref,
+         wslot_ref, o_ref, lse_ref, kout_ref, vout_ref) = refs
+    else:
+        base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     b = pl.program_id(0)
     kvh = pl.program_id(1)
     sp = pl.program_id(2)
     entry = plane_index(base_ref, off_ref, entry_stride)
     kv_len = lens_ref[b]
-    start, end, n_blocks = split_range(kv_len, sp, num_splits, block_t)
+    # With write_new the newest key is not read from the cache (this call writes it, and
+    # programs do not see each other's stores): the loop covers the kv_len - 1 cached keys
+    # and split 0 folds the new one in from registers after its loop.
+    cached = jnp.maximum(kv_len - 1, 0) if write_new else kv_len
+    start, end, n_blocks = split_range(cached, sp, num_splits, block_t)
     hd = q_ref.shape[-1]
     offs = lax.iota(jnp.int32, block_t)
+    extra = None
+    if write_new:
+        cdt = kout_ref.dtype
+        k_new = kn_ref[b, kvh, :].astype(cdt)
+        v_new = vn_ref[b, kvh, :].astype(cdt)
+        page = wpage_ref[b]
+
+        @pl.when((sp == 0) & (page != trash_page))
+        def _():
+            slot = wslot_ref[b]
+            kout_ref[entry, page, slot, kvh, :] = k_new
+            vout_ref[entry, page, slot, kvh, :] = v_new
+
+        def extra(m, l, acc):
+            """One more online-softmax step with the new key; the rounding matches
+            flash_tile's (q and p in the cache dtype, fp32 products and sums)."""
+            qf = qt.astype(cdt).astype(jnp.float32)
+            sc = jnp.sum(qf * k_new.astype(jnp.float32)[None, :], axis=1) * scale  # [Gp]
+            m2 = jnp.maximum(m, sc)
+            alpha = jnp.exp(m - m2)
+            p = jnp.exp(sc - m2)
+            pv = p.astype(cdt).astype(jnp.float32)[:, None] * v_new.astype(jnp.float32)[None, :]
+            use = (sp == 0) & (kv_len > 0)
+            return (jnp.where(use, m2, m), jnp.where(use, l * alpha + p, l),
+                    jnp.where(use, acc * alpha[:, None] + pv, acc))
 
     def kv_block(i):
         t = start + i * block_t + offs
@@ -57,7 +94,7 @@ def _decode_kernel(base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_r
             mask, k, v = kv_block(i)
             return k, v, lambda: mask[None, :]
 
-        o, lse = flash_tile(qt, n_blocks, block, scale)
+        o, lse = flash_tile(qt, n_blocks, block, scale, extra)
         if group_pad == group:
             o_ref[b, kvh, sp, :, :] = o.astype(o_ref.dtype)
             lse_ref[b, kvh, sp, :] = lse
@@ -131,7 +168,8 @@ TUNING: dict = {}
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
                            interpret: bool = False, block_t=None, num_splits=None,
                            num_warps=None, num_stages=None, use_dot: bool = True,
-                           rowwise: bool = False, entry_stride: int = 1):
+                           rowwise: bool = False, entry_stride: int = 1, new_kv=None,
+                           trash_page: int = 0):
     """Decode attention over a paged KV cache.
 
     q [B, H, hd]; k_cache/v_cache [E, P, page_size, KVH, hd]; entry: the plane, an int32
@@ -143,6 +181,12 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
     Tuning: block_t keys per inner step (power of 2), num_splits flash-decoding splits per
     sequence (default: enough programs to fill the GPU), num_warps / num_stages (Triton),
     use_dot (tensor-core path, default) and rowwise (see module doc).
+
+    new_kv = (k_new, v_new [B, KVH, hd], page, slot [B] int32): the token at kv_len - 1 is not
+    in the cache yet; the kernel writes it at (entry, page, slot) (rows whose page is
+    `trash_page` are skipped) and attends to it from registers, so the K/V write needs no XLA
+    kernel of its own. The caches are updated in place (aliased outputs; donate them), and the
+    call returns (out, k_cache, v_cache). Tensor-core path only.
     """
     bsz, h, hd = q.shape
     _, _, page_size, kvh, hd_c = k_cache.shape
@@ -164,14 +208,32 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
         # from 163.5 to 170.2 tok/s on the H200 (benchmarks/results/ab_splits*_b1_h200.json).
         num_splits = choose_num_splits(bsz * kvh, max_tokens, block_t, min_blocks_per_split=1)
 
+    write_new = new_kv is not None
+    extra_args, updated = (), ()
+    if write_new:
+        if not use_dot:
+            raise ValueError("paged_decode_attention: new_kv (the fused K/V write) needs the "
+                             "tensor-core path (use_dot=True)")
+        k_new, v_new, page, slot = new_kv
+        if k_new.shape != (bsz, kvh, hd) or v_new.shape != (bsz, kvh, hd) \
+                or page.shape != (bsz,) or slot.shape != (bsz,):
+            raise ValueError(f"paged_decode_attention: new_kv shapes k {k_new.shape}, v "
+                             f"{v_new.shape}, page {page.shape}, slot {slot.shape}; want "
+                             f"{(bsz, kvh, hd)} twice and ({bsz},) twice")
+        extra_args = (k_new, v_new, page.astype(jnp.int32), slot.astype(jnp.int32))
+        sd = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)
+        updated = ((5, sd(k_cache)), (6, sd(v_cache)))  # k_cache, v_cache: inputs 5 and 6
     kernel = functools.partial(
         _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,
         block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise,
-        entry_stride=entry_stride)
+        entry_stride=entry_stride, write_new=write_new, trash_page=trash_page)
     # Output rows: the group's real query heads (the tensor-core tile's padding stays on chip).
     call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=group,
                                hd=hd, name="paged_decode_attention", num_warps=num_warps,
-                               num_stages=num_stages, interpret=interpret, out_dtype=q.dtype)
-    out = call(*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
-               kv_lens.astype(jnp.int32), q, k_cache, v_cache)  # [B, KVH, G, hd]
-    return out.reshape(bsz, h, hd).astype(q.dtype)
+                               num_stages=num_stages, interpret=interpret, out_dtype=q.dtype,
+                               updated=updated)
+    res = call(*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
+               kv_lens.astype(jnp.int32), q, k_cache, v_cache, *extra_args)  # [B, KVH, G, hd]
+    out, caches = (res[0], res[1:]) if write_new else (res, ())
+    out = out.reshape(bsz, h, hd).astype(q.dtype)
+    return (out, *caches) if write_new else out

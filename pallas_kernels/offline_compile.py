@@ -138,6 +138,13 @@ def main():
                         S((8,), i32)).lower(lowering_platforms=("cuda",))
                 compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} {kw}",
                                  num_stages=kw.get("num_stages", 2))
+            # the fused K/V write (new_kv; the caches are aliased outputs)
+            f = jax.jit(lambda q, kc, vc, e, bt, ln, kn, vn, pg, sl: paged_decode_attention(
+                q, kc, vc, e, bt, ln, new_kv=(kn, vn, pg, sl)))
+            f.trace(S((8, kvh * g, 128), dt), kc, kc, S((), i32), S((8, 256), i32),
+                    S((8,), i32), S((8, kvh, 128), dt), S((8, kvh, 128), dt), S((8,), i32),
+                    S((8,), i32)).lower(lowering_platforms=("cuda",))
+            compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} new_kv")
             for n in (40, 512):
                 f = jax.jit(ragged_paged_attention)
                 f.trace(S((n, kvh * g, 128), dt), kc, kc, S((), i32), S((8, 256), i32),

@@ -168,8 +168,9 @@ def test_bad_inputs_are_clear_errors_and_change_nothing():
 
 
 def test_pallas_backend_matches_xla_end_to_end():
-    """The engine wired to the Pallas kernels (interpret mode on CPU), and with unrolled loops,
-    generates the same greedy tokens as the XLA gather path, plain and speculative."""
+    """The engine wired to the Pallas kernels (interpret mode on CPU; decode's K/V write inside
+    the decode kernel, or as an XLA scatter), and with unrolled loops, generates the same
+    greedy tokens as the XLA gather path, plain and speculative."""
     from ouro_jax.speculative import SpeculativeConfig
 
     folder = tiny_checkpoint("tiny-gqa", branch_scale=0.3)
@@ -178,6 +179,7 @@ def test_pallas_backend_matches_xla_end_to_end():
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     sc = SpeculativeConfig(k=2, draft_loops=2)
     variants = [dict(attention="xla"), dict(attention="pallas"),
+                dict(attention="pallas", fused_kv_write=False),
                 dict(attention="xla", unroll_loops=True)]
     for spec in (None, sc):
         outs = [Ouro(cfg, params, None, page_size=4, **v).generate(
@@ -193,14 +195,15 @@ def test_kv_planes_are_donated_without_warnings():
 
     from ouro_jax.speculative import SpeculativeConfig
 
-    llm = _engine(tiny_checkpoint("tiny-gqa"), page_size=4)
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5))
-    for spec in (None, SpeculativeConfig(2, 1)):
-        old = llm._planes[0]
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5), speculative=spec)
-        assert old.is_deleted()
+    for attention in ("xla", "pallas"):  # pallas: the decode kernel's aliased K/V outputs
+        llm = _engine(tiny_checkpoint("tiny-gqa"), page_size=4, attention=attention)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5))
+        for spec in (None, SpeculativeConfig(2, 1)):
+            old = llm._planes[0]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5), speculative=spec)
+            assert old.is_deleted()
 
 
 def test_eos_lists_numpy_prompts_and_first_token_only_requests(tmp_path):

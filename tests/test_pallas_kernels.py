@@ -135,6 +135,58 @@ def test_decode_kernel_interpret(dtype, kvh, group, kw):
     assert np.all(np.asarray(out[0], np.float32) == 0)  # kv_len 0 -> zeros
 
 
+def fused_write_case(rng, dtype, kvh, group, kv_lens, hd, page_size):
+    """A decode case whose newest token (kv_len - 1) is not in the cache yet: its slot holds
+    NaN; returns the case, the new k/v [B, KVH, hd], their (page, slot) (trash page for rows
+    with kv_len 0) and the cache as it should be after the write."""
+    q, k, v, bt, lens = make_case(rng, kv_lens=kv_lens, kvh=kvh, group=group, hd=hd,
+                                  page_size=page_size, dtype=dtype)
+    pos = np.maximum(np.asarray(kv_lens) - 1, 0)
+    page = np.where(np.asarray(kv_lens) > 0, np.asarray(bt)[np.arange(len(pos)), pos // page_size],
+                    0).astype(np.int32)
+    slot = (pos % page_size).astype(np.int32)
+    real = np.asarray(kv_lens) > 0
+    k_new, v_new = k[2, page, slot], v[2, page, slot]  # the true values (NaN rows: padding)
+    k_new = jnp.where(real[:, None, None], k_new, 0)
+    v_new = jnp.where(real[:, None, None], v_new, 0)
+    poisoned = lambda c: c.at[2, page[real], slot[real]].set(jnp.nan)
+    return (q, poisoned(k), poisoned(v), bt, lens), (k_new, v_new, page, slot), (k, v)
+
+
+@pytest.mark.parametrize("dtype,kvh,group,kw", [
+    (jnp.float32, 2, 1, dict(block_t=4, num_splits=3)),
+    (jnp.bfloat16, 2, 4, dict(block_t=4, num_splits=2)),
+    (jnp.bfloat16, 2, 1, dict(block_t=4, num_splits=1)),
+])
+def test_decode_kernel_with_fused_kv_write(dtype, kvh, group, kw):
+    """new_kv: the kernel writes the new token's K/V into the cache (the slot held NaN, so
+    reading it instead of using the registers would poison the output) and attends to it;
+    the result matches attention over the written cache, every other slot is untouched, and
+    the padding row (kv_len 0, trash page) writes nothing and gives zeros."""
+    rng = np.random.default_rng(7)
+    (q, k, v, bt, lens), new_kv, (k_want, v_want) = fused_write_case(
+        rng, dtype, kvh, group, [0, 1, 4, 8, 13, 23], hd=16, page_size=4)
+    out, k2, v2 = paged_decode_attention(q, k, v, jnp.int32(2), bt, lens, interpret=True,
+                                         new_kv=new_kv, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    check(out, paged_decode_attention_reference(q, k_want, v_want, 2, bt, lens), dtype)
+    assert np.all(np.asarray(out[0], np.float32) == 0)
+    for got, want in ((k2, k_want), (v2, v_want)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_fused_kv_write_rejects_bad_input():
+    rng = np.random.default_rng(8)
+    (q, k, v, bt, lens), (kn, vn, page, slot), _ = fused_write_case(
+        rng, jnp.float32, 2, 1, [3, 5], hd=16, page_size=4)
+    with pytest.raises(ValueError, match="new_kv shapes"):
+        paged_decode_attention(q, k, v, 2, bt, lens, interpret=True,
+                               new_kv=(kn[:, :1], vn, page, slot))
+    with pytest.raises(ValueError, match="tensor-core path"):
+        paged_decode_attention(q, k, v, 2, bt, lens, interpret=True, use_dot=False,
+                               new_kv=(kn, vn, page, slot))
+
+
 RAGGED_CASES = [
     # (dtype, kvh, group, q_lens, kv_lens, kwargs)
     (jnp.float32, 2, 1, [0, 1, 5, 3, 8], [2, 1, 8, 12, 8], dict(block_q=4, block_t=4, num_splits=2)),
@@ -256,6 +308,26 @@ def test_decode_kernel_gpu(dtype, kvh, group):
             continue
         out = jax.jit(lambda *a: paged_decode_attention(*a, **kw))(q, k, v, jnp.int32(1), bt, lens)
         check(out, paged_decode_attention_reference(q, k, v, 1, bt, lens), dtype)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,kvh,group", [(jnp.bfloat16, 16, 1), (jnp.bfloat16, 4, 4),
+                                             (jnp.float32, 16, 1)])
+def test_decode_kernel_with_fused_kv_write_gpu(dtype, kvh, group):
+    """The compiled kernel with new_kv: the write lands, the rest of the cache is untouched,
+    and the output matches attention over the written cache (default and 7-split tilings)."""
+    kv_lens = [0, 1, 16, 17, 300, 1024, 2047, 2100]
+    case, new_kv, (k_want, v_want) = fused_write_case(np.random.default_rng(9), dtype, kvh,
+                                                      group, kv_lens, hd=128, page_size=16)
+    q, k, v, bt, lens = case
+    ref = paged_decode_attention_reference(q, k_want, v_want, 2, bt, lens)
+    for kw in (dict(), dict(num_splits=7, block_t=32)):
+        f = jax.jit(lambda *a: paged_decode_attention(*a[:6], new_kv=a[6:], **kw))
+        out, k2, v2 = f(q, k, v, jnp.int32(2), bt, lens, *new_kv)
+        check(out, ref, dtype)
+        for got, want in ((k2, k_want), (v2, v_want)):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @gpu
