@@ -20,4 +20,6 @@ done
 timeout 100 $D --batch 1 --k 4 --out $OUT/decode_session6_b1_k4_d2_h200.json 2>&1 | grep -E "^ *1 spec"
 timeout 100 $D --batch 1 --k 4 --draft-loops 1 --out $OUT/decode_session6_b1_k4_d1_h200.json 2>&1 | grep -E "^ *1 spec"
 timeout 110 $D --batch 64 --k 2 --draft-loops 1 --out $OUT/decode_session6_b64_k2_d1_h200.json 2>&1 | grep -E "^ *64 spec"
+timeout 90 python3 -m benchmarks.kernel_trace --synthetic 1.4b --batch 1 --k 0 --attention pallas \
+  --top 26 --out $OUT/kernel_trace_fused_kv_b1_h200.json 2>&1 | grep -v Memcpy | tail -40
 rm -f $OUT/*.partial*; ls $OUT

@@ -39,13 +39,25 @@ def _pallas_available() -> bool:
     return True
 
 
+# Decode batches of at most this many rows write the new K/V inside the Pallas decode kernel
+# (paged_decode_attention_qkv, RoPE included). H200, 1.4B, native greedy (session 6, K/V
+# write only): batch 1 200.8 vs 191.5 tok/s, batch 8 1,442.9 vs 1,437.1, batch 64 7,286.1 vs
+# 7,348.6 (the fused kernel's extra registers cost occupancy there), so larger batches keep
+# the XLA scatter (benchmarks/results/ab_kvwrite_*_session6_h200.json).
+FUSED_KV_WRITE_MAX_BATCH = 8
+
+
 def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.Array,
-                      page_size: int, backend: str = "xla", fused_kv_write: bool = True):
+                      page_size: int, backend: str = "xla", fused_kv_write="auto"):
     """attend(q, k, v, planes, loop, layer) over query positions [B, C] (all rows have C).
 
-    With the pallas backend and C == 1 (decode, draft) the decode kernel writes the new K/V
-    itself (`fused_kv_write`, the default): two fewer XLA kernels per layer application.
-    fused_kv_write=False keeps the separate scatter (engine option '+kvxla', for A/B runs)."""
+    With the pallas backend, C == 1 (decode, draft) and fused_kv_write True (or "auto" and
+    B <= FUSED_KV_WRITE_MAX_BATCH), the function also has `attend.qkv(qkv, cos, sin, planes,
+    loop, layer)`, which takes the fused projection [B, 1, H + 2 KVH, hd] before RoPE: the
+    decode kernel applies RoPE and writes the new K/V itself, so the RoPE, slice and K/V
+    write kernels disappear (model.decoder_layer uses it when it has the fused qkv)."""
+    if fused_kv_write not in ("auto", True, False):
+        raise ValueError(f"fused_kv_write must be 'auto', True or False, got {fused_kv_write!r}")
     page, slot = slot_indices(block_tables, positions, page_size)
     num_layers = cfg.num_hidden_layers
 
@@ -57,16 +69,10 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
         interpret = jax.default_backend() != "gpu"  # CPU: the kernels' interpret mode
 
         def attend(q, k, v, planes, loop, layer):
+            planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
             # The kernels compute the plane from (loop, layer) themselves: handing them a
             # precomputed index costs one tiny XLA kernel per layer application on the GPU.
             plane = dict(entry=(loop, layer), entry_stride=num_layers)
-            if c == 1 and fused_kv_write:
-                out, kc, vc = pk.paged_decode_attention(
-                    q[:, 0], planes[0], planes[1], block_tables=block_tables, kv_lens=kv_lens,
-                    interpret=interpret, new_kv=(k[:, 0], v[:, 0], page[:, 0], slot[:, 0]),
-                    trash_page=TRASH_PAGE, **plane)
-                return out[:, None], (kc, vc)
-            planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
             if c == 1:
                 out = pk.paged_decode_attention(q[:, 0], planes[0], planes[1],
                                                 block_tables=block_tables, kv_lens=kv_lens,
@@ -79,6 +85,17 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
                                                 interpret=interpret, **plane)
                 out = out.reshape(q.shape)
             return out, planes
+
+        fused = fused_kv_write is True or (fused_kv_write == "auto"
+                                           and b <= FUSED_KV_WRITE_MAX_BATCH)
+        if c == 1 and fused:
+            def attend_qkv(qkv, cos, sin, planes, loop, layer):
+                out, kc, vc = pk.paged_decode_attention_qkv(
+                    qkv[:, 0], planes[0], planes[1], (loop, layer), block_tables, kv_lens,
+                    page[:, 0], slot[:, 0], rope=(cos[:, 0], sin[:, 0]), trash_page=TRASH_PAGE,
+                    interpret=interpret, entry_stride=num_layers)
+                return out[:, None], (kc, vc)
+            attend.qkv = attend_qkv
         return attend
 
     key_pos = jnp.arange(block_tables.shape[1] * page_size, dtype=jnp.int32)

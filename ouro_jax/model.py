@@ -113,19 +113,26 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     proj = proj or XLA_PROJECTIONS
     eps = cfg.rms_norm_eps
     nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attend_qkv = getattr(attend, "qkv", None)  # RoPE and the K/V write in the kernel
     if lp.qkv_proj is not None:
         qkv, x = proj.normed("qkv", x, lp.input_layernorm, lp.qkv_proj, eps)
         q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
+        attend_qkv = None
         x = proj.materialize(x, eps)
         hx = rms_norm(x, lp.input_layernorm, eps)
         q, k, v = (proj.project("qkv", hx, w) for w in (lp.q_proj, lp.k_proj, lp.v_proj))
     lead = x.shape[:-1]
-    q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
-    k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-    v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn, state = attend(q, k, v, state, loop, layer)
+    if attend_qkv is not None:
+        heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
+        attn, state = attend_qkv(qkv.reshape(*lead, heads, cfg.head_dim), cos, sin, state, loop,
+                                 layer)
+    else:
+        q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn, state = attend(q, k, v, state, loop, layer)
     attn = proj.project("o", attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim),
                         lp.o_proj)
     h = Residual(x, attn, lp.input_layernorm_2)  # h = x + rms_norm(attn, input_layernorm_2)

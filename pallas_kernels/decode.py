@@ -33,14 +33,30 @@ from pallas_kernels._common import (NEG_INF, choose_num_splits, finish, flash_ti
 
 
 
+def _rope(x, x_swapped, cos, sin):
+    """model.apply_rope on rows x [..., hd] given x with its halves swapped, rounding each op
+    to x's dtype as XLA does: x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]."""
+    dt = x.dtype
+    half = x.shape[-1] // 2
+    first = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) < half
+    f32 = lambda a: a.astype(jnp.float32)
+    rot = jnp.where(first, -f32(x_swapped), f32(x_swapped))
+    a = (f32(x) * f32(cos)).astype(dt)
+    b = (rot * f32(sin)).astype(dt)
+    return (f32(a) + f32(b)).astype(dt)
+
+
 def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: int,
                    block_t: int, num_splits: int, scale: float, rowwise: bool, entry_stride: int,
-                   write_new: bool = False, trash_page: int = 0):
-    """write_new: refs also hold the new token's k/v [B, KVH, hd] and its (page, slot) [B]
-    as inputs and the K/V caches as aliased outputs (see paged_decode_attention)."""
+                   write_new: bool = False, rope: bool = False, trash_page: int = 0):
+    """write_new: q_ref is the packed projection qkv [B, H + 2 KVH, hd] of the new token,
+    whose K/V the kernel writes at (page, slot) [B] into the caches (aliased outputs); with
+    `rope` the kernel also applies RoPE (cos, sin [B, hd]) to q and k. See
+    paged_decode_attention_qkv."""
     if write_new:
-        (base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, wpage_ref,
-         wslot_ref, o_ref, lse_ref, kout_ref, vout_ref) = refs
+        (base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, *rest) = refs
+        cos_ref, sin_ref = rest[:2] if rope else (None, None)
+        wpage_ref, wslot_ref, o_ref, lse_ref, kout_ref, vout_ref = rest[2:] if rope else rest
     else:
         base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     b = pl.program_id(0)
@@ -55,11 +71,19 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
     start, end, n_blocks = split_range(cached, sp, num_splits, block_t)
     hd = q_ref.shape[-1]
     offs = lax.iota(jnp.int32, block_t)
+    swap = (lax.iota(jnp.int32, hd) + hd // 2) % hd  # column order with the halves swapped
     extra = None
     if write_new:
+        n_kv = k_ref.shape[3]
+        n_q = q_ref.shape[1] - 2 * n_kv
         cdt = kout_ref.dtype
-        k_new = kn_ref[b, kvh, :].astype(cdt)
-        v_new = vn_ref[b, kvh, :].astype(cdt)
+        k_row, v_row = n_q + kvh, n_q + n_kv + kvh
+        k_new = q_ref[b, k_row, :]
+        if rope:
+            cos, sin = cos_ref[b, :], sin_ref[b, :]
+            k_new = _rope(k_new, q_ref[b, k_row, swap], cos, sin)
+        k_new = k_new.astype(cdt)
+        v_new = q_ref[b, v_row, :].astype(cdt)
         page = wpage_ref[b]
 
         @pl.when((sp == 0) & (page != trash_page))
@@ -89,6 +113,8 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
     if use_dot:
         heads = kvh * group + jnp.minimum(lax.iota(jnp.int32, group_pad), group - 1)
         qt = q_ref[b, heads, :]  # [Gp, hd]
+        if rope:
+            qt = _rope(qt, q_ref[b, heads[:, None], swap[None, :]], cos[None, :], sin[None, :])
 
         def block(i):
             mask, k, v = kv_block(i)
@@ -168,8 +194,7 @@ TUNING: dict = {}
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
                            interpret: bool = False, block_t=None, num_splits=None,
                            num_warps=None, num_stages=None, use_dot: bool = True,
-                           rowwise: bool = False, entry_stride: int = 1, new_kv=None,
-                           trash_page: int = 0):
+                           rowwise: bool = False, entry_stride: int = 1):
     """Decode attention over a paged KV cache.
 
     q [B, H, hd]; k_cache/v_cache [E, P, page_size, KVH, hd]; entry: the plane, an int32
@@ -181,16 +206,64 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
     Tuning: block_t keys per inner step (power of 2), num_splits flash-decoding splits per
     sequence (default: enough programs to fill the GPU), num_warps / num_stages (Triton),
     use_dot (tensor-core path, default) and rowwise (see module doc).
-
-    new_kv = (k_new, v_new [B, KVH, hd], page, slot [B] int32): the token at kv_len - 1 is not
-    in the cache yet; the kernel writes it at (entry, page, slot) (rows whose page is
-    `trash_page` are skipped) and attends to it from registers, so the K/V write needs no XLA
-    kernel of its own. The caches are updated in place (aliased outputs; donate them), and the
-    call returns (out, k_cache, v_cache). Tensor-core path only.
     """
     bsz, h, hd = q.shape
-    _, _, page_size, kvh, hd_c = k_cache.shape
+    _, _, _, kvh, hd_c = k_cache.shape
     assert hd == hd_c and h % kvh == 0, (q.shape, k_cache.shape)
+    out = _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, (), interpret=interpret,
+                block_t=block_t, num_splits=num_splits, num_warps=num_warps,
+                num_stages=num_stages, use_dot=use_dot, rowwise=rowwise,
+                entry_stride=entry_stride)
+    return out.reshape(bsz, h, hd).astype(q.dtype)
+
+
+def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_lens, page, slot,
+                               *, rope=None, trash_page: int = 0, interpret: bool = False,
+                               entry_stride: int = 1, **tuning):
+    """Decode attention for a new token that is not in the cache yet, which the kernel writes.
+
+    qkv [B, H + 2 KVH, hd]: the token's q heads, then its k and v heads (the fused projection,
+    reshaped). The kernel writes k and v at (entry, page, slot) [B] int32 (rows whose page is
+    `trash_page`, padding, are skipped) and attends over the kv_len - 1 cached keys plus the
+    new one from registers, so neither the K/V write nor slicing q/k/v out of the projection
+    needs an XLA kernel of its own. rope=(cos, sin) [B, hd]: q and k are unrotated and the
+    kernel applies model.apply_rope (each op rounded to qkv's dtype, as XLA rounds it).
+    The caches are updated in place (aliased outputs; donate them). Returns (out [B, H, hd],
+    k_cache, v_cache). Other arguments as paged_decode_attention (tensor-core path only).
+    """
+    bsz, rows, hd = qkv.shape
+    _, _, _, kvh, hd_c = k_cache.shape
+    h = rows - 2 * kvh
+    if hd != hd_c or h < kvh or h % kvh:
+        raise ValueError(f"paged_decode_attention_qkv: qkv {qkv.shape} does not hold H + 2 KVH "
+                         f"heads of {hd_c} for a cache with KVH = {kvh}")
+    if page.shape != (bsz,) or slot.shape != (bsz,):
+        raise ValueError(f"paged_decode_attention_qkv: page {page.shape} and slot {slot.shape} "
+                         f"must be [{bsz}]")
+    if not tuning.pop("use_dot", True):
+        raise ValueError("paged_decode_attention_qkv: the fused K/V write needs the tensor-core "
+                         "path (use_dot=True)")
+    extra = ()
+    if rope is not None:
+        cos, sin = rope
+        if cos.shape != (bsz, hd) or sin.shape != (bsz, hd):
+            raise ValueError(f"paged_decode_attention_qkv: cos {cos.shape} / sin {sin.shape} "
+                             f"must be [{bsz}, {hd}]")
+        extra = (cos.astype(qkv.dtype), sin.astype(qkv.dtype))
+    extra += (page.astype(jnp.int32), slot.astype(jnp.int32))
+    out, kc, vc = _call(qkv, h, k_cache, v_cache, entry, block_tables, kv_lens, extra,
+                        interpret=interpret, entry_stride=entry_stride, rope=rope is not None,
+                        trash_page=trash_page, **tuning)
+    return out.reshape(bsz, h, hd).astype(qkv.dtype), kc, vc
+
+
+def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, interpret,
+          block_t=None, num_splits=None, num_warps=None, num_stages=None, use_dot=True,
+          rowwise=False, entry_stride=1, rope=False, trash_page=0):
+    """The pallas_call for q [B, H (+ 2 KVH with write_args), hd]; write_args non-empty:
+    the fused-write mode's extra inputs ([cos, sin,] page, slot)."""
+    bsz, hd = q.shape[0], q.shape[-1]
+    page_size, kvh = k_cache.shape[2], k_cache.shape[3]
     group = h // kvh
     use_dot = bool(use_dot)
     block_t = TUNING.get("block_t") if block_t is None else block_t
@@ -207,33 +280,17 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
         # 2-block floor left 1-2 splits for a 256-token table; 4 splits took batch-1 decode
         # from 163.5 to 170.2 tok/s on the H200 (benchmarks/results/ab_splits*_b1_h200.json).
         num_splits = choose_num_splits(bsz * kvh, max_tokens, block_t, min_blocks_per_split=1)
-
-    write_new = new_kv is not None
-    extra_args, updated = (), ()
-    if write_new:
-        if not use_dot:
-            raise ValueError("paged_decode_attention: new_kv (the fused K/V write) needs the "
-                             "tensor-core path (use_dot=True)")
-        k_new, v_new, page, slot = new_kv
-        if k_new.shape != (bsz, kvh, hd) or v_new.shape != (bsz, kvh, hd) \
-                or page.shape != (bsz,) or slot.shape != (bsz,):
-            raise ValueError(f"paged_decode_attention: new_kv shapes k {k_new.shape}, v "
-                             f"{v_new.shape}, page {page.shape}, slot {slot.shape}; want "
-                             f"{(bsz, kvh, hd)} twice and ({bsz},) twice")
-        extra_args = (k_new, v_new, page.astype(jnp.int32), slot.astype(jnp.int32))
-        sd = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)
-        updated = ((5, sd(k_cache)), (6, sd(v_cache)))  # k_cache, v_cache: inputs 5 and 6
+    write_new = bool(write_args)
+    sd = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)
+    updated = ((5, sd(k_cache)), (6, sd(v_cache))) if write_new else ()  # inputs 5 and 6
     kernel = functools.partial(
         _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,
         block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise,
-        entry_stride=entry_stride, write_new=write_new, trash_page=trash_page)
+        entry_stride=entry_stride, write_new=write_new, rope=rope, trash_page=trash_page)
     # Output rows: the group's real query heads (the tensor-core tile's padding stays on chip).
     call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=group,
                                hd=hd, name="paged_decode_attention", num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret, out_dtype=q.dtype,
                                updated=updated)
-    res = call(*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
-               kv_lens.astype(jnp.int32), q, k_cache, v_cache, *extra_args)  # [B, KVH, G, hd]
-    out, caches = (res[0], res[1:]) if write_new else (res, ())
-    out = out.reshape(bsz, h, hd).astype(q.dtype)
-    return (out, *caches) if write_new else out
+    return call(*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
+                kv_lens.astype(jnp.int32), q, k_cache, v_cache, *write_args)  # [B, KVH, G, hd]

@@ -126,7 +126,8 @@ def main():
         return check_gemv()
     if "--gemm" in sys.argv:
         return check_gemm()
-    from pallas_kernels import paged_decode_attention, ragged_paged_attention
+    from pallas_kernels import (paged_decode_attention, paged_decode_attention_qkv,
+                                ragged_paged_attention)
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     pages = 40000  # > 4 GiB cache in fp32: exercises 64-bit offsets
     for dt in (jnp.bfloat16, jnp.float32):
@@ -138,13 +139,16 @@ def main():
                         S((8,), i32)).lower(lowering_platforms=("cuda",))
                 compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} {kw}",
                                  num_stages=kw.get("num_stages", 2))
-            # the fused K/V write (new_kv; the caches are aliased outputs)
-            f = jax.jit(lambda q, kc, vc, e, bt, ln, kn, vn, pg, sl: paged_decode_attention(
-                q, kc, vc, e, bt, ln, new_kv=(kn, vn, pg, sl)))
-            f.trace(S((8, kvh * g, 128), dt), kc, kc, S((), i32), S((8, 256), i32),
-                    S((8,), i32), S((8, kvh, 128), dt), S((8, kvh, 128), dt), S((8,), i32),
-                    S((8,), i32)).lower(lowering_platforms=("cuda",))
-            compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} new_kv")
+            # the fused RoPE + K/V write (paged_decode_attention_qkv; aliased caches)
+            for rope in (False, True):
+                def fq(qkv, kc_, vc_, e, bt, ln, pg, sl, cs, sn, rope=rope):
+                    return paged_decode_attention_qkv(qkv, kc_, vc_, e, bt, ln, pg, sl,
+                                                      rope=(cs, sn) if rope else None)
+                jax.jit(fq).trace(S((8, kvh * (g + 2), 128), dt), kc, kc, S((), i32),
+                                  S((8, 256), i32), S((8,), i32), S((8,), i32), S((8,), i32),
+                                  S((8, 128), dt), S((8, 128), dt)).lower(
+                    lowering_platforms=("cuda",))
+                compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} qkv rope={rope}")
             for n in (40, 512):
                 f = jax.jit(ragged_paged_attention)
                 f.trace(S((n, kvh * g, 128), dt), kc, kc, S((), i32), S((8, 256), i32),

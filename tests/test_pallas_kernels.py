@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from engine_helpers import has_gpu, pallas_call_eqns
-from pallas_kernels import (paged_decode_attention, paged_decode_attention_reference,
-                            ragged_paged_attention, ragged_paged_attention_reference)
+from pallas_kernels import (paged_decode_attention, paged_decode_attention_qkv,
+                            paged_decode_attention_reference, ragged_paged_attention,
+                            ragged_paged_attention_reference)
 
 
 gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
@@ -137,20 +138,20 @@ def test_decode_kernel_interpret(dtype, kvh, group, kw):
 
 def fused_write_case(rng, dtype, kvh, group, kv_lens, hd, page_size):
     """A decode case whose newest token (kv_len - 1) is not in the cache yet: its slot holds
-    NaN; returns the case, the new k/v [B, KVH, hd], their (page, slot) (trash page for rows
-    with kv_len 0) and the cache as it should be after the write."""
+    NaN. Returns the case with q replaced by the packed qkv [B, H + 2 KVH, hd] of the new
+    token, its (page, slot) (trash page for rows with kv_len 0), and the cache as it should
+    be after the write."""
     q, k, v, bt, lens = make_case(rng, kv_lens=kv_lens, kvh=kvh, group=group, hd=hd,
                                   page_size=page_size, dtype=dtype)
     pos = np.maximum(np.asarray(kv_lens) - 1, 0)
-    page = np.where(np.asarray(kv_lens) > 0, np.asarray(bt)[np.arange(len(pos)), pos // page_size],
-                    0).astype(np.int32)
-    slot = (pos % page_size).astype(np.int32)
     real = np.asarray(kv_lens) > 0
-    k_new, v_new = k[2, page, slot], v[2, page, slot]  # the true values (NaN rows: padding)
-    k_new = jnp.where(real[:, None, None], k_new, 0)
-    v_new = jnp.where(real[:, None, None], v_new, 0)
+    page = np.where(real, np.asarray(bt)[np.arange(len(pos)), pos // page_size], 0)
+    page, slot = page.astype(np.int32), (pos % page_size).astype(np.int32)
+    k_new = jnp.where(real[:, None, None], k[2, page, slot], 0)  # the true values
+    v_new = jnp.where(real[:, None, None], v[2, page, slot], 0)
     poisoned = lambda c: c.at[2, page[real], slot[real]].set(jnp.nan)
-    return (q, poisoned(k), poisoned(v), bt, lens), (k_new, v_new, page, slot), (k, v)
+    qkv = jnp.concatenate([q, k_new, v_new], axis=1)
+    return (qkv, poisoned(k), poisoned(v), bt, lens), (page, slot), (q, k, v)
 
 
 @pytest.mark.parametrize("dtype,kvh,group,kw", [
@@ -159,15 +160,15 @@ def fused_write_case(rng, dtype, kvh, group, kv_lens, hd, page_size):
     (jnp.bfloat16, 2, 1, dict(block_t=4, num_splits=1)),
 ])
 def test_decode_kernel_with_fused_kv_write(dtype, kvh, group, kw):
-    """new_kv: the kernel writes the new token's K/V into the cache (the slot held NaN, so
-    reading it instead of using the registers would poison the output) and attends to it;
-    the result matches attention over the written cache, every other slot is untouched, and
-    the padding row (kv_len 0, trash page) writes nothing and gives zeros."""
+    """paged_decode_attention_qkv writes the new token's K/V into the cache (the slot held
+    NaN, so reading it instead of using the registers would poison the output) and attends to
+    it; the result matches attention over the written cache, every other slot is untouched,
+    and the padding row (kv_len 0, trash page) writes nothing and gives zeros."""
     rng = np.random.default_rng(7)
-    (q, k, v, bt, lens), new_kv, (k_want, v_want) = fused_write_case(
+    (qkv, k, v, bt, lens), (page, slot), (q, k_want, v_want) = fused_write_case(
         rng, dtype, kvh, group, [0, 1, 4, 8, 13, 23], hd=16, page_size=4)
-    out, k2, v2 = paged_decode_attention(q, k, v, jnp.int32(2), bt, lens, interpret=True,
-                                         new_kv=new_kv, **kw)
+    out, k2, v2 = paged_decode_attention_qkv(qkv, k, v, jnp.int32(2), bt, lens, page, slot,
+                                             interpret=True, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     check(out, paged_decode_attention_reference(q, k_want, v_want, 2, bt, lens), dtype)
     assert np.all(np.asarray(out[0], np.float32) == 0)
@@ -175,16 +176,53 @@ def test_decode_kernel_with_fused_kv_write(dtype, kvh, group, kw):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_kernel_with_fused_rope(dtype):
+    """rope=(cos, sin): q and the new k arrive unrotated; the kernel rotates both as
+    model.apply_rope does (the written key: see assert_rope_equal) and attends as the
+    unfused path would."""
+    from ouro_jax.model import apply_rope, rope_cos_sin
+    rng = np.random.default_rng(11)
+    kv_lens = [0, 1, 4, 8, 13, 23]
+    (qkv, k, v, bt, lens), (page, slot), (q, k_want, v_want) = fused_write_case(
+        rng, dtype, 2, 2, kv_lens, hd=16, page_size=4)
+    cos, sin = rope_cos_sin(jnp.asarray(np.maximum(np.asarray(kv_lens) - 1, 0)), 16, 10000.0,
+                            dtype)
+    h = q.shape[1]
+    out, k2, _ = paged_decode_attention_qkv(qkv, k, v, jnp.int32(2), bt, lens, page, slot,
+                                            rope=(cos, sin), interpret=True, block_t=4)
+    rot = lambda x: apply_rope(x[:, None], cos[:, None], sin[:, None])[:, 0]
+    q_rot, k_rot = rot(qkv[:, :h]), rot(qkv[:, h:h + 2])
+    real = np.asarray(kv_lens) > 0
+    assert_rope_equal(k2[2, page[real], slot[real]], k_rot[real], dtype)
+    k_want = k_want.at[2, page[real], slot[real]].set(k_rot[real])
+    check(out, paged_decode_attention_reference(q_rot, k_want, v_want, 2, bt, lens), dtype)
+
+
+def assert_rope_equal(got, want, dtype):
+    """bf16: bit-identical (every op is rounded to bf16 in both). fp32: XLA may contract
+    x*cos + r*sin into an FMA, so within an ulp or two."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if dtype == jnp.bfloat16:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_fused_kv_write_rejects_bad_input():
     rng = np.random.default_rng(8)
-    (q, k, v, bt, lens), (kn, vn, page, slot), _ = fused_write_case(
+    (qkv, k, v, bt, lens), (page, slot), _ = fused_write_case(
         rng, jnp.float32, 2, 1, [3, 5], hd=16, page_size=4)
-    with pytest.raises(ValueError, match="new_kv shapes"):
-        paged_decode_attention(q, k, v, 2, bt, lens, interpret=True,
-                               new_kv=(kn[:, :1], vn, page, slot))
+    with pytest.raises(ValueError, match="H \\+ 2 KVH"):
+        paged_decode_attention_qkv(qkv[:, :3], k, v, 2, bt, lens, page, slot, interpret=True)
+    with pytest.raises(ValueError, match="page .* and slot"):
+        paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, page[:1], slot, interpret=True)
     with pytest.raises(ValueError, match="tensor-core path"):
-        paged_decode_attention(q, k, v, 2, bt, lens, interpret=True, use_dot=False,
-                               new_kv=(kn, vn, page, slot))
+        paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, page, slot, interpret=True,
+                                   use_dot=False)
+    with pytest.raises(ValueError, match="cos"):
+        paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, page, slot, interpret=True,
+                                   rope=(jnp.ones((2, 8)), jnp.ones((2, 8))))
 
 
 RAGGED_CASES = [
@@ -315,19 +353,32 @@ def test_decode_kernel_gpu(dtype, kvh, group):
 @pytest.mark.parametrize("dtype,kvh,group", [(jnp.bfloat16, 16, 1), (jnp.bfloat16, 4, 4),
                                              (jnp.float32, 16, 1)])
 def test_decode_kernel_with_fused_kv_write_gpu(dtype, kvh, group):
-    """The compiled kernel with new_kv: the write lands, the rest of the cache is untouched,
-    and the output matches attention over the written cache (default and 7-split tilings)."""
+    """The compiled fused-write kernel: the write lands, the rest of the cache is untouched,
+    and the output matches attention over the written cache (default and 7-split tilings);
+    with rope the written key equals XLA's apply_rope bit for bit."""
+    from ouro_jax.model import apply_rope, rope_cos_sin
     kv_lens = [0, 1, 16, 17, 300, 1024, 2047, 2100]
-    case, new_kv, (k_want, v_want) = fused_write_case(np.random.default_rng(9), dtype, kvh,
-                                                      group, kv_lens, hd=128, page_size=16)
-    q, k, v, bt, lens = case
+    case, (page, slot), (q, k_want, v_want) = fused_write_case(
+        np.random.default_rng(9), dtype, kvh, group, kv_lens, hd=128, page_size=16)
+    qkv, k, v, bt, lens = case
     ref = paged_decode_attention_reference(q, k_want, v_want, 2, bt, lens)
     for kw in (dict(), dict(num_splits=7, block_t=32)):
-        f = jax.jit(lambda *a: paged_decode_attention(*a[:6], new_kv=a[6:], **kw))
-        out, k2, v2 = f(q, k, v, jnp.int32(2), bt, lens, *new_kv)
+        f = jax.jit(lambda *a: paged_decode_attention_qkv(*a, **kw))
+        out, k2, v2 = f(qkv, k, v, jnp.int32(2), bt, lens, page, slot)
         check(out, ref, dtype)
         for got, want in ((k2, k_want), (v2, v_want)):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    cos, sin = rope_cos_sin(jnp.asarray(np.maximum(np.asarray(kv_lens) - 1, 0)), 128, 1e6, dtype)
+    f = jax.jit(lambda *a: paged_decode_attention_qkv(*a[:8], rope=a[8:]))
+    out, k2, _ = f(qkv, k, v, jnp.int32(2), bt, lens, page, slot, cos, sin)
+    h = q.shape[1]
+    rot = lambda x: apply_rope(x[:, None], cos[:, None], sin[:, None])[:, 0]
+    real = np.asarray(kv_lens) > 0
+    k_rot = rot(qkv[:, h:h + kvh])
+    assert_rope_equal(k2[2, page[real], slot[real]], k_rot[real], dtype)
+    k_want = k_want.at[2, page[real], slot[real]].set(k_rot[real])
+    check(out, paged_decode_attention_reference(rot(qkv[:, :h]), k_want, v_want, 2, bt, lens),
+          dtype)
 
 
 @gpu
@@ -344,3 +395,31 @@ def test_ragged_kernel_gpu(dtype, kvh, group):
         out = jax.jit(lambda *a: ragged_paged_attention(*a, **kw))(q, k, v, jnp.int32(1), bt, lens, cu)
         check(out[: int(cu[-1])], ref[: int(cu[-1])], dtype)
         assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+@pytest.mark.parametrize("batch,fused,want_fused", [(1, "auto", True), (8, "auto", True),
+                                                     (16, "auto", False), (16, True, True),
+                                                     (1, False, False)])
+def test_decode_layer_fuses_rope_and_kv_write_for_small_batches(batch, fused, want_fused):
+    """A pallas decode layer (C = 1) with the fused qkv: at most FUSED_KV_WRITE_MAX_BATCH
+    rows (or fused_kv_write=True) it has no XLA scatter (K/V write) and no concatenate
+    (RoPE's rotate_half) left; with the XLA path it has both."""
+    from ouro_jax.attention import make_paged_attend
+    from ouro_jax.config import PRESETS
+    from ouro_jax.model import decoder_layer, rope_cos_sin, unstack_layers
+    from ouro_jax.params import random_params
+
+    cfg = PRESETS["tiny-gqa"]
+    lp = unstack_layers(random_params(cfg, 0, jnp.float32, 0.003, 0.0), fuse=True).layers[0]
+    shape = (2, 1 + batch * 2, 4, cfg.num_key_value_heads, cfg.head_dim)
+    planes = (jnp.zeros(shape), jnp.zeros(shape))
+    tables = 1 + jnp.arange(batch * 2, dtype=jnp.int32).reshape(batch, 2)
+    positions = jnp.full((batch, 1), 5, jnp.int32)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, jnp.float32)
+    attend = make_paged_attend(cfg, tables, positions, 4, "pallas", fused_kv_write=fused)
+    assert hasattr(attend, "qkv") == want_fused
+    x = jnp.ones((batch, 1, cfg.hidden_size))
+    jaxpr = jax.make_jaxpr(lambda x, p: decoder_layer(lp, x, cos, sin, cfg, attend, p,
+                                                      jnp.int32(0), 0))(x, planes)
+    names = {e.primitive.name for e in jaxpr.jaxpr.eqns}  # the layer's top-level ops
+    assert ("scatter" in names) != want_fused and ("concatenate" in names) != want_fused, names
