@@ -107,8 +107,7 @@ def make_engine(args):
               decode_chunk=args.new_tokens, prefill_chunk=256,
               fuse_projections=not args.no_fuse, unroll_loops=args.unroll_loops,
               projections=getattr(args, "projections", "auto"),
-              fused_kv_write={"auto": "auto", "fused": True, "xla": False}[
-                  getattr(args, "kv_write", "auto")])
+              fused_kv_write=getattr(args, "kv_write", "fused") == "fused")
     if args.model:
         return Ouro.load(args.model, args.dtype, **kw)
     cfg = PRESETS[args.synthetic]
@@ -285,10 +284,9 @@ def main(argv=None) -> int:
     p.add_argument("--projections", default="auto", help=PROJECTIONS_HELP)
     p.add_argument("--unroll-loops", action="store_true",
                    help="unroll the T loops in the program instead of a fori_loop")
-    p.add_argument("--kv-write", default="auto", choices=["auto", "fused", "xla"],
-                   help="decode's RoPE and K/V write: inside the Pallas decode kernel for "
-                        "batches up to attention.FUSED_KV_WRITE_MAX_BATCH (auto), always "
-                        "(fused), or as XLA kernels (xla: the pre-session-6 path)")
+    p.add_argument("--kv-write", default="fused", choices=["fused", "xla"],
+                   help="decode's RoPE and K/V write: inside the Pallas decode kernel "
+                        "(fused, default) or as XLA kernels (xla: the pre-session-6 path)")
     p.add_argument("--batch", default="1,8,32,64")
     p.add_argument("--k", default="0,2,4", help="0 = native decode")
     p.add_argument("--draft-loops", type=int, default=2)

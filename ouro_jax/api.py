@@ -123,15 +123,14 @@ class Ouro:
                  kv_pool_tokens: Optional[int] = None, prefill_chunk: int = 256,
                  decode_chunk: int = 32, fuse_projections: bool = True,
                  unroll_loops: bool = False, projections: str = "auto",
-                 fused_kv_write="auto"):
+                 fused_kv_write: bool = True):
         if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
             raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
         from ouro_jax.model import unstack_layers
 
         proj = parse_projections(projections)  # validated before anything is built
-        if fused_kv_write not in ("auto", True, False):
-            raise ValueError(f"fused_kv_write must be 'auto', True or False, got "
-                             f"{fused_kv_write!r}")
+        if not isinstance(fused_kv_write, bool):
+            raise ValueError(f"fused_kv_write must be True or False, got {fused_kv_write!r}")
 
         # Per-layer weights (no in-loop slicing copies), q/k/v and gate/up fused.
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -139,11 +138,10 @@ class Ouro:
         self.page_size = page_size
         # "+unroll": loops unrolled in the program rather than a device while loop;
         # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in
-        # canonical form so equal settings give equal program keys; "+kvxla" / "+kvfused":
-        # decode's RoPE and K/V write in XLA / in the Pallas decode kernel at every batch
-        # size (fused_kv_write False / True; default "auto": fused for small batches).
-        kv_opt = {"auto": "", True: "+kvfused", False: "+kvxla"}[fused_kv_write]
-        self.backend = (resolve_backend(attention) + ("+unroll" if unroll_loops else "") + kv_opt
+        # canonical form so equal settings give equal program keys; "+kvxla": decode's RoPE
+        # and K/V write as XLA kernels rather than in the Pallas decode kernel (A/B runs).
+        self.backend = (resolve_backend(attention) + ("+unroll" if unroll_loops else "")
+                        + ("" if fused_kv_write else "+kvxla")
                         + ("" if proj == XLAProjections() else "+" + proj.spec))
         self.prefill_chunk = next_pow2(prefill_chunk)
         self.decode_chunk = decode_chunk

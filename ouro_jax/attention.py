@@ -2,8 +2,10 @@
 
 `make_paged_attend` builds the `attend` function that `model.decoder_layer` calls, for a block
 of query positions [B, C] (C = 1 for decode, k+1 for verification, a chunk for prefill). The
-new tokens' K/V are written first, so a query reads its own key from the cache like any other
-and all callers share one code path.
+new tokens' K/V are written first, so a query reads its own key from the cache like any other.
+The exception is pallas decode (C = 1): `attend.qkv` hands the unrotated fused projection to the
+decode kernel, which applies RoPE, writes the K/V and attends to the new key from registers
+(fewer kernels per layer; see make_paged_attend).
 
 Backends:
 - "xla": gather each sequence's pages through its block table, mask by position, dense
@@ -39,25 +41,18 @@ def _pallas_available() -> bool:
     return True
 
 
-# Decode batches of at most this many rows write the new K/V inside the Pallas decode kernel
-# (paged_decode_attention_qkv, RoPE included). H200, 1.4B, native greedy (session 6, K/V
-# write only): batch 1 200.8 vs 191.5 tok/s, batch 8 1,442.9 vs 1,437.1, batch 64 7,286.1 vs
-# 7,348.6 (the fused kernel's extra registers cost occupancy there), so larger batches keep
-# the XLA scatter (benchmarks/results/ab_kvwrite_*_session6_h200.json).
-FUSED_KV_WRITE_MAX_BATCH = 8
-
-
 def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.Array,
-                      page_size: int, backend: str = "xla", fused_kv_write="auto"):
+                      page_size: int, backend: str = "xla", fused_kv_write: bool = True):
     """attend(q, k, v, planes, loop, layer) over query positions [B, C] (all rows have C).
 
-    With the pallas backend, C == 1 (decode, draft) and fused_kv_write True (or "auto" and
-    B <= FUSED_KV_WRITE_MAX_BATCH), the function also has `attend.qkv(qkv, cos, sin, planes,
-    loop, layer)`, which takes the fused projection [B, 1, H + 2 KVH, hd] before RoPE: the
-    decode kernel applies RoPE and writes the new K/V itself, so the RoPE, slice and K/V
-    write kernels disappear (model.decoder_layer uses it when it has the fused qkv)."""
-    if fused_kv_write not in ("auto", True, False):
-        raise ValueError(f"fused_kv_write must be 'auto', True or False, got {fused_kv_write!r}")
+    With the pallas backend, C == 1 (decode, draft) and `fused_kv_write`, the function also
+    has `attend.qkv(qkv, cos, sin, planes, loop, layer)`, which takes the fused projection
+    [B, 1, H + 2 KVH, hd] before RoPE: the decode kernel applies RoPE and writes the new K/V
+    itself, so the RoPE, slice and K/V-write kernels disappear (model.decoder_layer uses it
+    when it has the fused qkv). H200, 1.4B, native greedy, fused vs XLA in the same call
+    (session 6, benchmarks/results/ab_kvwrite_*_session6_h200.json): batch 1 210.0 vs 192.8
+    tok/s, 8 1,488.5 vs 1,442.9, 16 2,741.8 vs 2,636.8, 32 4,873.0 vs 4,716.4, 64 7,607.4
+    vs 7,498.5. fused_kv_write=False (engine option '+kvxla') keeps the XLA path."""
     page, slot = slot_indices(block_tables, positions, page_size)
     num_layers = cfg.num_hidden_layers
 
@@ -86,9 +81,7 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
                 out = out.reshape(q.shape)
             return out, planes
 
-        fused = fused_kv_write is True or (fused_kv_write == "auto"
-                                           and b <= FUSED_KV_WRITE_MAX_BATCH)
-        if c == 1 and fused:
+        if c == 1 and fused_kv_write:
             def attend_qkv(qkv, cos, sin, planes, loop, layer):
                 out, kc, vc = pk.paged_decode_attention_qkv(
                     qkv[:, 0], planes[0], planes[1], (loop, layer), block_tables, kv_lens,

@@ -44,25 +44,23 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
 
     `backend` is the attention backend ("xla" | "pallas"), optionally followed by options:
     "+unroll" unrolls the loop range in Python instead of a `fori_loop` (fewer device while
-    loops per step, larger programs); "+kvxla" / "+kvfused" keep decode's RoPE and K/V write
-    in XLA / move them into the Pallas decode kernel at every batch size (default: fused up
-    to attention.FUSED_KV_WRITE_MAX_BATCH rows); "+gemv[@N][:names]" and "+gemm[@N][:names]" compute
+    loops per step, larger programs); "+kvxla" keeps decode's RoPE and K/V write as XLA
+    kernels instead of inside the Pallas decode kernel; "+gemv[@N][:names]" and "+gemm[@N][:names]" compute
     few-row projections (and with "+norms" the RMSNorms and residual adds around them;
     "+pfN" sets the GEMV's prefetch depth) with the Pallas GEMV / skinny GEMM
     (ouro_jax.projections.parse). `h` overrides the embedding input (verification starts from the draft's states)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options if o.startswith(("gemv", "gemm", "pf")) or o == "norms"]
-    unknown = [o for o in options if o not in ("unroll", "kvxla", "kvfused") and o not in kernels]
-    if unknown or ("kvxla" in options and "kvfused" in options):
-        raise ValueError(f"unknown or conflicting backend option(s) {unknown} in {backend!r}: "
-                         f"'unroll', 'kvxla' or 'kvfused', 'gemv...', 'gemm...', 'norms', 'pfN'")
+    unknown = [o for o in options if o not in ("unroll", "kvxla") and o not in kernels]
+    if unknown:
+        raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', "
+                         f"'kvxla', 'gemv...', 'gemm...', 'norms', 'pfN'")
     proj = parse_projections("+".join(kernels) or "xla")
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
     if h is None:
         h = embed(params, ids, params.dtype)
-    fused = False if "kvxla" in options else True if "kvfused" in options else "auto"
     attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], attention,
-                               fused_kv_write=fused)
+                               fused_kv_write="kvxla" not in options)
     return run_loops(params, h, cos, sin, cfg, attend, planes, loops,
                      unroll="unroll" in options, proj=proj)
 

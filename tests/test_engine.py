@@ -149,6 +149,10 @@ def test_bad_inputs_are_clear_errors_and_change_nothing():
         llm.generate([[1] * 500], SamplingParams(max_tokens=20))
     with pytest.raises(KVPoolExhausted, match="KV pool exhausted"):
         llm.generate([[1] * 40, [2] * 40], SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="fused_kv_write must be True or False"):
+        Ouro(cfg, params, None, fused_kv_write="auto")
+    assert Ouro(cfg, params, None, attention="pallas", fused_kv_write=False).backend == \
+        "pallas+kvxla"
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="top_p"):
