@@ -123,6 +123,8 @@ def add_model_args(ap, attention: str = "xla") -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--attention", default=attention)
     ap.add_argument("--projections", default="auto", help=PROJECTIONS_HELP)
+    ap.add_argument("--kv-write", default="fused", choices=["fused", "xla"],
+                    help="decode's RoPE and K/V write in the Pallas decode kernel or in XLA")
 
 
 def engine_for(args, new_tokens: int, unroll_loops: bool = False):
@@ -130,7 +132,8 @@ def engine_for(args, new_tokens: int, unroll_loops: bool = False):
     ns = argparse.Namespace(model=args.model, synthetic=args.synthetic, dtype=args.dtype,
                             attention=args.attention, page_size=16, new_tokens=new_tokens,
                             seed=0, branch_scale=0.003, norm_jitter=0.0, no_fuse=False,
-                            unroll_loops=unroll_loops, projections=args.projections)
+                            unroll_loops=unroll_loops, projections=args.projections,
+                            kv_write=args.kv_write)
     return make_engine(ns)
 
 

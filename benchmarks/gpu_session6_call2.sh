@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran at commit fc50366, where the API was paged_decode_attention(..., new_kv=...) and the flag
+# --kvxla; today: paged_decode_attention_qkv and --kv-write xla.
 # Session 6, device call 2 (issue 6): decode's K/V write inside the Pallas decode kernel
 # (new_kv, the default now) against the separate XLA scatter (--kvxla): GPU tests of the
 # fused kernel, then native greedy A/B at batch 1, 8 and 64, and the speculative cells

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran at commit 96159fa, where --kv-write also had "auto" (fused for batches <= 8, the default
+# then) and the batch-64 runs took the XLA path; today the fused path is the default everywhere.
 # Session 6, device call 3 (issue 6): RoPE + K/V write inside the Pallas decode kernel
 # (paged_decode_attention_qkv; default for decode batches <= 8). GPU tests of the fused
 # kernel; batch 1 and 8 native with --kv-write xla (control) and the default (native,

@@ -140,8 +140,12 @@ class Ouro:
         # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in
         # canonical form so equal settings give equal program keys; "+kvxla": decode's RoPE
         # and K/V write as XLA kernels rather than in the Pallas decode kernel (A/B runs).
-        self.backend = (resolve_backend(attention) + ("+unroll" if unroll_loops else "")
-                        + ("" if fused_kv_write else "+kvxla")
+        # The fused path needs the pallas backend and the fused qkv weight; where it cannot
+        # run, the key says so ("+kvxla"), so results are never labelled with a path not taken.
+        resolved = resolve_backend(attention)
+        kv_xla = resolved == "pallas" and not (fused_kv_write and fuse_projections)
+        self.backend = (resolved + ("+unroll" if unroll_loops else "")
+                        + ("+kvxla" if kv_xla else "")
                         + ("" if proj == XLAProjections() else "+" + proj.spec))
         self.prefill_chunk = next_pow2(prefill_chunk)
         self.decode_chunk = decode_chunk

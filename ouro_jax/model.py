@@ -8,7 +8,9 @@ frequencies, and the softmax. Everything else runs in the activation dtype.
 Attention is pluggable. `decoder_layer` hands (q, k, v) after RoPE to an `attend` function
 together with an opaque state; the dense forward passes causal self-attention with no state,
 the engine passes a paged-cache writer/reader whose state is the KV cache. That keeps one
-copy of the layer math for the dense, prefill, decode and speculative paths.
+copy of the layer math for the dense, prefill, decode and speculative paths. An `attend` with
+a `qkv` attribute (the engine's pallas decode) takes the fused projection before RoPE instead
+and applies RoPE and the K/V write in its kernel (ouro_jax.attention.make_paged_attend).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ouro_jax.projections import Residual
 XLA_PROJECTIONS = _XLAProjections()
 
 # attend(q [..., S, H, hd], k [..., S, KVH, hd], v, state, loop, layer) -> (out [..., S, H, hd], state)
+# optional attend.qkv(qkv [..., S, H + 2 KVH, hd] before RoPE, cos, sin, state, loop, layer)
 AttendFn = Callable[..., tuple[jax.Array, Any]]
 
 # Test instrumentation: when set, called at trace time as hook(loop, hidden_shape) for every
@@ -104,6 +107,33 @@ def dense_causal_attend(q, k, v, state, loop, layer):
     return attention_core(q, k, v, mask), state
 
 
+def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop,
+               layer, proj):
+    """Input norm, q/k/v projections, RoPE and attention: (attention output, x as an array,
+    state). With the fused qkv weight and an `attend` that has `.qkv` (the engine's pallas
+    decode) the unrotated projection goes to the kernel, which does RoPE and the K/V write."""
+    eps = cfg.rms_norm_eps
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    if lp.qkv_proj is not None:
+        qkv, x = proj.normed("qkv", x, lp.input_layernorm, lp.qkv_proj, eps)
+        if hasattr(attend, "qkv"):
+            packed = qkv.reshape(*x.shape[:-1], nh + 2 * nkv, hd)
+            attn, state = attend.qkv(packed, cos, sin, state, loop, layer)
+            return attn, x, state
+        q, k, v = qkv[..., :nh * hd], qkv[..., nh * hd:(nh + nkv) * hd], qkv[..., (nh + nkv) * hd:]
+    else:
+        x = proj.materialize(x, eps)
+        hx = rms_norm(x, lp.input_layernorm, eps)
+        q, k, v = (proj.project("qkv", hx, w) for w in (lp.q_proj, lp.k_proj, lp.v_proj))
+    lead = x.shape[:-1]
+    q = q.reshape(*lead, nh, hd)
+    k = k.reshape(*lead, nkv, hd)
+    v = v.reshape(*lead, nkv, hd)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attn, state = attend(q, k, v, state, loop, layer)
+    return attn, x, state
+
+
 def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, state,
                   loop, layer, proj=None):
     """One sandwich-norm decoder layer. lp holds a single layer's weights (no [L] axis);
@@ -112,27 +142,8 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     projections.Residual that the next projection's prologue adds up (proj.materialize)."""
     proj = proj or XLA_PROJECTIONS
     eps = cfg.rms_norm_eps
-    nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    attend_qkv = getattr(attend, "qkv", None)  # RoPE and the K/V write in the kernel
-    if lp.qkv_proj is not None:
-        qkv, x = proj.normed("qkv", x, lp.input_layernorm, lp.qkv_proj, eps)
-        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
-    else:
-        attend_qkv = None
-        x = proj.materialize(x, eps)
-        hx = rms_norm(x, lp.input_layernorm, eps)
-        q, k, v = (proj.project("qkv", hx, w) for w in (lp.q_proj, lp.k_proj, lp.v_proj))
+    attn, x, state = _attention(lp, x, cos, sin, cfg, attend, state, loop, layer, proj)
     lead = x.shape[:-1]
-    if attend_qkv is not None:
-        heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
-        attn, state = attend_qkv(qkv.reshape(*lead, heads, cfg.head_dim), cos, sin, state, loop,
-                                 layer)
-    else:
-        q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
-        k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn, state = attend(q, k, v, state, loop, layer)
     attn = proj.project("o", attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim),
                         lp.o_proj)
     h = Residual(x, attn, lp.input_layernorm_2)  # h = x + rms_norm(attn, input_layernorm_2)

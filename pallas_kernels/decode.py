@@ -7,6 +7,11 @@ out of plane `entry` of the full cache (the plane is a pointer offset, never a c
 program writes a normalised partial output and its log-sum-exp; a small XLA combine merges
 the S partials (skipped when S == 1).
 
+`paged_decode_attention_qkv` is the engine's decode entry point: the same kernel reads q, k and
+v of the new token from the packed projection, applies RoPE, writes the new K/V into the caches
+(aliased outputs, updated in place) and folds the new key into the softmax from registers (see
+its docstring and docs/kernels.md).
+
 Two inner products:
   * use_dot=True (default, any group): tensor-core dots on a [max(16, group_padded), head_dim]
     query tile (MHA pads the single query row to 16; the wasted MMA work is free in a
@@ -30,7 +35,6 @@ from pallas_kernels._common import (NEG_INF, choose_num_splits, finish, flash_ti
                                     load_kv_block, next_pow2, online_softmax_step, pl,
                                     plane_index, plane_operands, split_partials_call,
                                     split_range)
-
 
 
 def _rope(x, x_swapped, cos, sin):
@@ -101,7 +105,9 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
             alpha = jnp.exp(m - m2)
             p = jnp.exp(sc - m2)
             pv = p.astype(cdt).astype(jnp.float32)[:, None] * v_new.astype(jnp.float32)[None, :]
-            use = (sp == 0) & (kv_len > 0)
+            # Padding rows (trash page) attend to nothing new, as on the XLA path, where the
+            # write is dropped.
+            use = (sp == 0) & (kv_len > 0) & (page != trash_page)
             return (jnp.where(use, m2, m), jnp.where(use, l * alpha + p, l),
                     jnp.where(use, acc * alpha[:, None] + pv, acc))
 
@@ -218,14 +224,14 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
 
 
 def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_lens, page, slot,
-                               *, rope=None, trash_page: int = 0, interpret: bool = False,
+                               *, rope=None, trash_page=None, interpret: bool = False,
                                entry_stride: int = 1, **tuning):
     """Decode attention for a new token that is not in the cache yet, which the kernel writes.
 
     qkv [B, H + 2 KVH, hd]: the token's q heads, then its k and v heads (the fused projection,
     reshaped). The kernel writes k and v at (entry, page, slot) [B] int32 (rows whose page is
-    `trash_page`, padding, are skipped) and attends over the kv_len - 1 cached keys plus the
-    new one from registers, so neither the K/V write nor slicing q/k/v out of the projection
+    `trash_page`, the engine's padding, write nothing and attend only to cached keys; None:
+    no such page) and attends over the kv_len - 1 cached keys plus the new one from registers, so neither the K/V write nor slicing q/k/v out of the projection
     needs an XLA kernel of its own. rope=(cos, sin) [B, hd]: q and k are unrotated and the
     kernel applies model.apply_rope (each op rounded to qkv's dtype, as XLA rounds it).
     The caches are updated in place (aliased outputs; donate them). Returns (out [B, H, hd],
@@ -240,9 +246,12 @@ def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_le
     if page.shape != (bsz,) or slot.shape != (bsz,):
         raise ValueError(f"paged_decode_attention_qkv: page {page.shape} and slot {slot.shape} "
                          f"must be [{bsz}]")
-    if not tuning.pop("use_dot", True):
+    if kv_lens.shape != (bsz,) or block_tables.shape[0] != bsz:
+        raise ValueError(f"paged_decode_attention_qkv: kv_lens {kv_lens.shape} and block_tables "
+                         f"{block_tables.shape} must have the batch size {bsz} of qkv")
+    if not tuning.pop("use_dot", True) or tuning.pop("rowwise", False):
         raise ValueError("paged_decode_attention_qkv: the fused K/V write needs the tensor-core "
-                         "path (use_dot=True)")
+                         "path (use_dot=True, rowwise=False)")
     extra = ()
     if rope is not None:
         cos, sin = rope
@@ -253,7 +262,7 @@ def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_le
     extra += (page.astype(jnp.int32), slot.astype(jnp.int32))
     out, kc, vc = _call(qkv, h, k_cache, v_cache, entry, block_tables, kv_lens, extra,
                         interpret=interpret, entry_stride=entry_stride, rope=rope is not None,
-                        trash_page=trash_page, **tuning)
+                        trash_page=-1 if trash_page is None else int(trash_page), **tuning)
     return out.reshape(bsz, h, hd).astype(qkv.dtype), kc, vc
 
 
@@ -282,7 +291,8 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
         num_splits = choose_num_splits(bsz * kvh, max_tokens, block_t, min_blocks_per_split=1)
     write_new = bool(write_args)
     sd = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)
-    updated = ((5, sd(k_cache)), (6, sd(v_cache))) if write_new else ()  # inputs 5 and 6
+    # The caches follow the two plane operands, block tables, kv_lens and q.
+    updated = ((5, sd(k_cache)), (6, sd(v_cache))) if write_new else ()
     kernel = functools.partial(
         _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,
         block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise,

@@ -191,7 +191,7 @@ def _kernel(*refs, m: int, k: int, block_n: int, block_k: int, use_dot: bool, ga
 def check_supported(m: int, k: int, n_out: int, *, use_dot: bool, block_n: int, block_k: int,
                     prefetch: int = 0):
     """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
-    if not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH:
+    if type(prefetch) is not int or not 0 <= prefetch <= MAX_PREFETCH:
         raise ValueError(f"gemv prefetch must be an int in 0..{MAX_PREFETCH}, got {prefetch!r}")
     if use_dot and prefetch:
         raise ValueError("gemv prefetch is for the CUDA-core path (use_dot=False); the dot path "

@@ -288,7 +288,8 @@ def test_xla_prefill_chunk_keeps_scores_within_budget():
 
 def test_every_kv_write_of_a_generate_call_has_unique_indices(monkeypatch):
     """write_kv promises XLA unique scatter indices (plain stores instead of atomics on the
-    GPU). Check the promise on every write of real runs: prefill with padded chunks, a padding
+    GPU), and the pallas decode kernel's in-place K/V stores need the same (two rows on one
+    slot would race). Check both on every write of real runs: prefill with padded chunks, a padding
     row (batch 3 -> bucket 4), rows stopping at different max_tokens, plain decode and the
     speculative draft and verification. A host callback sees each write's indices."""
     from ouro_jax import attention, kv_cache
@@ -307,7 +308,18 @@ def test_every_kv_write_of_a_generate_call_has_unique_indices(monkeypatch):
         jax.debug.callback(check, page, slot, planes[0].shape[1])
         return kv_cache.write_kv(planes, entry, page, slot, k, v)
 
+    import pallas_kernels
+
+    traced_fused = []
+
+    def checked_fused(qkv, kc, vc, entry, tables, lens, page, slot, **kw):  # pallas decode
+        traced_fused.append(qkv.shape)
+        jax.debug.callback(check, page, slot, kc.shape[1])
+        return fused(qkv, kc, vc, entry, tables, lens, page, slot, **kw)
+
+    fused = pallas_kernels.paged_decode_attention_qkv
     monkeypatch.setattr(attention, "write_kv", checked_write)
+    monkeypatch.setattr(pallas_kernels, "paged_decode_attention_qkv", checked_fused)
     folder = tiny_checkpoint("tiny-gqa", branch_scale=0.3)
     cfg, params = load(folder)
     prompts = ragged_prompts(cfg.vocab_size, [7, 2, 5], seed=5)
@@ -318,3 +330,4 @@ def test_every_kv_write_of_a_generate_call_has_unique_indices(monkeypatch):
             before = len(seen)
             llm.generate(prompts, sps, speculative=spec)
             assert len(seen) > before and sum(seen[before:]) > 0
+    assert traced_fused  # the pallas decode steps went through the fused kernel

@@ -56,7 +56,7 @@ def test_gemv_row_results_do_not_depend_on_the_row_count():
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_prefetch_is_bit_identical(gated, m):
     """Loading K chunks ahead changes when bytes arrive, not the summation order: every
-    depth, including one past the chunk count (all loads up front), gives the same bits."""
+    depth, up to the chunk count (all loads up front) and past it, gives the same bits."""
     x, w = _xw(m, 256, 64, jnp.bfloat16)
     kw = dict(gated=gated, interpret=True, use_dot=False, block_n=4, block_k=64)  # 4 chunks
     base = np.asarray(gemv(x, w, **kw), np.float32)
@@ -88,6 +88,7 @@ def test_gemv_norm_prologue_with_prefetch_is_bit_identical():
     (dict(use_dot=False, block_n=4, prefetch=5), "prefetch must be an int in 0..4"),
     (dict(use_dot=False, block_n=4, prefetch=-1), "prefetch must be an int"),
     (dict(use_dot=False, block_n=4, prefetch=1.0), "prefetch must be an int"),
+    (dict(use_dot=False, block_n=4, prefetch=True), "prefetch must be an int"),
     (dict(use_dot=True, block_n=16, prefetch=1), "prefetch is for the CUDA-core path"),
 ])
 def test_gemv_rejects_bad_tilings(bad, msg):

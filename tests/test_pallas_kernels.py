@@ -168,7 +168,7 @@ def test_decode_kernel_with_fused_kv_write(dtype, kvh, group, kw):
     (qkv, k, v, bt, lens), (page, slot), (q, k_want, v_want) = fused_write_case(
         rng, dtype, kvh, group, [0, 1, 4, 8, 13, 23], hd=16, page_size=4)
     out, k2, v2 = paged_decode_attention_qkv(qkv, k, v, jnp.int32(2), bt, lens, page, slot,
-                                             interpret=True, **kw)
+                                             trash_page=0, interpret=True, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     check(out, paged_decode_attention_reference(q, k_want, v_want, 2, bt, lens), dtype)
     assert np.all(np.asarray(out[0], np.float32) == 0)
@@ -190,8 +190,10 @@ def test_decode_kernel_with_fused_rope(dtype):
                             dtype)
     h = q.shape[1]
     out, k2, _ = paged_decode_attention_qkv(qkv, k, v, jnp.int32(2), bt, lens, page, slot,
-                                            rope=(cos, sin), interpret=True, block_t=4)
-    rot = lambda x: apply_rope(x[:, None], cos[:, None], sin[:, None])[:, 0]
+                                            rope=(cos, sin), trash_page=0, interpret=True,
+                                            block_t=4)
+    # The oracle is the jitted model function (XLA's fusion of it), as the +kvxla path runs it.
+    rot = jax.jit(lambda x: apply_rope(x[:, None], cos[:, None], sin[:, None])[:, 0])
     q_rot, k_rot = rot(qkv[:, :h]), rot(qkv[:, h:h + 2])
     real = np.asarray(kv_lens) > 0
     assert_rope_equal(k2[2, page[real], slot[real]], k_rot[real], dtype)
@@ -209,6 +211,21 @@ def assert_rope_equal(got, want, dtype):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_fused_kv_write_padding_rows_and_trash_page_none():
+    """A padding row (trash page) with kv_len 1 writes nothing and attends to nothing, as on
+    the XLA path (output 0); with trash_page=None page 0 is an ordinary page and is written."""
+    rng = np.random.default_rng(12)
+    (qkv, k, v, bt, lens), (page, slot), (q, k_want, v_want) = fused_write_case(
+        rng, jnp.float32, 2, 1, [1, 6], hd=16, page_size=4)
+    trash = jnp.asarray([0, page[1]], jnp.int32)  # row 0 aimed at the trash page
+    out, k2, _ = paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, trash, slot, trash_page=0,
+                                            interpret=True)
+    assert np.all(np.asarray(out[0]) == 0)
+    assert np.isnan(np.asarray(k2[2, 0])).all()  # trash page untouched (still NaN)
+    _, k3, _ = paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, trash, slot, interpret=True)
+    np.testing.assert_array_equal(np.asarray(k3[2, 0, slot[0]]), np.asarray(qkv[0, 2:4]))
+
+
 def test_fused_kv_write_rejects_bad_input():
     rng = np.random.default_rng(8)
     (qkv, k, v, bt, lens), (page, slot), _ = fused_write_case(
@@ -220,6 +237,11 @@ def test_fused_kv_write_rejects_bad_input():
     with pytest.raises(ValueError, match="tensor-core path"):
         paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, page, slot, interpret=True,
                                    use_dot=False)
+    with pytest.raises(ValueError, match="batch size"):
+        paged_decode_attention_qkv(qkv, k, v, 2, bt, lens[:1], page, slot, interpret=True)
+    with pytest.raises(ValueError, match="rowwise=False"):
+        paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, page, slot, interpret=True,
+                                   rowwise=True)
     with pytest.raises(ValueError, match="cos"):
         paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, page, slot, interpret=True,
                                    rope=(jnp.ones((2, 8)), jnp.ones((2, 8))))
@@ -363,13 +385,13 @@ def test_decode_kernel_with_fused_kv_write_gpu(dtype, kvh, group):
     qkv, k, v, bt, lens = case
     ref = paged_decode_attention_reference(q, k_want, v_want, 2, bt, lens)
     for kw in (dict(), dict(num_splits=7, block_t=32)):
-        f = jax.jit(lambda *a: paged_decode_attention_qkv(*a, **kw))
+        f = jax.jit(lambda *a: paged_decode_attention_qkv(*a, trash_page=0, **kw))
         out, k2, v2 = f(qkv, k, v, jnp.int32(2), bt, lens, page, slot)
         check(out, ref, dtype)
         for got, want in ((k2, k_want), (v2, v_want)):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     cos, sin = rope_cos_sin(jnp.asarray(np.maximum(np.asarray(kv_lens) - 1, 0)), 128, 1e6, dtype)
-    f = jax.jit(lambda *a: paged_decode_attention_qkv(*a[:8], rope=a[8:]))
+    f = jax.jit(lambda *a: paged_decode_attention_qkv(*a[:8], rope=a[8:], trash_page=0))
     out, k2, _ = f(qkv, k, v, jnp.int32(2), bt, lens, page, slot, cos, sin)
     h = q.shape[1]
     rot = lambda x: apply_rope(x[:, None], cos[:, None], sin[:, None])[:, 0]
