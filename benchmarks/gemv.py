@@ -48,28 +48,16 @@ VARIANTS = {  # name -> gemv tuning; "xla" is the model's einsum (+ SiLU for gat
     "fma2_k1024_w2": dict(use_dot=False, block_n=2, block_k=1024, num_warps=2, num_stages=1),
     "fma4_k512_w2": dict(use_dot=False, block_n=4, block_k=512, num_warps=2, num_stages=1),
     "fma4_k256_w2": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1),
-    # prefetch=P: P K-chunks requested ahead of the math (session 6)
-    "fma4_k256_w2_pf2": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1,
-                             prefetch=2),
-    "fma4_k256_w2_pf3": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1,
-                             prefetch=3),
-    "fma2_k256_w2_pf3": dict(use_dot=False, block_n=2, block_k=256, num_warps=2, num_stages=1,
-                             prefetch=3),
-    "fma4_k512_w4_pf2": dict(use_dot=False, block_n=4, block_k=512, num_warps=4, num_stages=1,
-                             prefetch=2),
-    "fma2_k512_w2_pf2": dict(use_dot=False, block_n=2, block_k=512, num_warps=2, num_stages=1,
-                             prefetch=2),
-    "fma8_k256_w4_pf2": dict(use_dot=False, block_n=8, block_k=256, num_warps=4, num_stages=1,
-                             prefetch=2),
-    "fma8_k512_w4_pf1": dict(use_dot=False, block_n=8, block_k=512, num_warps=4, num_stages=1,
-                             prefetch=1),
-    "fma16_k256_w8_pf2": dict(use_dot=False, block_n=16, block_k=256, num_warps=8, num_stages=1,
-                              prefetch=2),
-    "fma2_k1024_w2_pf1": dict(use_dot=False, block_n=2, block_k=1024, num_warps=2, num_stages=1,
-                              prefetch=1),
-    "fma4_k1024_w4_pf1": dict(use_dot=False, block_n=4, block_k=1024, num_warps=4, num_stages=1,
-                              prefetch=1),
 }
+# prefetch=P (session 6): P K-chunks requested ahead of the math; "fma" + block_n, block_k,
+# warps, depth.
+VARIANTS.update({
+    f"fma{bn}_k{bk}_w{w}_pf{pf}": dict(use_dot=False, block_n=bn, block_k=bk, num_warps=w,
+                                       num_stages=1, prefetch=pf)
+    for bn, bk, w, pf in [(4, 256, 2, 2), (4, 256, 2, 3), (2, 256, 2, 3), (4, 512, 4, 2),
+                          (2, 512, 2, 2), (8, 256, 4, 2), (8, 512, 4, 1), (16, 256, 8, 2),
+                          (2, 1024, 2, 1), (4, 1024, 4, 1)]
+})
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))
 
 # Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows): "mm" +
@@ -156,8 +144,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default="1,8", help="comma list of row counts (batch x tokens)")
-    ap.add_argument("--variants", default="", help=f"comma list from {sorted(VARIANTS) + list(ENGINE_PF)} (default "
-                    "all GEMV variants; 'none': only XLA and the engine's tiling; 'gemm': XLA and "
+    ap.add_argument("--variants", default="", help=f"comma list from "
+                    f"{sorted(VARIANTS) + list(ENGINE_PF)} (default all GEMV variants; 'none': only XLA and the engine's tiling; 'gemm': XLA and "
                     "every GEMM_VARIANTS tiling of the skinny GEMM)")
     ap.add_argument("--layers", type=int, default=24, help="distinct weights per timed program")
     ap.add_argument("--calls", type=int, default=20)

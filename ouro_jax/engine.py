@@ -45,10 +45,11 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     `backend` is the attention backend ("xla" | "pallas"), optionally followed by options:
     "+unroll" unrolls the loop range in Python instead of a `fori_loop` (fewer device while
     loops per step, larger programs); "+kvxla" keeps decode's RoPE and K/V write as XLA
-    kernels instead of inside the Pallas decode kernel; "+gemv[@N][:names]" and "+gemm[@N][:names]" compute
-    few-row projections (and with "+norms" the RMSNorms and residual adds around them;
-    "+pfN" sets the GEMV's prefetch depth) with the Pallas GEMV / skinny GEMM
-    (ouro_jax.projections.parse). `h` overrides the embedding input (verification starts from the draft's states)."""
+    kernels instead of inside the Pallas decode kernel; "+gemv[@N][:names]" and
+    "+gemm[@N][:names]" compute few-row projections (and with "+norms" the RMSNorms and
+    residual adds around them; "+pfN" sets the GEMV's prefetch depth) with the Pallas GEMV /
+    skinny GEMM (ouro_jax.projections.parse). `h` overrides the embedding input
+    (verification starts from the draft's states)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options if o.startswith(("gemv", "gemm", "pf")) or o == "norms"]
     unknown = [o for o in options if o not in ("unroll", "kvxla") and o not in kernels]

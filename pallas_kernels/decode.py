@@ -75,7 +75,8 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
     start, end, n_blocks = split_range(cached, sp, num_splits, block_t)
     hd = q_ref.shape[-1]
     offs = lax.iota(jnp.int32, block_t)
-    swap = (lax.iota(jnp.int32, hd) + hd // 2) % hd  # column order with the halves swapped
+    if rope:
+        swap = (lax.iota(jnp.int32, hd) + hd // 2) % hd  # column order, halves swapped
     extra = None
     if write_new:
         n_kv = k_ref.shape[3]
@@ -97,19 +98,16 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
             vout_ref[entry, page, slot, kvh, :] = v_new
 
         def extra(m, l, acc):
-            """One more online-softmax step with the new key; the rounding matches
-            flash_tile's (q and p in the cache dtype, fp32 products and sums)."""
+            """One more online-softmax step with the new key (a block of one key); the
+            rounding matches flash_tile's (q and p in the cache dtype, fp32 products and
+            sums). Only split 0 of a real row takes it: padding rows (trash page) attend to
+            nothing new, as on the XLA path, where the write is dropped."""
             qf = qt.astype(cdt).astype(jnp.float32)
             sc = jnp.sum(qf * k_new.astype(jnp.float32)[None, :], axis=1) * scale  # [Gp]
-            m2 = jnp.maximum(m, sc)
-            alpha = jnp.exp(m - m2)
-            p = jnp.exp(sc - m2)
-            pv = p.astype(cdt).astype(jnp.float32)[:, None] * v_new.astype(jnp.float32)[None, :]
-            # Padding rows (trash page) attend to nothing new, as on the XLA path, where the
-            # write is dropped.
             use = (sp == 0) & (kv_len > 0) & (page != trash_page)
-            return (jnp.where(use, m2, m), jnp.where(use, l * alpha + p, l),
-                    jnp.where(use, acc * alpha[:, None] + pv, acc))
+            m, alpha, p, l = online_softmax_step(m, l, sc[:, None], use)  # p [Gp, 1]
+            pv = p.astype(cdt).astype(jnp.float32) * v_new.astype(jnp.float32)[None, :]
+            return m, l, acc * alpha[:, None] + pv
 
     def kv_block(i):
         t = start + i * block_t + offs
