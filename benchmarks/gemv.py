@@ -22,6 +22,7 @@ from benchmarks.decode import save_record
 from benchmarks.timing import pipelined_seconds
 from pallas_kernels.gemm import gemm
 from pallas_kernels.gemv import gemv, gemv_reference
+from pallas_kernels.gemv_stream import gemv_stream
 
 # name -> (N, K, gated) for the 1.4B/2.6B shape (hidden 2048, intermediate 5632, 16x128 heads)
 SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
@@ -58,6 +59,14 @@ VARIANTS.update({
                           (2, 512, 2, 2), (8, 256, 4, 2), (8, 512, 4, 1), (16, 256, 8, 2),
                           (2, 1024, 2, 1), (4, 1024, 4, 1)]
 })
+# The streaming GEMV (pallas_kernels/gemv_stream.py, session 7): "st" + block_n, block_k,
+# output blocks per program, warps.
+STREAM_VARIANTS = {
+    f"st{bn}_k{bk}_p{pp}_w{w}": dict(block_n=bn, block_k=bk, per_program=pp, num_warps=w)
+    for bn, bk, pp, w in [(1, 512, 4, 4), (1, 512, 8, 2), (1, 256, 8, 2), (2, 512, 2, 4),
+                          (2, 512, 4, 4), (2, 512, 8, 4), (2, 512, 16, 4), (2, 256, 4, 2),
+                          (2, 1024, 4, 4), (4, 512, 4, 4), (4, 512, 4, 8), (8, 512, 4, 8)]
+}
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))
 
 # Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows): "mm" +
@@ -88,6 +97,8 @@ def chain_fn(impl, gated, shape):
     VARIANTS key."""
     if impl == "xla":
         one = lambda x, w: gemv_reference(x, w, gated=gated)
+    elif impl in STREAM_VARIANTS:
+        one = lambda x, w: gemv_stream(x, w, gated=gated, **STREAM_VARIANTS[impl])
     elif impl in GEMM_VARIANTS:
         one = lambda x, w: gemm(x, w, gated=gated, **GEMM_VARIANTS[impl])
     else:
@@ -107,6 +118,8 @@ def run(args) -> list:
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.variants == "gemm":  # the skinny GEMM's tilings against XLA
         impls = ["xla"] + list(GEMM_VARIANTS)
+    elif args.variants == "stream":  # the streaming GEMV's tilings against XLA and the engine
+        impls = ["xla", "engine"] + list(STREAM_VARIANTS)
     else:
         impls = ["xla", "engine"] + [v for v in (args.variants.split(",") if args.variants
                                                  else VARIANTS) if v != "engine"]
@@ -146,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8", help="comma list of row counts (batch x tokens)")
     ap.add_argument("--variants", default="", help=f"comma list from "
                     f"{sorted(VARIANTS) + list(ENGINE_PF)} (default all GEMV variants; 'none': only XLA and the engine's tiling; 'gemm': XLA and "
-                    "every GEMM_VARIANTS tiling of the skinny GEMM)")
+                    "every GEMM_VARIANTS tiling of the skinny GEMM; 'stream': XLA, the engine and every "
+                    "STREAM_VARIANTS tiling of the streaming GEMV)")
     ap.add_argument("--layers", type=int, default=24, help="distinct weights per timed program")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=5)
@@ -155,8 +169,7 @@ def main(argv=None) -> int:
     if args.variants == "none":
         args.variants = "engine"
     unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS) - set(GEMM_VARIANTS) \
-        - set(ENGINE_PF) \
-        - {"engine", "gemm"}
+        - set(STREAM_VARIANTS) - set(ENGINE_PF) - {"engine", "gemm", "stream"}
     if unknown or set(args.shapes.split(",")) - set(SHAPES):
         raise SystemExit(f"unknown variants/shapes: {sorted(unknown)} {args.shapes}")
     results = run(args)

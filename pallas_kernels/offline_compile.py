@@ -1,7 +1,7 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm]
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --stream]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints
@@ -101,6 +101,34 @@ def check_gemv():
                                  num_stages=kw["num_stages"])
 
 
+def check_stream():
+    """Every benchmarks/gemv.py STREAM_VARIANTS tiling of the streaming GEMV on the 1.4B
+    projection shapes at one row, plain and with the add_norm prologue (qkv, gate_up)."""
+    from benchmarks.gemv import SHAPES, STREAM_VARIANTS
+    from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+    S = jax.ShapeDtypeStruct
+    only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
+    for name, (n, k, gated) in SHAPES.items():
+        for vname, kw in STREAM_VARIANTS.items():
+            if only and vname not in only[0].split(","):
+                continue
+            for prologue in ("", "add_norm") if name in ("qkv", "gate_up") else ("",):
+                def f(x, w, b, nw, gated=gated, kw=kw, prologue=prologue):
+                    if not prologue:
+                        return gemv_stream(x, w, gated=gated, **kw)
+                    return gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=nw,
+                                              gated=gated, **kw)
+                try:
+                    jax.jit(f).trace(S((1, k), jnp.bfloat16), S((n, k), jnp.bfloat16),
+                                     S((1, k), jnp.bfloat16), S((k,), jnp.bfloat16)).lower(
+                        lowering_platforms=("cuda",))
+                except ValueError as e:  # a tiling this shape does not divide
+                    print(f"stream {name} {vname}: skipped ({e})")
+                    continue
+                compile_captured(f"stream {name} {vname} {prologue or 'plain'}",
+                                 num_warps=kw["num_warps"], num_stages=1)
+
+
 def check_gemm():
     """Every benchmarks/gemv.py GEMM_VARIANTS tiling of the skinny GEMM on the 1.4B projection
     shapes at 64 and 192 rows (batch-64 decode and batch-64 k=2 verification)."""
@@ -126,6 +154,8 @@ def main():
         return check_gemv()
     if "--gemm" in sys.argv:
         return check_gemm()
+    if "--stream" in sys.argv:
+        return check_stream()
     from pallas_kernels import (paged_decode_attention, paged_decode_attention_qkv,
                                 ragged_paged_attention)
     S, i32 = jax.ShapeDtypeStruct, jnp.int32

@@ -1,0 +1,198 @@
+"""Streaming GEMV: few programs, each looping over several output blocks with x in registers.
+
+y [M, N] = x [M, K] @ W [N, K]^T for one to a few rows, like pallas_kernels/gemv.py, but
+organised for a memory-bound stream rather than one program per output block:
+
+* Each program owns `per_program` output blocks of `block_n` rows (blocks p, p + P, ...,
+  P = grid size), so the grid is about the GPU's resident capacity instead of thousands of
+  short programs.
+* The input rows are loaded (and, with a prologue, normalised) once per program and stay in
+  registers as `K / block_k` fp32 chunks for every block the program computes. In
+  gemv.py every K chunk of every program reloads x and moves it through shared memory into
+  the layout the multiply needs; here that happens once per program.
+* The K loop is unrolled: a block's whole [block_n, K] weight slab is requested with
+  independent loads, and the loop over blocks carries the next block's raw loads, requested
+  before the math on the current one (two slabs in flight per program, no waits between
+  chunks).
+* A norm prologue (`prologue="norm"` / `"add_norm"`, the sandwich layer's RMSNorms and
+  residual add, as in gemv.gemv_normed) costs once per program, not once per output block.
+
+The summation order is a [block_n, block_k] fp32 accumulator over the chunks in order, then
+a sum over the chunk columns: a row's result depends on (block_k, K) only, not on how many
+rows the call has or on block_n, per_program and num_warps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import compiler_params, pl
+from pallas_kernels.gemv import _normed, _rms_scale, _silu_mul
+
+MAX_ROWS = 4  # registers: every row's K-long input lives in registers for the whole program
+DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4)
+
+
+def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program):
+    """Row r's GEMV input as nk fp32 chunks, after the prologue (stores x' for add_norm)."""
+    x_ref, b_ref, wb_ref, wx_ref, xo_ref = refs
+    cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
+    xs = [x_ref[r, cols[c]].astype(jnp.float32) for c in range(nk)]
+    if not prologue:
+        return xs
+    if prologue == "add_norm":
+        bs = [b_ref[r, cols[c]].astype(jnp.float32) for c in range(nk)]
+        s_b = lax.rsqrt(sum(jnp.sum(b * b) for b in bs) / k + eps)
+        xs = [(xs[c] + _normed(bs[c], s_b, wb_ref[cols[c]], dt).astype(jnp.float32)).astype(dt)
+              .astype(jnp.float32) for c in range(nk)]
+
+        @pl.when(first_program)
+        def _():
+            for c in range(nk):
+                xo_ref[r, cols[c]] = xs[c].astype(dt)
+
+    s_x = lax.rsqrt(sum(jnp.sum(x * x) for x in xs) / k + eps)
+    return [_normed(xs[c], s_x, wx_ref[cols[c]], dt).astype(jnp.float32) for c in range(nk)]
+
+
+def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps):
+    if prologue == "add_norm":
+        x_ref, b_ref, wb_ref, wx_ref, w_ref, y_ref, xo_ref = refs
+    elif prologue == "norm":
+        (x_ref, wx_ref, w_ref, y_ref), b_ref, wb_ref, xo_ref = refs, None, None, None
+    else:
+        (x_ref, w_ref, y_ref), b_ref, wb_ref, wx_ref, xo_ref = refs, None, None, None, None
+    p = pl.program_id(0)
+    programs = pl.num_programs(0)
+    dt = y_ref.dtype
+    nk = k // block_k
+    cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
+
+    def rows(j, offset=0):
+        return pl.ds(pl.multiple_of(offset + j * block_n, block_n), block_n)
+
+    def load(j):
+        """Block j's raw weight slab: nk gate chunks (then nk up chunks when gated)."""
+        tiles = tuple(w_ref[rows(j), cols[c]] for c in range(nk))
+        if gated:
+            tiles += tuple(w_ref[rows(j, up_offset), cols[c]] for c in range(nk))
+        return tiles
+
+    first = load(p)  # in flight while the prologue runs
+    xs = [_row_chunks((x_ref, b_ref, wb_ref, wx_ref, xo_ref), r, nk, block_k, k, dt,
+                      prologue, eps, p == 0) for r in range(m)]
+
+    def compute_store(j, tiles):
+        wf = [t.astype(jnp.float32) for t in tiles]
+        for r in range(m):
+            def dotrow(ws):
+                acc = jnp.zeros((block_n, block_k), jnp.float32)
+                for c in range(nk):
+                    acc = acc + ws[c] * xs[r][c][None, :]
+                return jnp.sum(acc, axis=1)
+            g = dotrow(wf[:nk])
+            y = _silu_mul(g, dotrow(wf[nk:]), dt) if gated else g.astype(dt)
+            y_ref[r, rows(j)] = y
+
+    def body(i, cur):
+        j = p + i * programs
+        nxt = load(j + programs)  # requested before the math on block j
+        compute_store(j, cur)
+        return nxt
+
+    last = lax.fori_loop(0, per_program - 1, body, first)
+    compute_store(p + (per_program - 1) * programs, last)
+
+
+def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,
+                    per_program: int, num_warps: int):
+    """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
+    if m < 1 or m > MAX_ROWS:
+        raise ValueError(f"gemv_stream takes 1..{MAX_ROWS} rows (each row's input stays in "
+                         f"registers), got {m}")
+    for name, v in (("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps)):
+        if type(v) is not int or v < 1 or v & (v - 1):
+            raise ValueError(f"gemv_stream {name} must be a power of two, got {v!r}")
+    if type(per_program) is not int or per_program < 1:
+        raise ValueError(f"gemv_stream per_program must be an int >= 1, got {per_program!r}")
+    if n_out % block_n or k % block_k:
+        raise ValueError(f"gemv_stream: block_n={block_n} must divide N={n_out} and "
+                         f"block_k={block_k} must divide K={k}")
+    if (n_out // block_n) % per_program:
+        raise ValueError(f"gemv_stream: per_program={per_program} must divide the "
+                         f"{n_out // block_n} output blocks (N={n_out} / block_n={block_n})")
+
+
+def _config(tuning: dict) -> dict:
+    unknown = set(tuning) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown gemv_stream tuning keys {sorted(unknown)}; valid: "
+                         f"{sorted(DEFAULTS)}")
+    return dict(DEFAULTS, **tuning)
+
+
+def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_out=()):
+    check_supported(m, k, n_out, block_n=cfg["block_n"], block_k=cfg["block_k"],
+                    per_program=cfg["per_program"], num_warps=cfg["num_warps"])
+    kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
+                               block_k=cfg["block_k"], per_program=cfg["per_program"],
+                               gated=gated, up_offset=n_out, prologue=prologue, eps=eps)
+    dt = operands[0].dtype
+    y = jax.ShapeDtypeStruct((m, n_out), dt)
+    return pl.pallas_call(
+        kernel, out_shape=(y, *extra_out) if extra_out else y,
+        grid=(n_out // cfg["block_n"] // cfg["per_program"],),
+        compiler_params=compiler_params(cfg["num_warps"], 1), interpret=interpret,
+        name="gemv_stream" + ("_silu" if gated else "") + (f"_{prologue}" if prologue else ""),
+    )(*operands)
+
+
+def _check_xw(x, w, gated):
+    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv shape mismatch: x {x.shape} (want [M, K]), w {w.shape} "
+                         f"(want [N, K])")
+    if gated and w.shape[0] % 2:
+        raise ValueError(f"gated gemv needs w = [gate; up] with an even row count, "
+                         f"got {w.shape[0]}")
+    return w.shape[0] // 2 if gated else w.shape[0]
+
+
+def gemv_stream(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = False,
+                **tuning) -> jax.Array:
+    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation); gated: w = [gate; up]
+    [2I, K] -> silu(x @ gate^T) * (x @ up^T) [M, I], rounded as the model rounds it.
+    tuning: DEFAULTS' keys."""
+    cfg = _config(tuning)
+    n_out = _check_xw(x, w, gated)
+    m, k = x.shape
+    return _call((x, w.astype(x.dtype)), m=m, k=k, n_out=n_out, gated=gated, prologue="",
+                 eps=0.0, interpret=interpret, cfg=cfg)
+
+
+def gemv_stream_normed(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: float,
+                       branch: jax.Array | None = None, branch_w: jax.Array | None = None,
+                       gated: bool = False, interpret: bool = False, **tuning):
+    """gemv.gemv_normed's contract (the projection of rms_norm(x', norm_w), x' = x or
+    x + rms_norm(branch, branch_w); returns (y, x')) with the streaming kernel."""
+    cfg = _config(tuning)
+    n_out = _check_xw(x, w, gated)
+    m, k = x.shape
+    if norm_w.shape != (k,):
+        raise ValueError(f"gemv_stream_normed: norm weight shape {norm_w.shape}, want ({k},)")
+    if (branch is None) != (branch_w is None):
+        raise ValueError("gemv_stream_normed: give branch and branch_w together")
+    if branch is not None and (branch.shape != x.shape or branch_w.shape != (k,)):
+        raise ValueError(f"gemv_stream_normed: branch {branch.shape} / branch_w "
+                         f"{branch_w.shape} do not match x {x.shape}")
+    dt = x.dtype
+    common = dict(m=m, k=k, n_out=n_out, gated=gated, eps=float(eps), interpret=interpret,
+                  cfg=cfg)
+    if branch is None:
+        y = _call((x, norm_w.astype(dt), w.astype(dt)), prologue="norm", **common)
+        return y, x
+    return _call((x, branch.astype(dt), branch_w.astype(dt), norm_w.astype(dt), w.astype(dt)),
+                 prologue="add_norm", extra_out=(jax.ShapeDtypeStruct((m, k), dt),), **common)

@@ -1,0 +1,137 @@
+"""The streaming GEMV (pallas_kernels/gemv_stream.py): interpret mode on CPU, compiled on a GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import has_gpu
+from pallas_kernels.gemv import gemv, gemv_normed, gemv_reference
+from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+
+f32 = lambda a: np.asarray(a, np.float32)
+
+
+def _xw(m, k, n, dtype=jnp.float32, seed=0):
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (n, k), jnp.float32) * k ** -0.5).astype(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("m,block_n,per_program", [(1, 4, 4), (3, 2, 2), (1, 1, 16), (4, 8, 1)])
+def test_stream_matches_the_model_projection_fp32(m, block_n, per_program, gated):
+    x, w = _xw(m, 256, 128)
+    y = gemv_stream(x, w, gated=gated, interpret=True, block_n=block_n, block_k=64,
+                    per_program=per_program)
+    ref = gemv_reference(x, w, gated=gated)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    np.testing.assert_allclose(f32(y), f32(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_stream_bf16_matches_the_gemv_and_the_model():
+    """bf16: the same bits as gemv.py's CUDA-core path at the same block_k (same chunk order)
+    and within one bf16 rounding of XLA's projection."""
+    x, w = _xw(2, 512, 256, jnp.bfloat16)
+    for gated in (False, True):
+        y = gemv_stream(x, w, gated=gated, interpret=True, block_n=4, block_k=128, per_program=4)
+        old = gemv(x, w, gated=gated, interpret=True, use_dot=False, block_n=4, block_k=128)
+        np.testing.assert_array_equal(f32(y), f32(old))
+        ref = f32(gemv_reference(x, w, gated=gated))
+        assert np.max(np.abs(f32(y) - ref)) <= 2 ** -7 * np.max(np.abs(ref))
+
+
+def test_stream_rows_do_not_depend_on_row_count_or_schedule():
+    """A row's result depends on block_k only: not on the rows in the call, block_n,
+    per_program or num_warps (decode and verification rows get the same bits)."""
+    x, w = _xw(3, 256, 64, jnp.bfloat16, seed=1)
+    base = f32(gemv_stream(x, w, interpret=True, block_n=2, block_k=64, per_program=2))
+    for kw in (dict(block_n=8, per_program=1), dict(block_n=1, per_program=8, num_warps=2)):
+        np.testing.assert_array_equal(
+            f32(gemv_stream(x[1:2], w, interpret=True, block_k=64, **kw))[0], base[1])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("m", [1, 2])
+def test_stream_norm_prologues_match_the_layer_math(dtype, gated, m):
+    """'norm' and 'add_norm' prologues: the same as model.rms_norm + the projection (bf16:
+    bit-identical to gemv_normed on these inputs; fp32 within accumulation order), and the
+    new residual stream x + rms_norm(branch, wb)."""
+    from ouro_jax.model import rms_norm
+    ks = jax.random.split(jax.random.PRNGKey(m), 5)
+    x = jax.random.normal(ks[0], (m, 256)).astype(dtype)
+    b = (jax.random.normal(ks[1], (m, 256)) * 3).astype(dtype)
+    wb, wx = ((1 + 0.1 * jax.random.normal(kk, (256,))).astype(dtype) for kk in ks[2:4])
+    w = (jax.random.normal(ks[4], (128, 256)) * 0.06).astype(dtype)
+    kw = dict(gated=gated, interpret=True, block_n=4, block_k=64)
+    y, x_new = gemv_stream_normed(x, wx, w, eps=1e-6, branch=b, branch_w=wb, per_program=2, **kw)
+    y2, same = gemv_stream_normed(x, wx, w, eps=1e-6, per_program=4, **kw)
+    assert same is x
+    x_ref = x + rms_norm(b, wb, 1e-6)
+    ref = gemv_reference(rms_norm(x_ref, wx, 1e-6), w, gated=gated)
+    ref2 = gemv_reference(rms_norm(x, wx, 1e-6), w, gated=gated)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=0, atol=0)
+    np.testing.assert_allclose(f32(x_new), f32(x_ref), **tol)
+    np.testing.assert_allclose(f32(y), f32(ref), **tol)
+    np.testing.assert_allclose(f32(y2), f32(ref2), **tol)
+    if dtype == jnp.bfloat16:
+        old, _ = gemv_normed(x, wx, w, eps=1e-6, branch=b, branch_w=wb, use_dot=False, **kw)
+        np.testing.assert_array_equal(f32(y), f32(old))
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(block_n=3), "block_n must be a power of two"),
+    (dict(block_k=96), "block_k must be a power of two"),
+    (dict(num_warps=3), "num_warps must be a power of two"),
+    (dict(per_program=0), "per_program must be an int"),
+    (dict(per_program=3), "per_program=3 must divide the 16 output blocks"),
+    (dict(block_n=4, block_k=512), "block_k=512 must divide K=256"),
+    (dict(num_stages=2), "unknown gemv_stream tuning"),
+])
+def test_stream_rejects_bad_tilings(bad, msg):
+    x, w = _xw(1, 256, 64)
+    with pytest.raises(ValueError, match=msg):
+        gemv_stream(x, w, interpret=True, **dict(dict(block_n=4, block_k=64), **bad))
+
+
+def test_stream_rejects_bad_shapes():
+    x, w = _xw(1, 256, 64)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gemv_stream(x, w[:, :128], interpret=True)
+    with pytest.raises(ValueError, match="1..4 rows"):
+        gemv_stream(jnp.zeros((5, 256)), w, interpret=True, block_n=4, block_k=64)
+    with pytest.raises(ValueError, match="even row count"):
+        gemv_stream(x, w[:63], gated=True, interpret=True)
+    nw = jnp.ones((256,))
+    with pytest.raises(ValueError, match="norm weight shape"):
+        gemv_stream_normed(x, nw[:128], w, eps=1e-6, interpret=True, block_n=4, block_k=64)
+    with pytest.raises(ValueError, match="together"):
+        gemv_stream_normed(x, nw, w, eps=1e-6, branch=x, interpret=True, block_n=4, block_k=64)
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
+def test_stream_variants_on_the_gpu(name):
+    """Every benchmark tiling that fits the 1.4B shape, compiled, in bf16: within about one
+    bf16 rounding of XLA, and (where block_k matches) the same bits as gemv.py's kernel."""
+    from benchmarks.gemv import SHAPES, STREAM_VARIANTS
+    n, k, gated = SHAPES[name]
+    x, w = _xw(1, k, n, jnp.bfloat16)
+    ref = f32(gemv_reference(x, w, gated=gated))
+    ran = 0
+    for vname, kw in STREAM_VARIANTS.items():
+        if k % kw["block_k"] or (n // (2 if gated else 1)) % (kw["block_n"] * kw["per_program"]):
+            continue
+        y = f32(gemv_stream(x, w, gated=gated, **kw))
+        err = np.max(np.abs(y - ref)) / np.max(np.abs(ref))
+        assert err <= 8e-3, (vname, err)
+        old = gemv(x, w, gated=gated, use_dot=False, block_n=4, block_k=kw["block_k"],
+                   num_warps=4, num_stages=1)
+        np.testing.assert_array_equal(y, f32(old), err_msg=vname)
+        ran += 1
+    assert ran >= 6
