@@ -232,7 +232,8 @@ PROJECTIONS_HELP = ("'auto' (default: 'gemv' on a GPU, else 'xla'), 'xla' (einsu
                     "(one-row calls through the Pallas GEMV), 'gemv@N' (up to N rows; slower beyond "
                     "one), 'gemv[@N]:qkv,o,gate_up,down', '+gemm[@N][:names]' (2..N-row calls "
                     "through the skinny Pallas GEMM), '+norms' (RMSNorms and residual adds in "
-                    "the GEMV prologues), '+pfN' (the GEMV loads N K-chunks ahead, 0..4)")
+                    "the GEMV prologues), '+pfN' (the GEMV loads N K-chunks ahead, 0..4), '+stream' "
+                    "(the streaming GEMV kernel)")
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
 POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton warps

@@ -65,7 +65,10 @@ STREAM_VARIANTS = {
     f"st{bn}_k{bk}_p{pp}_w{w}": dict(block_n=bn, block_k=bk, per_program=pp, num_warps=w)
     for bn, bk, pp, w in [(1, 512, 4, 4), (1, 512, 8, 2), (1, 256, 8, 2), (2, 512, 2, 4),
                           (2, 512, 4, 4), (2, 512, 8, 4), (2, 512, 16, 4), (2, 256, 4, 2),
-                          (2, 1024, 4, 4), (4, 512, 4, 4), (4, 512, 4, 8), (8, 512, 4, 8)]
+                          (2, 1024, 4, 4), (4, 512, 4, 4), (4, 512, 4, 8), (8, 512, 4, 8),
+                          # second round (fewer blocks per program did better in the first)
+                          (1, 512, 2, 4), (1, 512, 1, 4), (2, 512, 1, 4), (1, 256, 2, 4),
+                          (1, 512, 2, 8), (2, 1024, 1, 4)]
 }
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))
 

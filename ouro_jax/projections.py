@@ -9,10 +9,12 @@ machine without a GPU the kernel runs in interpret mode (tests). `projections="a
 engine's default) picks the GEMV on a GPU: batch-1 decode on the H200 went from 163.7 to
 179.2 tok/s with it (benchmarks/results/ab_proj_*_b1_h200.json).
 
-Two opt-in parts, both measured and neither faster on the H200 (docs/performance.md):
+Opt-in parts, measured on the H200 (docs/performance.md):
 '+gemm[@N]' sends calls of 2..N rows to the skinny Pallas GEMM (pallas_kernels.gemm), and
 '+norms' moves the RMSNorms and residual adds around qkv and gate/up into the GEMV prologue
-(the layer output is then a deferred `Residual` that the next qkv GEMV adds up).
+(the layer output is then a deferred `Residual` that the next qkv GEMV adds up), '+pfN'
+sets the GEMV's prefetch depth, and '+stream' swaps in the streaming GEMV
+(pallas_kernels.gemv_stream: few programs, x and the norm prologue once per program).
 
 The gated kernel returns silu(gate) * up directly, so XLA no longer fuses the SiLU into the
 down projection's prologue (which slowed that GEMM from 7.6 to 12.3 us per call at batch 1 on
@@ -41,6 +43,14 @@ GEMV_TUNING = {
     "o": dict(use_dot=False, block_n=2, block_k=2048, num_warps=4, num_stages=1),
     "gate_up": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1),
     "down": dict(use_dot=False, block_n=4, block_k=512, num_warps=4, num_stages=1),
+}
+# '+stream': the streaming GEMV (pallas_kernels/gemv_stream.py) instead, per projection the
+# tiling fastest at one row on the H200 (benchmarks/results/gemv_stream_session7_h200.json).
+STREAM_TUNING = {
+    "qkv": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
+    "o": dict(block_n=2, block_k=512, per_program=2, num_warps=4),
+    "gate_up": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
+    "down": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
 }
 # Calls with more rows go to XLA. Default 1: at 5 rows the kernel is 3-5x slower than XLA
 # (qkv 37.4 vs 7.8 us, gemv_engine_session4_h200.json), which took batch-1 speculative k=4
@@ -71,6 +81,18 @@ def fit_gemm_tuning(tuning: dict, n_out: int, k: int) -> dict:
     out = dict(tuning)
     out["block_n"] = pow2_divisor(n_out, tuning["block_n"], floor=16) or tuning["block_n"]
     out["block_k"] = pow2_divisor(k, tuning["block_k"], floor=16) or tuning["block_k"]
+    return out
+
+
+def fit_stream_tuning(tuning: dict, n_out: int, k: int) -> dict:
+    """The streaming GEMV's tiling shrunk to divide a small test model's shape: block sizes by
+    halving, per_program to the largest divisor of the block count not above it."""
+    from pallas_kernels.gemv import pow2_divisor
+    out = dict(tuning)
+    out["block_n"] = pow2_divisor(n_out, tuning["block_n"])
+    out["block_k"] = pow2_divisor(k, tuning["block_k"])
+    blocks = n_out // out["block_n"]
+    out["per_program"] = max(d for d in range(1, tuning["per_program"] + 1) if blocks % d == 0)
     return out
 
 
@@ -146,6 +168,7 @@ class PallasGemv(XLA):
     gemm_max_rows: int = GEMM_MAX_ROWS
     fuse_norms: bool = False
     prefetch: int | None = None  # '+pf<N>': every GEMV's prefetch depth instead of GEMV_TUNING's
+    stream: bool = False  # '+stream': the streaming GEMV for calls of up to its MAX_ROWS rows
 
     @property
     def spec(self) -> str:
@@ -160,6 +183,8 @@ class PallasGemv(XLA):
             parts.append(part("gemm", self.gemm_names, self.gemm_max_rows, GEMM_MAX_ROWS))
         if self.fuse_norms:
             parts.append("norms")
+        if self.stream:
+            parts.append("stream")
         if self.prefetch is not None:
             parts.append(f"pf{self.prefetch}")
         return "+".join(parts)
@@ -179,13 +204,22 @@ class PallasGemv(XLA):
             return "gemm"
         return "xla"
 
+    def _streams(self, x) -> bool:
+        from pallas_kernels.gemv_stream import MAX_ROWS
+        return self.stream and math.prod(x.shape[:-1]) <= MAX_ROWS
+
     def _gemv(self, name, x, w, gated=False):
         from pallas_kernels.gemv import gemv
-        lead = x.shape[:-1]
+        from pallas_kernels.gemv_stream import gemv_stream
+        lead, k = x.shape[:-1], x.shape[-1]
         interpret = jax.default_backend() != "gpu"
         n_out = w.shape[0] // 2 if gated else w.shape[0]
-        y = gemv(x.reshape(-1, x.shape[-1]), w, gated=gated, interpret=interpret,
-                 **self.tuning(name, n_out, x.shape[-1]))
+        if self._streams(x):
+            y = gemv_stream(x.reshape(-1, k), w, gated=gated, interpret=interpret,
+                            **fit_stream_tuning(STREAM_TUNING[name], n_out, k))
+        else:
+            y = gemv(x.reshape(-1, k), w, gated=gated, interpret=interpret,
+                     **self.tuning(name, n_out, k))
         return y.reshape(*lead, y.shape[-1])
 
     def _gemm(self, name, x, w, gated=False):
@@ -202,6 +236,7 @@ class PallasGemv(XLA):
 
     def normed(self, name, x, norm_w, w, eps, gated=False):
         from pallas_kernels.gemv import gemv_normed
+        from pallas_kernels.gemv_stream import gemv_stream_normed
         resid = x.resid if isinstance(x, Residual) else x
         if not self._fuses(name, resid):
             return super().normed(name, x, norm_w, w, eps, gated)
@@ -209,9 +244,12 @@ class PallasGemv(XLA):
         n_out = w.shape[0] // 2 if gated else w.shape[0]
         branch = dict(branch=x.branch.reshape(-1, k), branch_w=x.weight) \
             if isinstance(x, Residual) else {}
-        y, x_new = gemv_normed(resid.reshape(-1, k), norm_w, w, eps=eps, gated=gated,
-                               interpret=jax.default_backend() != "gpu", **branch,
-                               **self.tuning(name, n_out, k))
+        if self._streams(resid):
+            fn, tuning = gemv_stream_normed, fit_stream_tuning(STREAM_TUNING[name], n_out, k)
+        else:
+            fn, tuning = gemv_normed, self.tuning(name, n_out, k)
+        y, x_new = fn(resid.reshape(-1, k), norm_w, w, eps=eps, gated=gated,
+                      interpret=jax.default_backend() != "gpu", **branch, **tuning)
         return y.reshape(*lead, n_out), x_new.reshape(*lead, k)
 
     def residual(self, h, m, w, eps):
@@ -273,17 +311,22 @@ def parse(spec: str):
     calls of up to 5 rows; 'gemv:gate_up,down' (or 'gemv@5:...') -> only those; 'gemm[@N]' ->
     calls of 2..N rows (default GEMM_MAX_ROWS) through the skinny GEMM; 'gemv+gemm' -> both;
     '+norms' -> the norm prologue; '+pfN' -> every GEMV loads N chunks ahead (default: each
-    projection's GEMV_TUNING); 'auto' -> see resolve."""
+    projection's GEMV_TUNING); '+stream' -> the streaming GEMV kernel (STREAM_TUNING) for
+    GEMV calls of up to gemv_stream.MAX_ROWS rows; 'auto' -> see resolve."""
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
     kw = {}
     parts = spec.split("+")
     fuse_norms = "norms" in parts
+    stream = "stream" in parts
     kinds = [p.partition(":")[0].partition("@")[0] for p in parts]
     if parts.count("norms") > 1 or (fuse_norms and "gemv" not in kinds):
         raise ValueError(f"projections {spec!r}: 'norms' (RMSNorms and residual adds in the GEMV "
                          f"prologue) is given once, with a 'gemv' part")
+    if parts.count("stream") > 1 or (stream and "gemv" not in kinds):
+        raise ValueError(f"projections {spec!r}: 'stream' (the streaming GEMV kernel) is given "
+                         f"once, with a 'gemv' part")
     pf = [p for p in parts if p.startswith("pf")]
     prefetch = None
     if pf:
@@ -293,11 +336,11 @@ def parse(spec: str):
             raise ValueError(f"projections {spec!r}: 'pfN' (the GEMV's prefetch depth, N in "
                              f"0..{MAX_PREFETCH}) is given once, with a 'gemv' part")
         prefetch = int(pf[0][2:])
-    for part in (p for p in parts if p != "norms" and not p.startswith("pf")):
+    for part in (p for p in parts if p not in ("norms", "stream") and not p.startswith("pf")):
         kind, names, rows = _parse_part(spec, part)
         if kind in kw:
             raise ValueError(f"projections {spec!r}: '{kind}' given twice")
         kw[kind] = (names, rows)
     gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
     gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
-    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch)
+    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream)

@@ -18,8 +18,9 @@ organised for a memory-bound stream rather than one program per output block:
   residual add, as in gemv.gemv_normed) costs once per program, not once per output block.
 
 The summation order is a [block_n, block_k] fp32 accumulator over the chunks in order, then
-a sum over the chunk columns: a row's result depends on (block_k, K) only, not on how many
-rows the call has or on block_n, per_program and num_warps.
+a sum over the chunk columns, whose tree follows the register layout (set by block_n and
+num_warps): a row's result does not depend on how many rows the call has, so decode and
+verification rows through the same tiling agree bit for bit.
 """
 
 from __future__ import annotations
