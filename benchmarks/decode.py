@@ -228,7 +228,8 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-PROJECTIONS_HELP = ("'auto' (default: 'gemv' on a GPU, else 'xla'), 'xla' (einsum GEMMs), 'gemv' "
+PROJECTIONS_HELP = ("'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'), 'xla' "
+                    "(einsum GEMMs), 'gemv' "
                     "(one-row calls through the Pallas GEMV), 'gemv@N' (up to N rows; slower beyond "
                     "one), 'gemv[@N]:qkv,o,gate_up,down', '+gemm[@N][:names]' (2..N-row calls "
                     "through the skinny Pallas GEMM), '+norms' (RMSNorms and residual adds in "

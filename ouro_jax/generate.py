@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     r.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"])
     r.add_argument("--projections", default="auto", type=_projections,
-                   help="'auto' (default: 'gemv' on a GPU, else 'xla'), 'xla' (einsum GEMMs), "
+                   help="'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'), 'xla' "
+                        "(einsum GEMMs), "
                         "'gemv' (one-row calls through the Pallas GEMV), 'gemv@N' (calls of up to "
                         "N rows; slower beyond one), 'gemv[@N]:qkv,o,gate_up,down' (a subset); "
                         "'+gemm[@N][:names]' adds the skinny Pallas GEMM for 2..N-row calls, "

@@ -7,9 +7,11 @@ the call has at most `max_rows` rows (default 1: batch-1 decode and draft) and f
 XLA otherwise (prefill, verification, larger batches), so one program may mix both. On a
 machine without a GPU the kernel runs in interpret mode (tests). `projections="auto"` (the
 engine's default) picks the GEMV on a GPU: batch-1 decode on the H200 went from 163.7 to
-179.2 tok/s with it (benchmarks/results/ab_proj_*_b1_h200.json).
+179.2 tok/s with it (benchmarks/results/ab_proj_*_b1_h200.json), and since session 7 it picks
+'gemv+norms+stream' (GPU_DEFAULT: 210.6 -> 231.9 tok/s).
 
-Opt-in parts, measured on the H200 (docs/performance.md):
+Parts, measured on the H200 (docs/performance.md; '+norms' and '+stream' together are the
+GPU default):
 '+gemm[@N]' sends calls of 2..N rows to the skinny Pallas GEMM (pallas_kernels.gemm), and
 '+norms' moves the RMSNorms and residual adds around qkv and gate/up into the GEMV prologue
 (the layer output is then a deferred `Residual` that the next qkv GEMV adds up), '+pfN'
@@ -271,13 +273,20 @@ class PallasGemv(XLA):
             super().gated(x, w)
 
 
+# What 'auto' means on a GPU: one-row projections through the streaming GEMV with the
+# RMSNorms and residual adds in its prologues. Batch-1 native greedy on the H200: 'gemv'
+# 210.6, 'gemv+stream' 218.9, 'gemv+norms+stream' 231.9 tok/s
+# (benchmarks/results/ab_gemv*_b1_session7_h200.json).
+GPU_DEFAULT = "gemv+norms+stream"
+
+
 def resolve(spec: str) -> str:
-    """'auto' -> 'gemv' where the Pallas kernels run natively (a GPU), else 'xla' (on a CPU
-    the kernel would run in interpret mode: exact but slow). Other specs pass through."""
+    """'auto' -> GPU_DEFAULT where the Pallas kernels run natively (a GPU), else 'xla' (on a
+    CPU the kernel would run in interpret mode: exact but slow). Other specs pass through."""
     if spec != "auto":
         return spec
     from ouro_jax.attention import resolve_backend
-    return "gemv" if resolve_backend("auto") == "pallas" else "xla"
+    return GPU_DEFAULT if resolve_backend("auto") == "pallas" else "xla"
 
 
 _LIMITS = {"gemv": (GEMV_MAX_ROWS, 1, GEMV_ROW_LIMIT), "gemm": (GEMM_MAX_ROWS, 2, GEMM_ROW_LIMIT)}
