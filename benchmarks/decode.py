@@ -259,15 +259,41 @@ def parse_tuning(spec: str, keys) -> dict:
     return out
 
 
-def apply_kernel_tuning(decode_spec: str, ragged_spec: str) -> dict:
+_STREAM_DEFAULTS = None  # projections.STREAM_TUNING as shipped, for restoring
+
+
+def parse_stream_tiling(spec: str) -> dict:
+    """'qkv=st1_k512_p1_w4,o=...' -> {projection: tiling} from benchmarks.gemv.STREAM_VARIANTS."""
+    from benchmarks.gemv import STREAM_VARIANTS
+    from ouro_jax.projections import NAMES
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, variant = item.partition("=")
+        if not sep or name not in NAMES or variant not in STREAM_VARIANTS:
+            raise SystemExit(f"--stream-tiling: {item!r} is not NAME=VARIANT with NAME in "
+                             f"{NAMES} and VARIANT a benchmarks.gemv STREAM_VARIANTS key")
+        out[name] = dict(STREAM_VARIANTS[variant])
+    return out
+
+
+def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "") -> dict:
     """Sets the kernels' process-wide tuning overrides (before anything is compiled)."""
     import importlib
+
+    from ouro_jax import projections
+    global _STREAM_DEFAULTS
     tuning = {"decode": parse_tuning(decode_spec, DECODE_TUNING_KEYS),
               "ragged": parse_tuning(ragged_spec, RAGGED_TUNING_KEYS)}
     for name, values in tuning.items():
         mod = importlib.import_module(f"pallas_kernels.{name}")
         mod.TUNING.clear()
         mod.TUNING.update(values)
+    if _STREAM_DEFAULTS is None:
+        _STREAM_DEFAULTS = {k: dict(v) for k, v in projections.STREAM_TUNING.items()}
+    tuning["stream"] = parse_stream_tiling(stream_spec)
+    projections.STREAM_TUNING.clear()
+    projections.STREAM_TUNING.update({k: dict(v) for k, v in _STREAM_DEFAULTS.items()},
+                                     **tuning["stream"])
     return tuning
 
 
@@ -313,9 +339,12 @@ def main(argv=None) -> int:
     p.add_argument("--ragged-kernel", default="", metavar="K=V,...",
                    help="the same for the ragged (verification/prefill) kernel (keys: %s)"
                         % ",".join(RAGGED_TUNING_KEYS))
+    p.add_argument("--stream-tiling", default="", metavar="NAME=VARIANT,...",
+                   help="override the streaming GEMV's tiling per projection for this run, e.g. "
+                        "qkv=st1_k512_p1_w4 (VARIANT: a benchmarks.gemv STREAM_VARIANTS key)")
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
-    tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel)
+    tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling)
     try:
         return _run(args, argv, tuning)
     finally:  # the overrides are process-wide: leave none behind for other callers

@@ -107,7 +107,7 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
     try:
         assert apply_kernel_tuning("num_splits=3,num_warps=2,num_stages=3", "num_splits=1") == {
             "decode": {"num_splits": 3, "num_warps": 2, "num_stages": 3},
-            "ragged": {"num_splits": 1}}
+            "ragged": {"num_splits": 1}, "stream": {}}
         assert call_params(decode) == ((2, 2, 3), 2, 3)
         assert call_params(decode, num_splits=2, num_warps=4) == ((2, 2, 2), 4, 3)
         assert call_params(ragged)[0][2] == 1
@@ -122,3 +122,26 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
     finally:
         dk.TUNING.clear()
         rk.TUNING.clear()
+
+
+def test_stream_tiling_override_is_applied_and_restored():
+    """--stream-tiling swaps one projection's streaming-GEMV tiling for the run; the next
+    call without it restores the shipped table; bad specs are refused."""
+    from benchmarks.decode import apply_kernel_tuning
+    from benchmarks.gemv import STREAM_VARIANTS
+    from ouro_jax import projections
+
+    shipped = {k: dict(v) for k, v in projections.STREAM_TUNING.items()}
+    try:
+        t = apply_kernel_tuning("", "", "qkv=st2_k512_p1_w4")
+        assert t["stream"] == {"qkv": STREAM_VARIANTS["st2_k512_p1_w4"]}
+        assert projections.STREAM_TUNING["qkv"] == STREAM_VARIANTS["st2_k512_p1_w4"]
+        assert projections.STREAM_TUNING["o"] == shipped["o"]
+        apply_kernel_tuning("", "")
+        assert projections.STREAM_TUNING == shipped
+        for bad in ("qkv", "mlp=st2_k512_p1_w4", "qkv=st9"):
+            with pytest.raises(SystemExit):
+                apply_kernel_tuning("", "", bad)
+    finally:
+        apply_kernel_tuning("", "")
+    assert projections.STREAM_TUNING == shipped
