@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# Prepared at the end of session 4 for the next session (issue 6), one device call, ~8 minutes.
-# Writes at most 7 files (the device returns 8 per call; .partial files are removed).
-#   1. GPU kernel tests, including the new GEMV test (not run since session 2 / never).
-#   2. The split-rule question: batch-8 native with one decode split vs the default (3),
-#      to pair with session 4's speculative A/B (1,643.5 one split vs 1,561.5 default).
-#   3. T=0.8 at batch 64 with the current code (session-2 figures in the table).
-#   4. Batch-1 kernel trace with the GEMV projections (the profile after session 4's changes).
+# Prepared at the end of session 7 for the next session (issue 6), one device call, ~9 minutes.
+#   1. GPU tests of the streaming GEMV (the revised row-count test's result did not come back
+#      in session 7) and of the fused decode kernel.
+#   2. Batch-1 cells of the new default ('gemv+norms+stream') that session 7 lost: k=2, and
+#      T=0.8 native and k=4 (native greedy again, for the same-call comparison).
+#   3. The one-block streaming tilings end to end (session 7's second microbenchmark round).
+#   4. A batch-1 kernel trace of the new default (what is left per layer application).
+# A .partial file is deleted only when its finished JSON exists (session 7 lost rows by
+# deleting the partial of a command that timed out); at most 8 files come back per call.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_next_session.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pallas_kernels.py \
-  tests/test_gemv.py > $OUT/pallas_gpu_tests_next.log 2>&1; tail -3 $OUT/pallas_gpu_tests_next.log
+timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv_stream.py \
+  tests/test_pallas_kernels.py -k "stream or fused" 2>&1 | tail -2
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
-timeout 60 $D --batch 8 --k 0 --temperature 0 --decode-kernel num_splits=1 \
-  --out $OUT/ab_splits1_b8_native_h200.json 2>&1 | grep -E "^ *8 native"
-timeout 60 $D --batch 8 --k 0 --temperature 0 --out $OUT/ab_default_b8_native_h200.json 2>&1 | grep -E "^ *8 native"
-timeout 110 $D --batch 64 --k 0,4 --temperature 0.8 --out $OUT/decode_t08_b64_h200.json 2>&1 | grep -v "^{" | tail -3
-timeout 80 python3 -m benchmarks.kernel_trace --synthetic 1.4b --batch 1 --k 0 --attention pallas \
-  --top 16 --out $OUT/kernel_trace_gemv_b1_h200.json 2>&1 | grep -v Memcpy | tail -36
-rm -f $OUT/*.partial; ls $OUT
+timeout 240 $D --batch 1 --k 0,2,4 --temperature 0,0.8 \
+  --out $OUT/decode_default_b1_h200.json 2>&1 | grep -E "^ *1 (native|spec)"
+P1=qkv=st1_k512_p1_w4,o=st1_k512_p1_w4,gate_up=st1_k512_p1_w4
+timeout 60 $D --batch 1 --k 0 --temperature 0 --stream-tiling $P1 \
+  --out $OUT/ab_stream_p1_b1_h200.json 2>&1 | grep -E "^ *1 native"
+timeout 90 python3 -m benchmarks.kernel_trace --synthetic 1.4b --batch 1 --k 0 --attention pallas \
+  --top 20 --out $OUT/kernel_trace_stream_norms_b1_h200.json 2>&1 | grep -v Memcpy | tail -34
+for f in $OUT/*.partial; do [ -e "$f" ] && [ -e "${f%.partial}" ] && rm -f "$f"; done
+ls $OUT
