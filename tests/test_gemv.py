@@ -116,7 +116,7 @@ def test_projection_specs_parse_and_reject_unknown_names(monkeypatch):
     monkeypatch.setattr(attention, "resolve_backend", lambda b: "xla")  # as on a CPU
     assert parse("auto") == XLA()
     monkeypatch.setattr(attention, "resolve_backend", lambda b: "pallas")  # as on a GPU
-    assert parse("auto") == PallasGemv(NAMES)
+    assert parse("auto") == PallasGemv(NAMES, fuse_norms=True, stream=True)  # GPU_DEFAULT
     for spec in ("gemv", "gemv@5", "gemv:o", "gemv@3:qkv,down"):
         assert parse(parse(spec).spec) == parse(spec)
     assert parse("gemv@1:down,o,qkv,gate_up").spec == "gemv"  # canonical: one program key
