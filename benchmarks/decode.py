@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import pipelined_rate
+from benchmarks.tuning import DECODE_TUNING_KEYS, RAGGED_TUNING_KEYS, apply_kernel_tuning
 
 
 def copy_bandwidth(gbytes: float = 2.0) -> float:
@@ -235,68 +236,6 @@ PROJECTIONS_HELP = ("'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'),
                     "through the skinny Pallas GEMM), '+norms' (RMSNorms and residual adds in "
                     "the GEMV prologues), '+pfN' (the GEMV loads N K-chunks ahead, 0..4), '+stream' "
                     "(the streaming GEMV kernel)")
-DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages")
-RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
-POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton warps
-
-
-def parse_tuning(spec: str, keys) -> dict:
-    """'block_t=32,num_warps=2' -> {'block_t': 32, 'num_warps': 2}; unknown keys or non-positive
-    integers are errors."""
-    out = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key not in keys:
-            raise SystemExit(f"kernel tuning: {item!r} is not KEY=INT with KEY in {keys}")
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise SystemExit(f"kernel tuning: {key} needs an integer, got {value!r}") from None
-        if out[key] < 1:
-            raise SystemExit(f"kernel tuning: {key} must be >= 1, got {out[key]}")
-        if key in POW2_TUNING_KEYS and out[key] & (out[key] - 1):
-            raise SystemExit(f"kernel tuning: {key} must be a power of two, got {out[key]}")
-    return out
-
-
-_STREAM_DEFAULTS = None  # projections.STREAM_TUNING as shipped, for restoring
-
-
-def parse_stream_tiling(spec: str) -> dict:
-    """'qkv=st1_k512_p1_w4,o=...' -> {projection: tiling} from benchmarks.gemv.STREAM_VARIANTS."""
-    from benchmarks.gemv import STREAM_VARIANTS
-    from ouro_jax.projections import NAMES
-    out = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, sep, variant = item.partition("=")
-        if not sep or name not in NAMES or variant not in STREAM_VARIANTS:
-            raise SystemExit(f"--stream-tiling: {item!r} is not NAME=VARIANT with NAME in "
-                             f"{NAMES} and VARIANT a benchmarks.gemv STREAM_VARIANTS key")
-        out[name] = dict(STREAM_VARIANTS[variant])
-    return out
-
-
-def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "") -> dict:
-    """Sets the kernels' process-wide tuning overrides (before anything is compiled)."""
-    import importlib
-
-    from ouro_jax import projections
-    global _STREAM_DEFAULTS
-    tuning = {"decode": parse_tuning(decode_spec, DECODE_TUNING_KEYS),
-              "ragged": parse_tuning(ragged_spec, RAGGED_TUNING_KEYS)}
-    for name, values in tuning.items():
-        mod = importlib.import_module(f"pallas_kernels.{name}")
-        mod.TUNING.clear()
-        mod.TUNING.update(values)
-    if _STREAM_DEFAULTS is None:
-        _STREAM_DEFAULTS = {k: dict(v) for k, v in projections.STREAM_TUNING.items()}
-    tuning["stream"] = parse_stream_tiling(stream_spec)
-    projections.STREAM_TUNING.clear()
-    projections.STREAM_TUNING.update({k: dict(v) for k, v in _STREAM_DEFAULTS.items()},
-                                     **tuning["stream"])
-    return tuning
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default="1,8", help="comma list of row counts (batch x tokens)")
     ap.add_argument("--variants", default="", help=f"comma list from "
-                    f"{sorted(VARIANTS) + list(ENGINE_PF)} (default all GEMV variants; 'none': only XLA and the engine's tiling; 'gemm': XLA and "
+                    f"{sorted(VARIANTS) + list(ENGINE_PF)} (default all GEMV variants; 'none': "
+                    "only XLA and the engine's tiling; 'gemm': XLA and "
                     "every GEMM_VARIANTS tiling of the skinny GEMM; 'stream': XLA, the engine and every "
                     "STREAM_VARIANTS tiling of the streaming GEMV)")
     ap.add_argument("--layers", type=int, default=24, help="distinct weights per timed program")

@@ -16,7 +16,8 @@ GPU default):
 '+norms' moves the RMSNorms and residual adds around qkv and gate/up into the GEMV prologue
 (the layer output is then a deferred `Residual` that the next qkv GEMV adds up), '+pfN'
 sets the GEMV's prefetch depth, and '+stream' swaps in the streaming GEMV
-(pallas_kernels.gemv_stream: few programs, x and the norm prologue once per program).
+(pallas_kernels.gemv_stream: x and the norm prologue once per program, the K loop unrolled)
+for one-row calls.
 
 The gated kernel returns silu(gate) * up directly, so XLA no longer fuses the SiLU into the
 down projection's prologue (which slowed that GEMM from 7.6 to 12.3 us per call at batch 1 on
@@ -40,20 +41,29 @@ NAMES = ("qkv", "o", "gate_up", "down")
 # bit-identical projections). Bit-identical speculation in bf16 would also need decode and
 # verification to share an attention kernel: with Pallas attention they do not (decode vs
 # ragged kernel), and on the H200 'gemv@5' matched greedy decode no better than 'gemv'.
+# With '+stream' one-row calls take the streaming kernel and 2..N-row calls this one, so that
+# identity does not hold there.
 GEMV_TUNING = {
     "qkv": dict(use_dot=False, block_n=16, block_k=256, num_warps=8, num_stages=1),
     "o": dict(use_dot=False, block_n=2, block_k=2048, num_warps=4, num_stages=1),
     "gate_up": dict(use_dot=False, block_n=4, block_k=256, num_warps=2, num_stages=1),
     "down": dict(use_dot=False, block_n=4, block_k=512, num_warps=4, num_stages=1),
 }
-# '+stream': the streaming GEMV (pallas_kernels/gemv_stream.py) instead, per projection the
-# tiling fastest at one row on the H200 (benchmarks/results/gemv_stream_session7_h200.json).
+# '+stream': the streaming GEMV (pallas_kernels/gemv_stream.py) for one-row calls. Per
+# projection the tiling fastest at one row in the first H200 sweep
+# (benchmarks/results/gemv_stream_session7_h200.json), which the end-to-end figures ran
+# (batch-1 native 231.9 tok/s with '+norms'). The second sweep
+# (gpu_session7_call2_output.log) timed one block per program (st1_k512_p1_w4) 0.2-0.5 us
+# faster for qkv, o and gate/up alone; not yet measured end to end (--stream-tiling).
 STREAM_TUNING = {
     "qkv": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
     "o": dict(block_n=2, block_k=512, per_program=2, num_warps=4),
     "gate_up": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
     "down": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
 }
+# Calls the streaming kernel takes: one row (decode, draft), the only count measured on a GPU;
+# the kernel itself takes up to gemv_stream.MAX_ROWS (down needs 255 registers at 4 rows).
+STREAM_MAX_ROWS = 1
 # Calls with more rows go to XLA. Default 1: at 5 rows the kernel is 3-5x slower than XLA
 # (qkv 37.4 vs 7.8 us, gemv_engine_session4_h200.json), which took batch-1 speculative k=4
 # from ~230 to 209.8 tok/s (decode_session4_greedy_h200.json).
@@ -170,7 +180,7 @@ class PallasGemv(XLA):
     gemm_max_rows: int = GEMM_MAX_ROWS
     fuse_norms: bool = False
     prefetch: int | None = None  # '+pf<N>': every GEMV's prefetch depth instead of GEMV_TUNING's
-    stream: bool = False  # '+stream': the streaming GEMV for calls of up to its MAX_ROWS rows
+    stream: bool = False  # '+stream': the streaming GEMV for calls of up to STREAM_MAX_ROWS rows
 
     @property
     def spec(self) -> str:
@@ -207,8 +217,7 @@ class PallasGemv(XLA):
         return "xla"
 
     def _streams(self, x) -> bool:
-        from pallas_kernels.gemv_stream import MAX_ROWS
-        return self.stream and math.prod(x.shape[:-1]) <= MAX_ROWS
+        return self.stream and math.prod(x.shape[:-1]) <= STREAM_MAX_ROWS
 
     def _gemv(self, name, x, w, gated=False):
         from pallas_kernels.gemv import gemv
@@ -321,7 +330,7 @@ def parse(spec: str):
     calls of 2..N rows (default GEMM_MAX_ROWS) through the skinny GEMM; 'gemv+gemm' -> both;
     '+norms' -> the norm prologue; '+pfN' -> every GEMV loads N chunks ahead (default: each
     projection's GEMV_TUNING); '+stream' -> the streaming GEMV kernel (STREAM_TUNING) for
-    GEMV calls of up to gemv_stream.MAX_ROWS rows; 'auto' -> see resolve."""
+    GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'); 'auto' -> see resolve."""
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
@@ -345,6 +354,10 @@ def parse(spec: str):
             raise ValueError(f"projections {spec!r}: 'pfN' (the GEMV's prefetch depth, N in "
                              f"0..{MAX_PREFETCH}) is given once, with a 'gemv' part")
         prefetch = int(pf[0][2:])
+        if stream:
+            raise ValueError(f"projections {spec!r}: 'pfN' is the per-block GEMV's prefetch "
+                             f"depth; with 'stream' one-row calls take the streaming kernel, "
+                             f"which has none (give one of the two)")
     for part in (p for p in parts if p not in ("norms", "stream") and not p.startswith("pf")):
         kind, names, rows = _parse_part(spec, part)
         if kind in kw:

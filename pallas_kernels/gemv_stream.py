@@ -1,28 +1,29 @@
-"""Streaming GEMV: few programs, each looping over several output blocks with x in registers.
+"""Streaming GEMV: the input row held in registers, the K loop unrolled, blocks per program.
 
-y [M, N] = x [M, K] @ W [N, K]^T for one to a few rows, like pallas_kernels/gemv.py, but
-organised for a memory-bound stream rather than one program per output block:
+y [M, N] = x [M, K] @ W [N, K]^T for one to a few rows, like pallas_kernels/gemv.py's
+CUDA-core path, organised differently:
 
-* Each program owns `per_program` output blocks of `block_n` rows (blocks p, p + P, ...,
-  P = grid size), so the grid is about the GPU's resident capacity instead of thousands of
-  short programs.
 * The input rows are loaded (and, with a prologue, normalised) once per program and stay in
-  registers as `K / block_k` fp32 chunks for every block the program computes. In
-  gemv.py every K chunk of every program reloads x and moves it through shared memory into
-  the layout the multiply needs; here that happens once per program.
+  registers as `K / block_k` fp32 chunks for every block the program computes. In gemv.py
+  every K chunk of every program reloads x and moves it through shared memory into the
+  layout the multiply needs, and the prologue's normed chunk is recomputed inside the loop.
 * The K loop is unrolled: a block's whole [block_n, K] weight slab is requested with
-  independent loads, and the loop over blocks carries the next block's raw loads, requested
-  before the math on the current one (two slabs in flight per program, no waits between
-  chunks).
+  independent loads.
+* Each program owns `per_program` output blocks of `block_n` rows (blocks p, p + P, ...,
+  P = grid size); the loop over them carries the next block's raw loads, requested before
+  the math on the current one. On the H200 one or two blocks per program did best (the
+  engine's tilings give grids of 512-1,536 programs, like gemv.py's): what pays is the
+  resident input and the unrolled K loop, not a persistent grid.
 * A norm prologue (`prologue="norm"` / `"add_norm"`, the sandwich layer's RMSNorms and
-  residual add, as in gemv.gemv_normed) costs once per program, not once per output block.
+  residual add, as in gemv.gemv_normed) costs once per program.
 
 The summation order is a [block_n, block_k] fp32 accumulator over the chunks in order, then
 a sum over the chunk columns, whose tree follows the register layout (set by block_n and
-num_warps): a row's result does not depend on how many rows the call has, so decode and
-verification rows through the same tiling agree bit for bit.
+num_warps). Every row of a call goes through the same code and layout, so a row's result
+should not depend on the call's row count (interpret-mode tests check it; the GPU test
+exists but its session-7 result did not come back, which is one reason the engine sends
+only one-row calls here: projections.STREAM_MAX_ROWS).
 """
-
 from __future__ import annotations
 
 import functools
@@ -32,14 +33,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import compiler_params, pl
-from pallas_kernels.gemv import _normed, _rms_scale, _silu_mul
+from pallas_kernels.gemv import _normed, _silu_mul, pow2_divisor
 
 MAX_ROWS = 4  # registers: every row's K-long input lives in registers for the whole program
+MAX_WARPS = 16
+# block_k defaults to the largest power of two up to 512 dividing K (as gemv.py does)
 DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4)
 
 
 def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program):
-    """Row r's GEMV input as nk fp32 chunks, after the prologue (stores x' for add_norm)."""
+    """Row r's GEMV input as nk fp32 chunks, after the prologue (stores x' for add_norm).
+    The row statistics are summed chunk by chunk (gemv._rms_scale sums the whole row at
+    once); otherwise the rounding is gemv.py's, through the same helpers."""
     x_ref, b_ref, wb_ref, wx_ref, xo_ref = refs
     cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
     xs = [x_ref[r, cols[c]].astype(jnp.float32) for c in range(nk)]
@@ -118,6 +123,8 @@ def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,
     for name, v in (("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps)):
         if type(v) is not int or v < 1 or v & (v - 1):
             raise ValueError(f"gemv_stream {name} must be a power of two, got {v!r}")
+    if num_warps > MAX_WARPS:
+        raise ValueError(f"gemv_stream num_warps must be at most {MAX_WARPS}, got {num_warps}")
     if type(per_program) is not int or per_program < 1:
         raise ValueError(f"gemv_stream per_program must be an int >= 1, got {per_program!r}")
     if n_out % block_n or k % block_k:
@@ -128,12 +135,15 @@ def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,
                          f"{n_out // block_n} output blocks (N={n_out} / block_n={block_n})")
 
 
-def _config(tuning: dict) -> dict:
+def _config(tuning: dict, k: int) -> dict:
     unknown = set(tuning) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown gemv_stream tuning keys {sorted(unknown)}; valid: "
                          f"{sorted(DEFAULTS)}")
-    return dict(DEFAULTS, **tuning)
+    cfg = dict(DEFAULTS, **tuning)
+    if "block_k" not in tuning:
+        cfg["block_k"] = pow2_divisor(k, DEFAULTS["block_k"]) or DEFAULTS["block_k"]
+    return cfg
 
 
 def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_out=()):
@@ -153,6 +163,8 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
 
 
 def _check_xw(x, w, gated):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"gemv_stream takes floating-point activations, got {x.dtype}")
     if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"gemv shape mismatch: x {x.shape} (want [M, K]), w {w.shape} "
                          f"(want [N, K])")
@@ -167,9 +179,9 @@ def gemv_stream(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: b
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation); gated: w = [gate; up]
     [2I, K] -> silu(x @ gate^T) * (x @ up^T) [M, I], rounded as the model rounds it.
     tuning: DEFAULTS' keys."""
-    cfg = _config(tuning)
     n_out = _check_xw(x, w, gated)
     m, k = x.shape
+    cfg = _config(tuning, k)
     return _call((x, w.astype(x.dtype)), m=m, k=k, n_out=n_out, gated=gated, prologue="",
                  eps=0.0, interpret=interpret, cfg=cfg)
 
@@ -179,9 +191,9 @@ def gemv_stream_normed(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: fl
                        gated: bool = False, interpret: bool = False, **tuning):
     """gemv.gemv_normed's contract (the projection of rms_norm(x', norm_w), x' = x or
     x + rms_norm(branch, branch_w); returns (y, x')) with the streaming kernel."""
-    cfg = _config(tuning)
     n_out = _check_xw(x, w, gated)
     m, k = x.shape
+    cfg = _config(tuning, k)
     if norm_w.shape != (k,):
         raise ValueError(f"gemv_stream_normed: norm weight shape {norm_w.shape}, want ({k},)")
     if (branch is None) != (branch_w is None):

@@ -82,7 +82,7 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
     grid follows num_splits; explicit arguments still win; bad specs are refused."""
     import jax.numpy as jnp
 
-    from benchmarks.decode import apply_kernel_tuning
+    from benchmarks.tuning import apply_kernel_tuning
     from pallas_kernels import decode as dk
 
     q = jnp.zeros((2, 2, 16), jnp.bfloat16)
@@ -127,7 +127,7 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
 def test_stream_tiling_override_is_applied_and_restored():
     """--stream-tiling swaps one projection's streaming-GEMV tiling for the run; the next
     call without it restores the shipped table; bad specs are refused."""
-    from benchmarks.decode import apply_kernel_tuning
+    from benchmarks.tuning import apply_kernel_tuning
     from benchmarks.gemv import STREAM_VARIANTS
     from ouro_jax import projections
 
@@ -139,9 +139,14 @@ def test_stream_tiling_override_is_applied_and_restored():
         assert projections.STREAM_TUNING["o"] == shipped["o"]
         apply_kernel_tuning("", "")
         assert projections.STREAM_TUNING == shipped
-        for bad in ("qkv", "mlp=st2_k512_p1_w4", "qkv=st9"):
+        for bad in ("qkv", "mlp=st2_k512_p1_w4", "qkv=st9", "down=st2_k1024_p1_w4"):
             with pytest.raises(SystemExit):
                 apply_kernel_tuning("", "", bad)
+        # a bad spec anywhere changes nothing, not even the valid ones before it
+        from pallas_kernels import decode as dk
+        with pytest.raises(SystemExit):
+            apply_kernel_tuning("num_splits=3", "", "qkv=st9")
+        assert dk.TUNING == {} and projections.STREAM_TUNING == shipped
     finally:
         apply_kernel_tuning("", "")
     assert projections.STREAM_TUNING == shipped

@@ -57,8 +57,8 @@ def test_stream_rows_do_not_depend_on_row_count_or_schedule():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("m", [1, 2])
-def test_stream_norm_prologues_match_the_layer_math(dtype, gated, m):
+@pytest.mark.parametrize("m,eps", [(1, 1e-6), (2, 1e-6), (1, 0.5)])
+def test_stream_norm_prologues_match_the_layer_math(dtype, gated, m, eps):
     """'norm' and 'add_norm' prologues: the same as model.rms_norm + the projection (bf16:
     bit-identical to gemv_normed on these inputs; fp32 within accumulation order), and the
     new residual stream x + rms_norm(branch, wb)."""
@@ -69,19 +69,24 @@ def test_stream_norm_prologues_match_the_layer_math(dtype, gated, m):
     wb, wx = ((1 + 0.1 * jax.random.normal(kk, (256,))).astype(dtype) for kk in ks[2:4])
     w = (jax.random.normal(ks[4], (128, 256)) * 0.06).astype(dtype)
     kw = dict(gated=gated, interpret=True, block_n=4, block_k=64)
-    y, x_new = gemv_stream_normed(x, wx, w, eps=1e-6, branch=b, branch_w=wb, per_program=2, **kw)
-    y2, same = gemv_stream_normed(x, wx, w, eps=1e-6, per_program=4, **kw)
+    if eps > 0.1:  # a large eps moves the result: the prologue must use it in both norms
+        b = b * 0.1
+    y, x_new = gemv_stream_normed(x, wx, w, eps=eps, branch=b, branch_w=wb, per_program=2, **kw)
+    y2, same = gemv_stream_normed(x, wx, w, eps=eps, per_program=4, **kw)
     assert same is x
-    x_ref = x + rms_norm(b, wb, 1e-6)
-    ref = gemv_reference(rms_norm(x_ref, wx, 1e-6), w, gated=gated)
-    ref2 = gemv_reference(rms_norm(x, wx, 1e-6), w, gated=gated)
+    x_ref = x + rms_norm(b, wb, eps)
+    ref = gemv_reference(rms_norm(x_ref, wx, eps), w, gated=gated)
+    ref2 = gemv_reference(rms_norm(x, wx, eps), w, gated=gated)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=0, atol=0)
     np.testing.assert_allclose(f32(x_new), f32(x_ref), **tol)
     np.testing.assert_allclose(f32(y), f32(ref), **tol)
     np.testing.assert_allclose(f32(y2), f32(ref2), **tol)
     if dtype == jnp.bfloat16:
-        old, _ = gemv_normed(x, wx, w, eps=1e-6, branch=b, branch_w=wb, use_dot=False, **kw)
+        old, _ = gemv_normed(x, wx, w, eps=eps, branch=b, branch_w=wb, use_dot=False, **kw)
         np.testing.assert_array_equal(f32(y), f32(old))
+    if eps > 0.1:  # and the eps did matter on these inputs
+        tiny = gemv_reference(rms_norm(x + rms_norm(b, wb, 1e-6), wx, 1e-6), w, gated=gated)
+        assert np.max(np.abs(f32(tiny) - f32(ref))) > 1e-2
 
 
 @pytest.mark.parametrize("bad,msg", [
@@ -92,6 +97,7 @@ def test_stream_norm_prologues_match_the_layer_math(dtype, gated, m):
     (dict(per_program=3), "per_program=3 must divide the 16 output blocks"),
     (dict(block_n=4, block_k=512), "block_k=512 must divide K=256"),
     (dict(num_stages=2), "unknown gemv_stream tuning"),
+    (dict(num_warps=32), "num_warps must be at most 16"),
 ])
 def test_stream_rejects_bad_tilings(bad, msg):
     x, w = _xw(1, 256, 64)
@@ -107,6 +113,11 @@ def test_stream_rejects_bad_shapes():
         gemv_stream(jnp.zeros((5, 256)), w, interpret=True, block_n=4, block_k=64)
     with pytest.raises(ValueError, match="even row count"):
         gemv_stream(x, w[:63], gated=True, interpret=True)
+    with pytest.raises(ValueError, match="floating-point"):
+        gemv_stream(jnp.ones((1, 256), jnp.int32), w, interpret=True)
+    # with no block_k given it adapts to K (512 does not divide 256), as gemv() does
+    np.testing.assert_allclose(f32(gemv_stream(x, w, interpret=True, block_n=4)),
+                               f32(gemv_reference(x, w)), rtol=1e-5, atol=1e-5)
     nw = jnp.ones((256,))
     with pytest.raises(ValueError, match="norm weight shape"):
         gemv_stream_normed(x, nw[:128], w, eps=1e-6, interpret=True, block_n=4, block_k=64)
@@ -145,7 +156,7 @@ def test_stream_spec_parses_and_routes():
     p = parse("gemv+norms+stream")
     assert p.stream and p.fuse_norms and parse(p.spec) == p and "stream" in p.spec
     assert not parse("gemv").stream
-    for bad in ("stream", "gemm+stream", "gemv+stream+stream"):
+    for bad in ("stream", "gemm+stream", "gemv+stream+stream", "gemv+stream+pf2"):
         with pytest.raises(ValueError, match="stream|gemv"):
             parse(bad)
     # tilings shrink to divide a small model's shape; per_program to a divisor of the blocks
@@ -153,6 +164,12 @@ def test_stream_spec_parses_and_routes():
     assert t == dict(block_n=2, block_k=64, per_program=4, num_warps=4)
     t = fit_stream_tuning(STREAM_TUNING["o"], 6, 64)
     assert t["block_n"] == 2 and t["per_program"] == 1  # 3 blocks: 2 does not divide
+    # only one-row calls stream (STREAM_MAX_ROWS); 'gemv@5' sends 2..5 rows per block
+    from engine_helpers import pallas_call_names
+    x, w = _xw(3, 64, 32)
+    p5 = parse("gemv@5+stream")
+    assert pallas_call_names(lambda a: p5.project("o", a, w), x[:1]) == ["gemv_stream"]
+    assert pallas_call_names(lambda a: p5.project("o", a, w), x) == ["gemv"]
 
 
 def test_stream_layer_kernels_and_engine_tokens():
@@ -196,6 +213,20 @@ def test_stream_layer_kernels_and_engine_tokens():
         return walk(jax.make_jaxpr(lambda a: decoder_layer(
             lp, a, cos, sin, cfg, dense_causal_attend, None, 0, 0, parse(spec))[0])(x).jaxpr)
     assert rsqrts("gemv+stream") == 4 and rsqrts("gemv+norms+stream") == 0
+
+    # The token check below runs small branches (branch scale 0.003, as the benchmark); the
+    # layers' outputs themselves, at branch scale 1 where every projection moves them, must
+    # match XLA too (fp32), through a whole loop with the deferred residual.
+    from ouro_jax.model import run_loop
+    big = unstack_layers(random_params(cfg, 1, jnp.float32, 1.0, 0.1), fuse=True)
+    h0 = jax.random.normal(jax.random.PRNGKey(2), (1, 1, cfg.hidden_size))
+    cos1, sin1 = rope_cos_sin(jnp.zeros((1, 1), jnp.int32), cfg.head_dim, cfg.rope_theta,
+                              jnp.float32)
+    ref_h, _ = run_loop(big, h0, cos1, sin1, cfg, dense_causal_attend, None, 0)
+    for spec in ("gemv+stream", "gemv+norms+stream"):
+        h, _ = run_loop(big, h0, cos1, sin1, cfg, dense_causal_attend, None, 0, parse(spec))
+        np.testing.assert_allclose(np.asarray(h), np.asarray(ref_h), rtol=2e-5, atol=2e-5,
+                                   err_msg=spec)
 
     sp = [SamplingParams(max_tokens=10, ignore_eos=True)]
     out = {}

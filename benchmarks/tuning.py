@@ -1,0 +1,76 @@
+"""Process-wide kernel tuning overrides for benchmark runs (`benchmarks.decode --decode-kernel
+/ --ragged-kernel / --stream-tiling`): parsed, checked, set before anything compiles, and
+cleared again afterwards."""
+
+from __future__ import annotations
+
+DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages")
+RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
+POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton warps
+
+
+def parse_tuning(spec: str, keys) -> dict:
+    """'block_t=32,num_warps=2' -> {'block_t': 32, 'num_warps': 2}; unknown keys or non-positive
+    integers are errors."""
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in keys:
+            raise SystemExit(f"kernel tuning: {item!r} is not KEY=INT with KEY in {keys}")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise SystemExit(f"kernel tuning: {key} needs an integer, got {value!r}") from None
+        if out[key] < 1:
+            raise SystemExit(f"kernel tuning: {key} must be >= 1, got {out[key]}")
+        if key in POW2_TUNING_KEYS and out[key] & (out[key] - 1):
+            raise SystemExit(f"kernel tuning: {key} must be a power of two, got {out[key]}")
+    return out
+
+
+_STREAM_DEFAULTS = None  # projections.STREAM_TUNING as shipped, for restoring
+
+
+def parse_stream_tiling(spec: str) -> dict:
+    """'qkv=st1_k512_p1_w4,o=...' -> {projection: tiling} from benchmarks.gemv.STREAM_VARIANTS.
+    A tiling must divide the 1.4B/2.6B projection shape it is given for: the engine would
+    otherwise shrink it to fit (projections.fit_stream_tuning) and the run would not be the
+    tiling the record names."""
+    from benchmarks.gemv import SHAPES, STREAM_VARIANTS
+    from ouro_jax.projections import NAMES
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, variant = item.partition("=")
+        if not sep or name not in NAMES or variant not in STREAM_VARIANTS:
+            raise SystemExit(f"--stream-tiling: {item!r} is not NAME=VARIANT with NAME in "
+                             f"{NAMES} and VARIANT a benchmarks.gemv STREAM_VARIANTS key")
+        t = STREAM_VARIANTS[variant]
+        n, k, gated = SHAPES[name]
+        blocks = (n // 2 if gated else n) // t["block_n"]
+        if k % t["block_k"] or blocks % t["per_program"]:
+            raise SystemExit(f"--stream-tiling: {variant} does not divide the {name} "
+                             f"projection ({n} x {k})")
+        out[name] = dict(t)
+    return out
+
+
+def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "") -> dict:
+    """Sets the kernels' process-wide tuning overrides (before anything is compiled). Every
+    spec is parsed before anything is set, so a bad one changes nothing."""
+    import importlib
+
+    from ouro_jax import projections
+    global _STREAM_DEFAULTS
+    tuning = {"decode": parse_tuning(decode_spec, DECODE_TUNING_KEYS),
+              "ragged": parse_tuning(ragged_spec, RAGGED_TUNING_KEYS),
+              "stream": parse_stream_tiling(stream_spec)}
+    for name in ("decode", "ragged"):
+        mod = importlib.import_module(f"pallas_kernels.{name}")
+        mod.TUNING.clear()
+        mod.TUNING.update(tuning[name])
+    if _STREAM_DEFAULTS is None:
+        _STREAM_DEFAULTS = {k: dict(v) for k, v in projections.STREAM_TUNING.items()}
+    projections.STREAM_TUNING.clear()
+    projections.STREAM_TUNING.update({k: dict(v) for k, v in _STREAM_DEFAULTS.items()},
+                                     **tuning["stream"])
+    return tuning
