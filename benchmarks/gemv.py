@@ -60,15 +60,20 @@ VARIANTS.update({
                           (2, 1024, 2, 1), (4, 1024, 4, 1)]
 })
 # The streaming GEMV (pallas_kernels/gemv_stream.py, session 7): "st" + block_n, block_k,
-# output blocks per program, warps.
+# output blocks per program, warps; "_x2d": rows loaded as [1, block_k] tiles (row2d).
 STREAM_VARIANTS = {
-    f"st{bn}_k{bk}_p{pp}_w{w}": dict(block_n=bn, block_k=bk, per_program=pp, num_warps=w)
+    f"st{bn}_k{bk}_p{pp}_w{w}" + ("_x2d" if x2 else ""):
+        dict(block_n=bn, block_k=bk, per_program=pp, num_warps=w,
+             **({"row2d": True} if x2 else {}))
     for bn, bk, pp, w in [(1, 512, 4, 4), (1, 512, 8, 2), (1, 256, 8, 2), (2, 512, 2, 4),
                           (2, 512, 4, 4), (2, 512, 8, 4), (2, 512, 16, 4), (2, 256, 4, 2),
                           (2, 1024, 4, 4), (4, 512, 4, 4), (4, 512, 4, 8), (8, 512, 4, 8),
                           # second round (fewer blocks per program did better in the first)
                           (1, 512, 2, 4), (1, 512, 1, 4), (2, 512, 1, 4), (1, 256, 2, 4),
-                          (1, 512, 2, 8), (2, 1024, 1, 4)]
+                          (1, 512, 2, 8), (2, 1024, 1, 4),
+                          # one warp per output row (block_k = 32 lanes x 8): an intra-warp sum
+                          (4, 256, 1, 4), (8, 256, 1, 8), (2, 256, 1, 2)]
+    for x2 in (False, True)
 }
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))
 

@@ -38,34 +38,41 @@ from pallas_kernels.gemv import _normed, _silu_mul, pow2_divisor
 MAX_ROWS = 4  # registers: every row's K-long input lives in registers for the whole program
 MAX_WARPS = 16
 # block_k defaults to the largest power of two up to 512 dividing K (as gemv.py does)
-DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4)
+# row2d: load x (and the norm weights) as [1, block_k] tiles, which take the weight tile's
+# register layout directly, instead of [block_k] vectors that are re-laid-out through shared
+# memory (with barriers) once per chunk in the prologue; same math. Not yet timed on a GPU.
+DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False)
 
 
-def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program):
-    """Row r's GEMV input as nk fp32 chunks, after the prologue (stores x' for add_norm).
-    The row statistics are summed chunk by chunk (gemv._rms_scale sums the whole row at
-    once); otherwise the rounding is gemv.py's, through the same helpers."""
+def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d):
+    """Row r's GEMV input as nk fp32 chunks ([1, block_k] with row2d, else [block_k]), after
+    the prologue (stores x' for add_norm). The row statistics are summed chunk by chunk
+    (gemv._rms_scale sums the whole row at once); otherwise the rounding is gemv.py's,
+    through the same helpers. With row2d the norm weights arrive as [1, K] arrays."""
     x_ref, b_ref, wb_ref, wx_ref, xo_ref = refs
     cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
-    xs = [x_ref[r, cols[c]].astype(jnp.float32) for c in range(nk)]
+    row = pl.ds(r, 1) if row2d else r
+    vec = (lambda ref, c: ref[pl.ds(0, 1), cols[c]]) if row2d else (lambda ref, c: ref[cols[c]])
+    xs = [x_ref[row, cols[c]].astype(jnp.float32) for c in range(nk)]
     if not prologue:
         return xs
     if prologue == "add_norm":
-        bs = [b_ref[r, cols[c]].astype(jnp.float32) for c in range(nk)]
+        bs = [b_ref[row, cols[c]].astype(jnp.float32) for c in range(nk)]
         s_b = lax.rsqrt(sum(jnp.sum(b * b) for b in bs) / k + eps)
-        xs = [(xs[c] + _normed(bs[c], s_b, wb_ref[cols[c]], dt).astype(jnp.float32)).astype(dt)
+        xs = [(xs[c] + _normed(bs[c], s_b, vec(wb_ref, c), dt).astype(jnp.float32)).astype(dt)
               .astype(jnp.float32) for c in range(nk)]
 
         @pl.when(first_program)
         def _():
             for c in range(nk):
-                xo_ref[r, cols[c]] = xs[c].astype(dt)
+                xo_ref[row, cols[c]] = xs[c].astype(dt)
 
     s_x = lax.rsqrt(sum(jnp.sum(x * x) for x in xs) / k + eps)
-    return [_normed(xs[c], s_x, wx_ref[cols[c]], dt).astype(jnp.float32) for c in range(nk)]
+    return [_normed(xs[c], s_x, vec(wx_ref, c), dt).astype(jnp.float32) for c in range(nk)]
 
 
-def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps):
+def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
+            row2d):
     if prologue == "add_norm":
         x_ref, b_ref, wb_ref, wx_ref, w_ref, y_ref, xo_ref = refs
     elif prologue == "norm":
@@ -90,7 +97,9 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
 
     first = load(p)  # in flight while the prologue runs
     xs = [_row_chunks((x_ref, b_ref, wb_ref, wx_ref, xo_ref), r, nk, block_k, k, dt,
-                      prologue, eps, p == 0) for r in range(m)]
+                      prologue, eps, p == 0, row2d) for r in range(m)]
+    if not row2d:
+        xs = [[xc[None, :] for xc in xr] for xr in xs]
 
     def compute_store(j, tiles):
         wf = [t.astype(jnp.float32) for t in tiles]
@@ -98,7 +107,7 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
             def dotrow(ws):
                 acc = jnp.zeros((block_n, block_k), jnp.float32)
                 for c in range(nk):
-                    acc = acc + ws[c] * xs[r][c][None, :]
+                    acc = acc + ws[c] * xs[r][c]
                 return jnp.sum(acc, axis=1)
             g = dotrow(wf[:nk])
             y = _silu_mul(g, dotrow(wf[nk:]), dt) if gated else g.astype(dt)
@@ -149,9 +158,14 @@ def _config(tuning: dict, k: int) -> dict:
 def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_out=()):
     check_supported(m, k, n_out, block_n=cfg["block_n"], block_k=cfg["block_k"],
                     per_program=cfg["per_program"], num_warps=cfg["num_warps"])
+    if not isinstance(cfg["row2d"], bool):
+        raise ValueError(f"gemv_stream row2d must be a bool, got {cfg['row2d']!r}")
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
                                block_k=cfg["block_k"], per_program=cfg["per_program"],
-                               gated=gated, up_offset=n_out, prologue=prologue, eps=eps)
+                               gated=gated, up_offset=n_out, prologue=prologue, eps=eps,
+                               row2d=cfg["row2d"])
+    if cfg["row2d"]:  # the norm weights as [1, K] rows
+        operands = tuple(o.reshape(1, -1) if o.ndim == 1 else o for o in operands)
     dt = operands[0].dtype
     y = jax.ShapeDtypeStruct((m, n_out), dt)
     return pl.pallas_call(
