@@ -212,6 +212,29 @@ def check_supported(m: int, k: int, n_out: int, *, use_dot: bool, block_n: int, 
                          f"must divide K={k}")
 
 
+def check_operands(x, w, gated: bool) -> int:
+    """Shape checks shared by every GEMV entry point (this file and gemv_stream.py); returns
+    the output width N (I when gated)."""
+    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv shape mismatch: x {x.shape} (want [M, K]), w {w.shape} (want [N, K])")
+    n = w.shape[0]
+    if gated and n % 2:
+        raise ValueError(f"gated gemv needs w = [gate; up] with an even row count, got {n}")
+    return n // 2 if gated else n
+
+
+def check_norm_operands(who: str, x, norm_w, branch, branch_w):
+    """The norm prologue's operands (gemv_normed and gemv_stream_normed)."""
+    k = x.shape[1]
+    if norm_w.shape != (k,):
+        raise ValueError(f"{who}: norm weight shape {norm_w.shape}, want ({k},)")
+    if (branch is None) != (branch_w is None):
+        raise ValueError(f"{who}: give branch and branch_w together")
+    if branch is not None and (branch.shape != x.shape or branch_w.shape != (k,)):
+        raise ValueError(f"{who}: branch {branch.shape} / branch_w {branch_w.shape} do not "
+                         f"match x {x.shape}")
+
+
 def gemv(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = False,
          **tuning) -> jax.Array:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation); gated: w = [gate; up]
@@ -221,13 +244,8 @@ def gemv(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
     unknown = set(tuning) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown gemv tuning keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
-    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"gemv shape mismatch: x {x.shape} (want [M, K]), w {w.shape} (want [N, K])")
+    n_out = check_operands(x, w, gated)
     m, k = x.shape
-    n = w.shape[0]
-    if gated and n % 2:
-        raise ValueError(f"gated gemv needs w = [gate; up] with an even row count, got {n}")
-    n_out = n // 2 if gated else n
     cfg = dict(DEFAULTS, **tuning)
     if "block_k" not in tuning:
         cfg["block_k"] = pow2_divisor(k, cfg["block_k"], floor=16) or cfg["block_k"]
@@ -259,20 +277,9 @@ def gemv_normed(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: float,
     cfg = dict(DEFAULTS, **tuning)
     if cfg["use_dot"]:
         raise ValueError("gemv_normed: the norm prologue needs use_dot=False")
-    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"gemv shape mismatch: x {x.shape} (want [M, K]), w {w.shape} (want [N, K])")
+    n_out = check_operands(x, w, gated)
     m, k = x.shape
-    if norm_w.shape != (k,):
-        raise ValueError(f"gemv_normed: norm weight shape {norm_w.shape}, want ({k},)")
-    if (branch is None) != (branch_w is None):
-        raise ValueError("gemv_normed: give branch and branch_w together")
-    if branch is not None and (branch.shape != x.shape or branch_w.shape != (k,)):
-        raise ValueError(f"gemv_normed: branch {branch.shape} / branch_w {branch_w.shape} do not "
-                         f"match x {x.shape}")
-    n = w.shape[0]
-    if gated and n % 2:
-        raise ValueError(f"gated gemv needs w = [gate; up] with an even row count, got {n}")
-    n_out = n // 2 if gated else n
+    check_norm_operands("gemv_normed", x, norm_w, branch, branch_w)
     check_supported(m, k, n_out, use_dot=False, block_n=cfg["block_n"], block_k=cfg["block_k"],
                     prefetch=cfg["prefetch"])
     prologue = "norm" if branch is None else "add_norm"

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import compiler_params, pl
-from pallas_kernels.gemv import _normed, _silu_mul, pow2_divisor
+from pallas_kernels.gemv import (_normed, _silu_mul, check_norm_operands, check_operands,
+                                  pow2_divisor)
 
 MAX_ROWS = 4  # registers: every row's K-long input lives in registers for the whole program
 MAX_WARPS = 16
@@ -124,8 +125,10 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
 
 
 def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,
-                    per_program: int, num_warps: int):
+                    per_program: int, num_warps: int, row2d: bool = False):
     """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
+    if not isinstance(row2d, bool):
+        raise ValueError(f"gemv_stream row2d must be a bool, got {row2d!r}")
     if m < 1 or m > MAX_ROWS:
         raise ValueError(f"gemv_stream takes 1..{MAX_ROWS} rows (each row's input stays in "
                          f"registers), got {m}")
@@ -157,9 +160,8 @@ def _config(tuning: dict, k: int) -> dict:
 
 def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_out=()):
     check_supported(m, k, n_out, block_n=cfg["block_n"], block_k=cfg["block_k"],
-                    per_program=cfg["per_program"], num_warps=cfg["num_warps"])
-    if not isinstance(cfg["row2d"], bool):
-        raise ValueError(f"gemv_stream row2d must be a bool, got {cfg['row2d']!r}")
+                    per_program=cfg["per_program"], num_warps=cfg["num_warps"],
+                    row2d=cfg["row2d"])
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
                                block_k=cfg["block_k"], per_program=cfg["per_program"],
                                gated=gated, up_offset=n_out, prologue=prologue, eps=eps,
@@ -179,13 +181,7 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
 def _check_xw(x, w, gated):
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"gemv_stream takes floating-point activations, got {x.dtype}")
-    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"gemv shape mismatch: x {x.shape} (want [M, K]), w {w.shape} "
-                         f"(want [N, K])")
-    if gated and w.shape[0] % 2:
-        raise ValueError(f"gated gemv needs w = [gate; up] with an even row count, "
-                         f"got {w.shape[0]}")
-    return w.shape[0] // 2 if gated else w.shape[0]
+    return check_operands(x, w, gated)
 
 
 def gemv_stream(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = False,
@@ -208,13 +204,7 @@ def gemv_stream_normed(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: fl
     n_out = _check_xw(x, w, gated)
     m, k = x.shape
     cfg = _config(tuning, k)
-    if norm_w.shape != (k,):
-        raise ValueError(f"gemv_stream_normed: norm weight shape {norm_w.shape}, want ({k},)")
-    if (branch is None) != (branch_w is None):
-        raise ValueError("gemv_stream_normed: give branch and branch_w together")
-    if branch is not None and (branch.shape != x.shape or branch_w.shape != (k,)):
-        raise ValueError(f"gemv_stream_normed: branch {branch.shape} / branch_w "
-                         f"{branch_w.shape} do not match x {x.shape}")
+    check_norm_operands("gemv_stream_normed", x, norm_w, branch, branch_w)
     dt = x.dtype
     common = dict(m=m, k=k, n_out=n_out, gated=gated, eps=float(eps), interpret=interpret,
                   cfg=cfg)
