@@ -22,7 +22,7 @@ from benchmarks.decode import save_record
 from benchmarks.timing import pipelined_seconds
 from pallas_kernels.gemm import gemm
 from pallas_kernels.gemv import gemv, gemv_reference
-from pallas_kernels.gemv_stream import gemv_stream
+from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
 
 # name -> (N, K, gated) for the 1.4B/2.6B shape (hidden 2048, intermediate 5632, 16x128 heads)
 SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
@@ -99,11 +99,30 @@ def engine_tuning(impl: str, shape: str) -> dict:
     return tuning
 
 
-def chain_fn(impl, gated, shape):
+def _add_norm_inputs(x):
+    """The add_norm prologue's other operands for input x: a branch and two norm weights."""
+    k = x.shape[-1]
+    branch = jnp.flip(x, axis=-1) * 3  # any row of another scale than x
+    return branch, jnp.full((k,), 0.5, x.dtype), jnp.linspace(0.5, 1.5, k).astype(x.dtype)
+
+
+def chain_fn(impl, gated, shape, prologue=""):
     """One program: the projection of x with each weight in turn (outputs stacked). impl:
     "xla", "engine" (the tiling ouro_jax.projections uses for this shape), "engine_pfN" or a
-    VARIANTS key."""
-    if impl == "xla":
+    VARIANTS key. prologue="add_norm" (xla and STREAM_VARIANTS only): each projection first
+    computes rms_norm(x + rms_norm(branch)), the sandwich layer's residual add and norm, in
+    the kernel (the engine's one-row path) or as XLA ops."""
+    if prologue:
+        from ouro_jax.model import rms_norm
+
+        def one(x, w):
+            b, bw, nw = _add_norm_inputs(x)
+            if impl == "xla":
+                return gemv_reference(rms_norm(x + rms_norm(b, bw, 1e-6), nw, 1e-6), w,
+                                      gated=gated)
+            return gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=bw, gated=gated,
+                                      **STREAM_VARIANTS[impl])[0]
+    elif impl == "xla":
         one = lambda x, w: gemv_reference(x, w, gated=gated)
     elif impl in STREAM_VARIANTS:
         one = lambda x, w: gemv_stream(x, w, gated=gated, **STREAM_VARIANTS[impl])
@@ -115,10 +134,10 @@ def chain_fn(impl, gated, shape):
     return jax.jit(lambda x, ws: jnp.stack([one(x, w) for w in ws]))
 
 
-def max_rel_error(fn, x, ws, gated) -> float:
+def max_rel_error(fn, x, ws, gated, ref=None) -> float:
     """Largest |y - XLA| / max|XLA| over the chain's first weight (bf16 accumulation-order noise)."""
     y = fn(x, ws[:1])[0].astype(jnp.float32)
-    r = gemv_reference(x, ws[0], gated=gated).astype(jnp.float32)
+    r = (ref(x, ws[:1])[0] if ref else gemv_reference(x, ws[0], gated=gated)).astype(jnp.float32)
     return float(jnp.max(jnp.abs(y - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-30))
 
 
@@ -128,6 +147,8 @@ def run(args) -> list:
         impls = ["xla"] + list(GEMM_VARIANTS)
     elif args.variants == "stream":  # the streaming GEMV's tilings against XLA and the engine
         impls = ["xla", "engine"] + list(STREAM_VARIANTS)
+    elif args.prologue:  # only XLA and streaming tilings take a prologue here
+        impls = ["xla"] + [v for v in args.variants.split(",") if v != "xla"]
     else:
         impls = ["xla", "engine"] + [v for v in (args.variants.split(",") if args.variants
                                                  else VARIANTS) if v != "engine"]
@@ -141,9 +162,14 @@ def run(args) -> list:
         for m in rows_list:
             x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
             for impl in impls:
-                row = dict(shape=name, rows=m, impl=impl, N=n, K=k, gated=gated)
+                row = dict(shape=name, rows=m, impl=impl, N=n, K=k, gated=gated,
+                           prologue=args.prologue or None)
+                if args.prologue and impl == "engine":
+                    row["error"] = "the engine's tiling with a prologue: name a STREAM_VARIANTS key"
+                    results.append(row)
+                    continue
                 try:
-                    fn = chain_fn(impl, gated, name)
+                    fn = chain_fn(impl, gated, name, args.prologue)
                     t0 = time.perf_counter()
                     jax.block_until_ready(fn(x, ws))
                     row["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -151,7 +177,9 @@ def run(args) -> list:
                                             trials=args.trials) / args.layers
                     row.update(us=round(sec * 1e6, 2), TBps=round(nbytes / sec / 1e12, 3))
                     if impl != "xla":
-                        row["rel_err_vs_xla"] = max_rel_error(fn, x, ws, gated)
+                        ref = chain_fn("xla", gated, name, args.prologue) if args.prologue \
+                            else None
+                        row["rel_err_vs_xla"] = max_rel_error(fn, x, ws, gated, ref)
                 except Exception as e:  # an unsupported tiling for this shape, or a compile error
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 results.append(row)
@@ -170,6 +198,10 @@ def main(argv=None) -> int:
                     "only XLA and the engine's tiling; 'gemm': XLA and "
                     "every GEMM_VARIANTS tiling of the skinny GEMM; 'stream': XLA, the engine and every "
                     "STREAM_VARIANTS tiling of the streaming GEMV)")
+    ap.add_argument("--prologue", default="", choices=["", "add_norm"],
+                    help="add_norm: time the streaming tilings with the sandwich layer's residual "
+                         "add + RMSNorm prologue (the engine's qkv and gate/up calls), XLA with the "
+                         "same ops; --variants must then be 'stream' or STREAM_VARIANTS keys")
     ap.add_argument("--layers", type=int, default=24, help="distinct weights per timed program")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=5)
@@ -181,6 +213,12 @@ def main(argv=None) -> int:
         - set(STREAM_VARIANTS) - set(ENGINE_PF) - {"engine", "gemm", "stream"}
     if unknown or set(args.shapes.split(",")) - set(SHAPES):
         raise SystemExit(f"unknown variants/shapes: {sorted(unknown)} {args.shapes}")
+    if args.prologue and set(filter(None, args.variants.split(","))) - set(STREAM_VARIANTS) \
+            - {"stream", "xla"}:
+        raise SystemExit("--prologue add_norm times XLA and streaming tilings only: give "
+                         "--variants stream or STREAM_VARIANTS keys")
+    if args.prologue and not args.variants:
+        raise SystemExit("--prologue add_norm needs --variants (stream or STREAM_VARIANTS keys)")
     results = run(args)
     save_record("benchmarks.gemv", argv, args.out, results=results)
     return 0

@@ -39,7 +39,9 @@ def device_events(xspace_path: str, lines_seen: list | None = None,
                   memcpy_stats: list | None = None) -> list[tuple[str, float, float]]:
     """(name, start_ns, duration_ns) of every event on a GPU device plane's kernel lines.
     `lines_seen` collects (plane, line, events) for every device line, kept or not;
-    `memcpy_stats` the stats of the first memcpy events (what is copied, how many bytes)."""
+    `memcpy_stats` the stats of the 8 longest memcpy events (what is copied, how many bytes,
+    which HLO op of which module): a long device-to-device copy is usually a donation that
+    did not hold."""
     pd = jax.profiler.ProfileData.from_file(xspace_path)
     out = []
     for plane in pd.planes:
@@ -55,10 +57,11 @@ def device_events(xspace_path: str, lines_seen: list | None = None,
                 continue
             for ev in line.events:
                 out.append((ev.name, float(ev.start_ns), float(ev.duration_ns)))
-                if (memcpy_stats is not None and ev.name.startswith("Memcpy")
-                        and len(memcpy_stats) < 8):
+                if memcpy_stats is not None and ev.name.startswith("Memcpy"):
                     memcpy_stats.append({**_event_stats(ev), "name": ev.name,
                                          "us": ev.duration_ns / 1e3})
+                    memcpy_stats.sort(key=lambda m: -m["us"])
+                    del memcpy_stats[8:]
     return out
 
 

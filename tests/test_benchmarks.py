@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmarks.decode import step_bytes
@@ -150,3 +153,24 @@ def test_stream_tiling_override_is_applied_and_restored():
     finally:
         apply_kernel_tuning("", "")
     assert projections.STREAM_TUNING == shipped
+
+
+def test_gemv_prologue_benchmark_refuses_what_it_cannot_time():
+    """--prologue add_norm times XLA and streaming tilings only; anything else is refused
+    before any compile, naming the fix. The XLA chain with the prologue is the model's math:
+    rms_norm(x + rms_norm(branch)) then the projection."""
+    from benchmarks import gemv as gb
+    from ouro_jax.model import rms_norm
+
+    for argv in (["--prologue", "add_norm"], ["--prologue", "add_norm", "--variants", "engine"],
+                 ["--prologue", "add_norm", "--variants", "dot16_k256_w4_s4"]):
+        with pytest.raises(SystemExit, match="--prologue add_norm"):
+            gb.main(argv)
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, 256), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(2), (64, 256), jnp.float32)
+    b, bw, nw = gb._add_norm_inputs(x)
+    want = rms_norm(x + rms_norm(b, bw, 1e-6), nw, 1e-6) @ w.T
+    got = gb.chain_fn("xla", False, "qkv", "add_norm")(x, [w])[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    plain = gb.chain_fn("xla", False, "qkv")(x, [w])[0]
+    assert not np.allclose(np.asarray(plain), np.asarray(got))  # the prologue did something
