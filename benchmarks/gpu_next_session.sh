@@ -1,32 +1,51 @@
 #!/usr/bin/env bash
-# Prepared at the end of session 7 for the next session (issue 6), device call A (~8 min):
-#   1. GPU tests of the streaming GEMV (the revised row-count test's result did not come back
-#      in session 7; now also row2d) and of the fused decode kernel.
-#   2. One-row microbenchmark: the engine's streaming tilings with and without row2d (rows
-#      loaded as [1, block_k] tiles: fewer registers and barriers in the offline sm_90
-#      compile), one-block tilings, one warp per output row.
-#   3. Batch-1 native A/Bs of the default: one-block tilings, row2d, and XLA command buffers
-#      over while loops (no gain in session 2 with ~20 kernels per layer application; now ~5).
-# Call B (gpu_next_session_b.sh): the lost batch-1 cells and a kernel trace.
-# A .partial file is deleted only when its finished JSON exists (session 7 lost rows by
-# deleting the partial of a command that timed out); at most 8 files come back per call.
+# Prepared at the end of session 8 for the next session (issue 6), one device call (~8 min).
+# Session 8 ran out of device time before its call 4 (benchmarks/gpu_session8_call4.sh), which
+# this script contains, plus the other open questions of the batch-1 profile
+# (kernel_trace_session8_b1_h200.json, docs/performance.md "Session 8"):
+#   1. Streaming tilings WITH the add_norm prologue (qkv 11.5 us with it vs 8.5 us with the
+#      plain norm; gate/up 15.9 vs 13.6 us alone): microbenchmark, then batch-1 native with the
+#      fastest tiling per shape against the default, same call.
+#   2. Decode attention at batch 1: 6.2 us per call plus a 1.3 us XLA combine of its 4 splits
+#      (~16% of a layer application): one split (no combine kernel) and two, same call.
+#   3. XLA command buffers over while loops with ~7 kernels per layer application.
+#   4. The ~10.5 ms device-to-device copy in every generate call (prefill reads 12 ms at batch
+#      1 since session 1): plane-sized copies in the compiled programs (benchmarks.hlo_copies)
+#      and a trace that now keeps the longest memcpys' HLO op and module.
+# A .partial file is deleted only when its finished JSON exists; at most 8 files come back.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_next_session.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
-timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv_stream.py \
-  tests/test_pallas_kernels.py -k "stream or fused" 2>&1 | tail -2
-V=st1_k512_p4_w4,st1_k512_p4_w4_x2d,st2_k512_p2_w4,st2_k512_p2_w4_x2d,st1_k512_p1_w4
-V=$V,st1_k512_p1_w4_x2d,st4_k256_p1_w4,st4_k256_p1_w4_x2d,st8_k256_p1_w8_x2d
-timeout 150 python3 -m benchmarks.gemv --rows 1 --variants $V \
-  --out $OUT/gemv_stream_x2d_h200.json 2>&1 | grep -v Warning
+V=st1_k512_p4_w4,st2_k512_p4_w4,st2_k512_p8_w4,st2_k512_p16_w4,st4_k512_p4_w4,st4_k512_p4_w8
+V=$V,st8_k512_p4_w8,st1_k512_p8_w2
+timeout 70 python3 -m benchmarks.gemv --rows 1 --shapes qkv,gate_up --prologue add_norm \
+  --variants $V --calls 10 --trials 3 --out $OUT/gemv_stream_add_norm_h200.json 2>&1 \
+  | grep -E "^(qkv|gate_up)"
+PICK=$(python3 - "$OUT/gemv_stream_add_norm_h200.json" <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["results"] if "us" in r and r["impl"] != "xla"]
+best = {}
+for r in rows:
+    if r["shape"] not in best or r["us"] < best[r["shape"]]["us"]:
+        best[r["shape"]] = r
+print(",".join(f"{s}={r['impl']}" for s, r in sorted(best.items())))
+PY
+)
+echo "picked: $PICK"
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --k 0 --temperature 0"
-timeout 45 $D --out $OUT/ab_stream_default_b1_h200.json 2>&1 | grep -E "^ *1 native"
-X2=qkv=st1_k512_p4_w4_x2d,o=st2_k512_p2_w4_x2d,gate_up=st1_k512_p4_w4_x2d,down=st1_k512_p4_w4_x2d
-timeout 45 $D --stream-tiling $X2 --out $OUT/ab_stream_x2d_b1_h200.json 2>&1 | grep -E "^ *1 native"
-P1=qkv=st1_k512_p1_w4,o=st1_k512_p1_w4,gate_up=st1_k512_p1_w4
-timeout 45 $D --stream-tiling $P1 --out $OUT/ab_stream_p1_b1_h200.json 2>&1 | grep -E "^ *1 native"
+timeout 50 $D --out $OUT/ab_b1_default_h200.json 2>&1 | grep -E "^ *1 native|rror"
+[ -n "$PICK" ] && timeout 55 $D --stream-tiling $PICK --out $OUT/ab_b1_tiling_picked_h200.json \
+  2>&1 | grep -E "^ *1 native|rror"
+for s in 1 2; do
+  timeout 50 $D --decode-kernel num_splits=$s --out $OUT/ab_b1_splits${s}_h200.json 2>&1 \
+    | grep -E "^ *1 native|rror"
+done
 XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL \
-  timeout 45 $D --out $OUT/ab_cmdbuf_b1_h200.json 2>&1 | grep -E "^ *1 native"
+  timeout 50 $D --out $OUT/ab_b1_cmdbuf_h200.json 2>&1 | grep -E "^ *1 native|rror"
+timeout 60 python3 -m benchmarks.hlo_copies > $OUT/hlo_copies_h200.json 2>/dev/null
+grep -E '"program"|plane_copies' $OUT/hlo_copies_h200.json | paste - - | head
+timeout 80 python3 -m benchmarks.kernel_trace --synthetic 1.4b --batch 1 --k 0 --attention pallas \
+  --top 10 --out $OUT/kernel_trace_b1_h200.json 2>&1 | grep -E "Memcpy|kernels_per" | cut -c1-200
 for f in $OUT/*.partial; do [ -e "$f" ] && [ -e "${f%.partial}" ] && rm -f "$f"; done
 ls $OUT
