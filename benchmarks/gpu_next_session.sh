@@ -3,6 +3,8 @@
 # Session 8 ran out of device time before its call 4 (benchmarks/gpu_session8_call4.sh), which
 # this script contains, plus the other open questions of the batch-1 profile
 # (kernel_trace_session8_b1_h200.json, docs/performance.md "Session 8"):
+#   0. GPU tests of the streaming GEMV, including the add_norm prologue at every tiling below
+#      (tests/test_gemv_stream.py: PROLOGUE_CANDIDATES), so whichever one wins is checked.
 #   1. Streaming tilings WITH the add_norm prologue (qkv 11.5 us with it vs 8.5 us with the
 #      plain norm; gate/up 15.9 vs 13.6 us alone): microbenchmark, then batch-1 native with the
 #      fastest tiling per shape against the default, same call.
@@ -19,6 +21,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
 V=st1_k512_p4_w4,st2_k512_p4_w4,st2_k512_p8_w4,st2_k512_p16_w4,st4_k512_p4_w4,st4_k512_p4_w8
 V=$V,st8_k512_p4_w8,st1_k512_p8_w2
+timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv_stream.py -k "add_norm_tilings or variants_on" 2>&1 | tail -2
 timeout 70 python3 -m benchmarks.gemv --rows 1 --shapes qkv,gate_up --prologue add_norm \
   --variants $V --calls 10 --trials 3 --out $OUT/gemv_stream_add_norm_h200.json 2>&1 \
   | grep -E "^(qkv|gate_up)"

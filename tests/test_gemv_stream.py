@@ -176,6 +176,48 @@ def test_stream_variants_on_the_gpu(name):
     assert ran >= 5
 
 
+# Tilings with more rows per program, the candidates for the add_norm projections (their
+# prologue is paid once per program; docs/kernels.md), next to the engine's.
+PROLOGUE_CANDIDATES = ("st2_k512_p4_w4", "st2_k512_p8_w4", "st2_k512_p16_w4", "st4_k512_p4_w4",
+                       "st4_k512_p4_w8", "st8_k512_p4_w8", "st1_k512_p8_w2")
+
+
+def test_prologue_candidates_fit_the_add_norm_projections():
+    """The GPU test's candidate tilings exist and divide the 1.4B qkv and gate/up shapes."""
+    from benchmarks.gemv import SHAPES, STREAM_VARIANTS
+    from pallas_kernels.gemv_stream import check_supported
+    for v in PROLOGUE_CANDIDATES:
+        kw = STREAM_VARIANTS[v]
+        for name in ("qkv", "gate_up"):
+            n, k, gated = SHAPES[name]
+            check_supported(1, k, n // (2 if gated else 1), **kw)
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "gate_up"])
+def test_stream_add_norm_tilings_on_the_gpu(name):
+    """The add_norm prologue compiled at the engine's tiling and the candidates, one row in
+    bf16: the new residual stream bit-identical to the model's ops (the same rounding steps),
+    the projection within about one bf16 rounding of XLA's."""
+    from benchmarks.gemv import SHAPES, STREAM_VARIANTS
+    from ouro_jax.model import rms_norm
+    from ouro_jax.projections import STREAM_TUNING
+    n, k, gated = SHAPES[name]
+    x, w = _xw(1, k, n, jnp.bfloat16, seed=4)
+    b = (jax.random.normal(jax.random.PRNGKey(5), (1, k)) * 3).astype(jnp.bfloat16)
+    wb = jnp.full((k,), 0.7, jnp.bfloat16)
+    wx = (1 + 0.1 * jax.random.normal(jax.random.PRNGKey(6), (k,))).astype(jnp.bfloat16)
+    x_ref = x + rms_norm(b, wb, 1e-6)
+    ref = f32(gemv_reference(rms_norm(x_ref, wx, 1e-6), w, gated=gated))
+    for kw in [STREAM_TUNING[name]] + [STREAM_VARIANTS[v] for v in PROLOGUE_CANDIDATES]:
+        y, x_new = gemv_stream_normed(x, wx, w, eps=1e-6, branch=b, branch_w=wb, gated=gated,
+                                      **kw)
+        np.testing.assert_array_equal(f32(x_new), f32(x_ref), err_msg=str(kw))
+        err = np.max(np.abs(f32(y) - ref)) / np.max(np.abs(ref))
+        assert err <= 8e-3, (kw, err)
+
+
 def test_stream_spec_parses_and_routes():
     from ouro_jax.projections import STREAM_TUNING, fit_stream_tuning, parse
     p = parse("gemv+norms+stream")
