@@ -99,30 +99,44 @@ def engine_tuning(impl: str, shape: str) -> dict:
     return tuning
 
 
-def _add_norm_inputs(x):
-    """The add_norm prologue's other operands for input x: a branch and two norm weights."""
-    k = x.shape[-1]
-    branch = jnp.flip(x, axis=-1) * 3  # any row of another scale than x
-    return branch, jnp.full((k,), 0.5, x.dtype), jnp.linspace(0.5, 1.5, k).astype(x.dtype)
+NORM_W = 0.7  # the prologue's norm weights (constants: any value, the same for every impl)
+
+
+def prologue_inputs(m: int, k: int, layers: int, seed: int = 0) -> list:
+    """One (x, branch) pair per weight of the chain, all distinct: with one shared input XLA
+    would compute the prologue once for the whole chain while the kernels pay it per call."""
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), 2 * layers)
+    return [tuple(jax.random.normal(kk, (m, k), jnp.float32).astype(jnp.bfloat16) * sc
+                  for kk, sc in ((keys[2 * i], 1.0), (keys[2 * i + 1], 3.0)))
+            for i in range(layers)]
 
 
 def chain_fn(impl, gated, shape, prologue=""):
     """One program: the projection of x with each weight in turn (outputs stacked). impl:
     "xla", "engine" (the tiling ouro_jax.projections uses for this shape), "engine_pfN" or a
-    VARIANTS key. prologue="add_norm" (xla and STREAM_VARIANTS only): each projection first
-    computes rms_norm(x + rms_norm(branch)), the sandwich layer's residual add and norm, in
-    the kernel (the engine's one-row path) or as XLA ops."""
+    VARIANTS key. prologue="add_norm" (xla, engine and STREAM_VARIANTS only): x is then a
+    list of (x_i, branch_i) pairs, one per weight (prologue_inputs), and each projection first
+    computes rms_norm(x_i + rms_norm(branch_i)), the sandwich layer's residual add and norm,
+    in the streaming kernel (the engine's one-row path) or as XLA ops."""
     if prologue:
         from ouro_jax.model import rms_norm
+        from ouro_jax.projections import STREAM_TUNING
+        tuning = STREAM_TUNING[shape] if impl == "engine" else STREAM_VARIANTS.get(impl)
 
-        def one(x, w):
-            b, bw, nw = _add_norm_inputs(x)
-            if impl == "xla":
-                return gemv_reference(rms_norm(x + rms_norm(b, bw, 1e-6), nw, 1e-6), w,
-                                      gated=gated)
-            return gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=bw, gated=gated,
-                                      **STREAM_VARIANTS[impl])[0]
-    elif impl == "xla":
+        def chain(pairs, ws):
+            out = []
+            for (x, b), w in zip(pairs, ws):
+                nw = jnp.full((x.shape[-1],), NORM_W, x.dtype)
+                if impl == "xla":
+                    y = gemv_reference(rms_norm(x + rms_norm(b, nw, 1e-6), nw, 1e-6), w,
+                                       gated=gated)
+                else:
+                    y = gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=nw,
+                                           gated=gated, **tuning)[0]
+                out.append(y)
+            return jnp.stack(out)
+        return jax.jit(chain)
+    if impl == "xla":
         one = lambda x, w: gemv_reference(x, w, gated=gated)
     elif impl in STREAM_VARIANTS:
         one = lambda x, w: gemv_stream(x, w, gated=gated, **STREAM_VARIANTS[impl])
@@ -147,8 +161,9 @@ def run(args) -> list:
         impls = ["xla"] + list(GEMM_VARIANTS)
     elif args.variants == "stream":  # the streaming GEMV's tilings against XLA and the engine
         impls = ["xla", "engine"] + list(STREAM_VARIANTS)
-    elif args.prologue:  # only XLA and streaming tilings take a prologue here
-        impls = ["xla"] + [v for v in args.variants.split(",") if v != "xla"]
+    elif args.prologue:  # only XLA, the engine and streaming tilings take a prologue here
+        impls = ["xla", "engine"] + [v for v in args.variants.split(",")
+                                     if v not in ("xla", "engine")]
     else:
         impls = ["xla", "engine"] + [v for v in (args.variants.split(",") if args.variants
                                                  else VARIANTS) if v != "engine"]
@@ -161,13 +176,11 @@ def run(args) -> list:
         nbytes = n * k * 2
         for m in rows_list:
             x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+            if args.prologue:
+                x = prologue_inputs(m, k, args.layers)
             for impl in impls:
                 row = dict(shape=name, rows=m, impl=impl, N=n, K=k, gated=gated,
                            prologue=args.prologue or None)
-                if args.prologue and impl == "engine":
-                    row["error"] = "the engine's tiling with a prologue: name a STREAM_VARIANTS key"
-                    results.append(row)
-                    continue
                 try:
                     fn = chain_fn(impl, gated, name, args.prologue)
                     t0 = time.perf_counter()
@@ -191,8 +204,10 @@ def run(args) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--rows", default="1,8", help="comma list of row counts (batch x tokens)")
+    ap.add_argument("--shapes", default=None,
+                    help=f"comma list from {list(SHAPES)} (default all; qkv,gate_up with --prologue)")
+    ap.add_argument("--rows", default=None,
+                    help="comma list of row counts (batch x tokens); default 1,8 (1 with --prologue)")
     ap.add_argument("--variants", default="", help=f"comma list from "
                     f"{sorted(VARIANTS) + list(ENGINE_PF)} (default all GEMV variants; 'none': "
                     "only XLA and the engine's tiling; 'gemm': XLA and "
@@ -200,8 +215,9 @@ def main(argv=None) -> int:
                     "STREAM_VARIANTS tiling of the streaming GEMV)")
     ap.add_argument("--prologue", default="", choices=["", "add_norm"],
                     help="add_norm: time the streaming tilings with the sandwich layer's residual "
-                         "add + RMSNorm prologue (the engine's qkv and gate/up calls), XLA with the "
-                         "same ops; --variants must then be 'stream' or STREAM_VARIANTS keys")
+                         "add + RMSNorm prologue (the engine's qkv and gate/up calls), the engine's "
+                         "tiling and XLA with the same ops, a distinct input per weight; "
+                         "--variants must then be 'stream', 'engine' or STREAM_VARIANTS keys")
     ap.add_argument("--layers", type=int, default=24, help="distinct weights per timed program")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=5)
@@ -209,16 +225,23 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.variants == "none":
         args.variants = "engine"
+    args.shapes = args.shapes or ("qkv,gate_up" if args.prologue else ",".join(SHAPES))
+    args.rows = args.rows or ("1" if args.prologue else "1,8")
     unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS) - set(GEMM_VARIANTS) \
         - set(STREAM_VARIANTS) - set(ENGINE_PF) - {"engine", "gemm", "stream"}
     if unknown or set(args.shapes.split(",")) - set(SHAPES):
         raise SystemExit(f"unknown variants/shapes: {sorted(unknown)} {args.shapes}")
     if args.prologue and set(filter(None, args.variants.split(","))) - set(STREAM_VARIANTS) \
-            - {"stream", "xla"}:
-        raise SystemExit("--prologue add_norm times XLA and streaming tilings only: give "
-                         "--variants stream or STREAM_VARIANTS keys")
+            - {"stream", "xla", "engine"}:
+        raise SystemExit("--prologue add_norm times XLA, the engine's tiling and streaming "
+                         "tilings only: give --variants stream, engine or STREAM_VARIANTS keys")
     if args.prologue and not args.variants:
-        raise SystemExit("--prologue add_norm needs --variants (stream or STREAM_VARIANTS keys)")
+        raise SystemExit("--prologue add_norm needs --variants (stream, engine or "
+                         "STREAM_VARIANTS keys)")
+    from pallas_kernels.gemv_stream import MAX_ROWS
+    if args.prologue and max(int(r) for r in args.rows.split(",")) > MAX_ROWS:
+        raise SystemExit(f"--prologue add_norm: the streaming GEMV takes 1..{MAX_ROWS} rows, "
+                         f"got --rows {args.rows}")
     results = run(args)
     save_record("benchmarks.gemv", argv, args.out, results=results)
     return 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 8, device call 2 (~9 min), on a warm machine after call 1 (gpu_session8_pdl.sh), whose
-# probe with xla_gpu_enable_pdl=true did not finish in 6 minutes (the default probe did):
+# probe with xla_gpu_enable_pdl=true was cut off by the time-out (its slow binary scan, since fixed):
 #   1. Batch-1 default (gemv+norms+stream) k=0,2,4 x T=0,0.8: session 7's lost cells.
 #   2. Batch-1 native A/B of the streaming tilings: row2d (x2d) and one output block per program.
 #   3. Batch-1 native with xla_gpu_enable_pdl=true, time-boxed (does the decode step hang too?).

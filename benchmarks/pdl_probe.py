@@ -32,7 +32,6 @@ def flag_names() -> dict:
         pass
     found: dict[str, list[str]] = {}
     pat = re.compile(rb"xla_gpu_[a-z0-9_]*pdl[a-z0-9_]*")
-    words = re.compile(rb"[ -~]{0,80}(?:[Pp]rogrammatic [Dd]ependent|griddepcontrol)[ -~]{0,80}")
     for root in roots:
         for so in glob.glob(os.path.join(root, "**", "*.so*"), recursive=True):
             try:
@@ -40,9 +39,16 @@ def flag_names() -> dict:
             except OSError:
                 continue
             names = sorted({m.decode() for m in pat.findall(data)})
-            texts = sorted({m.decode() for m in words.findall(data)})[:12]
+            # Literal search plus a slice of context: a regex with bounded repeats on both
+            # sides of the words backtracks at every position of a 350 MB library (minutes).
+            texts = set()
+            for word in (b"rogrammatic dependent", b"rogrammatic Dependent", b"griddepcontrol"):
+                i = data.find(word)
+                while i >= 0 and len(texts) < 12:
+                    texts.add(data[max(0, i - 40):i + 60].decode("ascii", "replace"))
+                    i = data.find(word, i + 1)
             if names or texts:
-                found[os.path.relpath(so, root)] = names + texts
+                found[os.path.relpath(so, root)] = names + sorted(texts)
     return found
 
 
@@ -75,8 +81,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dump", default="/tmp/pdl_probe_dump")
     ap.add_argument("--no-ptx", action="store_true", help="only scan the binaries")
+    ap.add_argument("--no-scan", action="store_true", help="only the PTX probe")
     args = ap.parse_args(argv)
-    res = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "binaries": flag_names()}
+    res = {"xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "binaries": {} if args.no_scan else flag_names()}
     if not args.no_ptx:
         # Before jax is imported (flag_names only imports jaxlib): XLA reads XLA_FLAGS once.
         os.environ["XLA_FLAGS"] = f"{res['xla_flags']} --xla_dump_to={args.dump}".strip()

@@ -41,7 +41,8 @@ MAX_WARPS = 16
 # block_k defaults to the largest power of two up to 512 dividing K (as gemv.py does)
 # row2d: load x (and the norm weights) as [1, block_k] tiles, which take the weight tile's
 # register layout directly, instead of [block_k] vectors that are re-laid-out through shared
-# memory (with barriers) once per chunk in the prologue; same math. Not yet timed on a GPU.
+# memory (with barriers) once per chunk in the prologue; same math. On the H200 end to end:
+# 229.3 tok/s against 231.2 without it (session 8), so the engine does not use it.
 DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False)
 
 

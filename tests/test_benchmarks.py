@@ -156,21 +156,30 @@ def test_stream_tiling_override_is_applied_and_restored():
 
 
 def test_gemv_prologue_benchmark_refuses_what_it_cannot_time():
-    """--prologue add_norm times XLA and streaming tilings only; anything else is refused
-    before any compile, naming the fix. The XLA chain with the prologue is the model's math:
-    rms_norm(x + rms_norm(branch)) then the projection."""
+    """--prologue add_norm times XLA, the engine's tiling and streaming tilings only, at the
+    rows the streaming kernel takes; anything else is refused before any compile, naming the
+    fix. The XLA chain with the prologue is the model's math, rms_norm(x + rms_norm(branch))
+    then the projection, with a distinct input per weight (so XLA cannot compute one
+    prologue for the whole chain)."""
     from benchmarks import gemv as gb
     from ouro_jax.model import rms_norm
 
-    for argv in (["--prologue", "add_norm"], ["--prologue", "add_norm", "--variants", "engine"],
+    for argv in (["--prologue", "add_norm"],
                  ["--prologue", "add_norm", "--variants", "dot16_k256_w4_s4"]):
         with pytest.raises(SystemExit, match="--prologue add_norm"):
             gb.main(argv)
-    x = jax.random.normal(jax.random.PRNGKey(1), (1, 256), jnp.float32)
-    w = jax.random.normal(jax.random.PRNGKey(2), (64, 256), jnp.float32)
-    b, bw, nw = gb._add_norm_inputs(x)
-    want = rms_norm(x + rms_norm(b, bw, 1e-6), nw, 1e-6) @ w.T
-    got = gb.chain_fn("xla", False, "qkv", "add_norm")(x, [w])[0]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    plain = gb.chain_fn("xla", False, "qkv")(x, [w])[0]
-    assert not np.allclose(np.asarray(plain), np.asarray(got))  # the prologue did something
+    with pytest.raises(SystemExit, match="takes 1..4 rows"):
+        gb.main(["--prologue", "add_norm", "--variants", "engine", "--rows", "1,8"])
+    pairs = gb.prologue_inputs(1, 256, 3)
+    assert len({float(jnp.sum(x)) for x, _ in pairs}) == 3  # distinct inputs
+    ws = [jax.random.normal(jax.random.PRNGKey(i), (64, 256), jnp.float32) for i in range(3)]
+    nw = jnp.full((256,), gb.NORM_W, jnp.float32)
+    got = gb.chain_fn("xla", False, "qkv", "add_norm")([(x.astype(jnp.float32),
+                                                         b.astype(jnp.float32))
+                                                        for x, b in pairs], ws)
+    for i, ((x, b), w) in enumerate(zip(pairs, ws)):
+        x, b = x.astype(jnp.float32), b.astype(jnp.float32)
+        want = rms_norm(x + rms_norm(b, nw, 1e-6), nw, 1e-6) @ w.T
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=1e-5, atol=1e-5)
+    plain = gb.chain_fn("xla", False, "qkv")(pairs[0][0].astype(jnp.float32), ws[:1])[0]
+    assert not np.allclose(np.asarray(plain), np.asarray(got[0]))  # the prologue did something

@@ -198,8 +198,10 @@ def test_prologue_candidates_fit_the_add_norm_projections():
 @pytest.mark.parametrize("name", ["qkv", "gate_up"])
 def test_stream_add_norm_tilings_on_the_gpu(name):
     """The add_norm prologue compiled at the engine's tiling and the candidates, one row in
-    bf16: the new residual stream bit-identical to the model's ops (the same rounding steps),
-    the projection within about one bf16 rounding of XLA's."""
+    bf16: the new residual stream within one bf16 rounding of the model's ops (the row
+    statistic is summed chunk by chunk and rsqrt is Triton's, so the fp32 scale can differ
+    from XLA's in the last bit and flip a rounding), the projection within about one bf16
+    rounding of XLA's."""
     from benchmarks.gemv import SHAPES, STREAM_VARIANTS
     from ouro_jax.model import rms_norm
     from ouro_jax.projections import STREAM_TUNING
@@ -213,7 +215,8 @@ def test_stream_add_norm_tilings_on_the_gpu(name):
     for kw in [STREAM_TUNING[name]] + [STREAM_VARIANTS[v] for v in PROLOGUE_CANDIDATES]:
         y, x_new = gemv_stream_normed(x, wx, w, eps=1e-6, branch=b, branch_w=wb, gated=gated,
                                       **kw)
-        np.testing.assert_array_equal(f32(x_new), f32(x_ref), err_msg=str(kw))
+        np.testing.assert_allclose(f32(x_new), f32(x_ref), rtol=2 ** -7, atol=1e-2,
+                                   err_msg=str(kw))
         err = np.max(np.abs(f32(y) - ref)) / np.max(np.abs(ref))
         assert err <= 8e-3, (kw, err)
 
