@@ -38,6 +38,7 @@ def parse_stream_tiling(spec: str) -> dict:
     tiling the record names."""
     from benchmarks.gemv import SHAPES, STREAM_VARIANTS
     from ouro_jax.projections import NAMES
+    from pallas_kernels.gemv_stream import check_supported
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, sep, variant = item.partition("=")
@@ -46,10 +47,11 @@ def parse_stream_tiling(spec: str) -> dict:
                              f"{NAMES} and VARIANT a benchmarks.gemv STREAM_VARIANTS key")
         t = STREAM_VARIANTS[variant]
         n, k, gated = SHAPES[name]
-        blocks = (n // 2 if gated else n) // t["block_n"]
-        if k % t["block_k"] or blocks % t["per_program"]:
-            raise SystemExit(f"--stream-tiling: {variant} does not divide the {name} "
-                             f"projection ({n} x {k})")
+        try:  # one row: the engine's streaming calls
+            check_supported(1, k, n // 2 if gated else n, **t)
+        except ValueError as e:
+            raise SystemExit(f"--stream-tiling: {variant} does not fit the {name} projection "
+                             f"({n} x {k}): {e}") from None
         out[name] = dict(t)
     return out
 
