@@ -4,8 +4,10 @@ cleared again afterwards."""
 
 from __future__ import annotations
 
-DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages")
+# last_combine=1: the decode kernel merges its splits itself (ouro_jax.attention.LAST_COMBINE)
+DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
+BOOL_TUNING_KEYS = ("last_combine",)
 POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton warps
 
 
@@ -21,6 +23,10 @@ def parse_tuning(spec: str, keys) -> dict:
             out[key] = int(value)
         except ValueError:
             raise SystemExit(f"kernel tuning: {key} needs an integer, got {value!r}") from None
+        if key in BOOL_TUNING_KEYS:
+            if out[key] not in (0, 1):
+                raise SystemExit(f"kernel tuning: {key} is 0 or 1, got {out[key]}")
+            continue
         if out[key] < 1:
             raise SystemExit(f"kernel tuning: {key} must be >= 1, got {out[key]}")
         if key in POW2_TUNING_KEYS and out[key] & (out[key] - 1):

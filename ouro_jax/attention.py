@@ -23,6 +23,10 @@ from ouro_jax.kv_cache import TRASH_PAGE, gather_kv, slot_indices, write_kv
 from ouro_jax.model import attention_core
 
 BACKENDS = ("auto", "xla", "pallas")
+# Pallas decode (fused K/V write): merge the flash-decoding splits inside the decode kernel
+# (its last split program) instead of an XLA combine kernel after it. Off until measured on
+# the H200; `benchmarks.decode --decode-kernel last_combine=1` turns it on for a run.
+LAST_COMBINE = False
 
 
 def resolve_backend(backend: str) -> str:
@@ -83,11 +87,25 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
 
         if c == 1 and fused_kv_write:
             def attend_qkv(qkv, cos, sin, planes, loop, layer):
-                out, kc, vc = pk.paged_decode_attention_qkv(
+                counters = dict(counters=planes[2]) if len(planes) == 3 else {}
+                out, kc, vc, *cnt = pk.paged_decode_attention_qkv(
                     qkv[:, 0], planes[0], planes[1], (loop, layer), block_tables, kv_lens,
                     page[:, 0], slot[:, 0], rope=(cos[:, 0], sin[:, 0]), trash_page=TRASH_PAGE,
-                    interpret=interpret, entry_stride=num_layers)
-                return out[:, None], (kc, vc)
+                    interpret=interpret, entry_stride=num_layers, **counters)
+                return out[:, None], (kc, vc, *cnt)
+
+            if pk.decode.TUNING.get("last_combine", LAST_COMBINE):
+                # The decode kernel merges its splits itself; its per-(row, KV head) counters
+                # (zeros, left at zero by every call) ride along with the planes through the
+                # layers and loops, so each forward block makes them once (one memset).
+                kvh = cfg.num_key_value_heads
+                plain = attend
+
+                def attend(q, k, v, state, loop, layer):  # noqa: F811 (same, counters kept)
+                    out, planes = plain(q, k, v, state[:2], loop, layer)
+                    return out, (*planes, state[2])
+                attend.wrap = lambda planes: (*planes, jnp.zeros((b, kvh), jnp.int32))
+                attend.unwrap = lambda state: state[:2]
             attend.qkv = attend_qkv
         return attend
 

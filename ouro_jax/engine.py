@@ -64,8 +64,11 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
         h = embed(params, ids, params.dtype)
     attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], attention,
                                fused_kv_write="kvxla" not in options)
-    return run_loops(params, h, cos, sin, cfg, attend, planes, loops,
-                     unroll="unroll" in options, proj=proj)
+    # Some attends carry extra state with the planes (the decode kernel's split counters).
+    state = attend.wrap(planes) if hasattr(attend, "wrap") else planes
+    hidden, gates, state = run_loops(params, h, cos, sin, cfg, attend, state, loops,
+                                     unroll="unroll" in options, proj=proj)
+    return hidden, gates, (attend.unwrap(state) if hasattr(attend, "unwrap") else state)
 
 
 def prefill_chunk(params, planes, block_tables, ids, start, last_idx, last_h, last_g, *,

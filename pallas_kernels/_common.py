@@ -149,22 +149,32 @@ def combine_splits(o, lse, axis: int):
 
 def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int, hd: int,
                         name: str, num_warps: int, num_stages: int, interpret: bool,
-                        out_dtype=jnp.float32, updated=()):
+                        out_dtype=jnp.float32, updated=(), counters_index=None):
     """pallas_call over grid (rows, KVH, splits) whose kernel writes a normalised partial
     output [.., m, hd] and its log-sum-exp per (row, KV head, split); returns a function of
     the kernel's inputs giving the merged [rows, KVH, m, hd] output. With one split there is
     nothing to merge, so the kernel writes `out_dtype` itself (no separate convert kernel);
     with several, partials stay fp32 for the combine. `updated`: (input index, shape dtype)
     pairs of inputs the kernel updates in place (aliased outputs after o and lse); the
-    function then returns (output, *updated arrays)."""
+    function then returns (output, *updated arrays). counters_index: the input index of an
+    int32 [rows, KVH] array of zeros; the kernel merges the partials itself (the last split
+    program of each row and head, see decode._merge_if_last), writing the output [rows, KVH,
+    m, hd] and leaving the counters at zero again (aliased, updated in place); the function
+    then returns (output, *updated arrays, counters)."""
     o_dtype = out_dtype if num_splits == 1 else jnp.float32
+    aliases = {i: 2 + j for j, (i, _) in enumerate(updated)}
+    merged = ()
+    if counters_index is not None:
+        merged = (jax.ShapeDtypeStruct((rows, kvh, m, hd), out_dtype),
+                  jax.ShapeDtypeStruct((rows, kvh), jnp.int32))
+        aliases[counters_index] = 2 + len(updated) + 1
     call = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((rows, kvh, num_splits, m, hd), o_dtype),
                    jax.ShapeDtypeStruct((rows, kvh, num_splits, m), jnp.float32),
-                   *(sd for _, sd in updated)),
+                   *(sd for _, sd in updated), *merged),
         grid=(rows, kvh, num_splits),
-        input_output_aliases={i: 2 + j for j, (i, _) in enumerate(updated)},
+        input_output_aliases=aliases,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
@@ -172,6 +182,9 @@ def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int,
 
     def run(*args):
         o, lse, *rest = call(*args)
+        if counters_index is not None:
+            *rest, out, counters = rest
+            return (out, *rest, counters)
         out = combine_splits(o, lse, axis=2)
         return (out, *rest) if updated else out
     return run

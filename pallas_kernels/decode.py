@@ -52,13 +52,22 @@ def _rope(x, x_swapped, cos, sin):
 
 def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: int,
                    block_t: int, num_splits: int, scale: float, rowwise: bool, entry_stride: int,
-                   write_new: bool = False, rope: bool = False, trash_page: int = 0):
+                   write_new: bool = False, rope: bool = False, trash_page: int = 0,
+                   last_combine: bool = False, gpu_sync: bool = True):
     """write_new: q_ref is the packed projection qkv [B, H + 2 KVH, hd] of the new token,
     whose K/V the kernel writes at (page, slot) [B] into the caches (aliased outputs); with
     `rope` the kernel also applies RoPE (cos, sin [B, hd]) to q and k. See
-    paged_decode_attention_qkv."""
+    paged_decode_attention_qkv. last_combine (with write_new): the last split program of each
+    (row, KV head) to finish merges the partials (see _merge_if_last); gpu_sync: emit its CTA
+    barriers (interpret mode has no lowering for them and runs programs in order)."""
+    out_ref = cnt_ref = None
     if write_new:
         (base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, *rest) = refs
+        if last_combine:
+            # Inputs end with the counters (aliased to the last output); the outputs are
+            # (o, lse, k cache, v cache, out, counters).
+            out_ref, cnt_ref = rest[-2:]
+            rest = rest[:-7] + rest[-6:-2]
         cos_ref, sin_ref = rest[:2] if rope else (None, None)
         wpage_ref, wslot_ref, o_ref, lse_ref, kout_ref, vout_ref = rest[2:] if rope else rest
     else:
@@ -128,12 +137,15 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
         if group_pad == group:
             o_ref[b, kvh, sp, :, :] = o.astype(o_ref.dtype)
             lse_ref[b, kvh, sp, :] = lse
+            rows = lax.iota(jnp.int32, group)
         else:
             # Only the `group` real rows go out (1 of 16 for MHA): padded rows repeat head
             # group-1, so storing every row at min(row, group-1) writes identical values.
             rows = jnp.minimum(lax.iota(jnp.int32, group_pad), group - 1)
             o_ref[b, kvh, sp, rows, :] = o.astype(o_ref.dtype)
             lse_ref[b, kvh, sp, rows] = lse
+        if last_combine:
+            _merge_if_last(o_ref, lse_ref, out_ref, cnt_ref, b, kvh, rows, num_splits, gpu_sync)
         return
 
     qs = [q_ref[b, kvh * group + g, :].astype(jnp.float32) * scale for g in range(group)]
@@ -189,6 +201,38 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
         store(g, *finish(acc, m, l))
 
 
+def _merge_if_last(o_ref, lse_ref, out_ref, cnt_ref, b, kvh, rows, num_splits: int,
+                   gpu_sync: bool):
+    """The split combine inside the kernel: every split program of (b, kvh) has stored its
+    partial (o, lse) and increments the (b, kvh) counter; the one that reads num_splits - 1
+    is the last, merges all partials in split order (the result does not depend on which
+    program is last) with _common.combine_splits' math, stores the output and resets the
+    counter to 0 for the next call.
+
+    Memory ordering (the pattern of CUTLASS's semaphores): a CTA barrier orders every warp's
+    partial stores before the counter's atomic, which Pallas lowers to atom.acq_rel.gpu by one
+    thread (release: the stores are visible GPU-wide before the increment; acquire: the last
+    program sees the other programs' stores); a second barrier orders that acquire before the
+    other warps' loads of the partials."""
+    from pallas_kernels._common import plt
+    if gpu_sync:
+        plt.debug_barrier()
+    old = plt.atomic_add(cnt_ref, (b, kvh), jnp.int32(1))
+
+    @pl.when(old == num_splits - 1)
+    def _():
+        if gpu_sync:
+            plt.debug_barrier()
+        lses = [lse_ref[b, kvh, s, rows] for s in range(num_splits)]  # [G] each
+        m = functools.reduce(jnp.maximum, lses)
+        ws = [jnp.exp(x - m) for x in lses]  # all-empty rows: w == 1, o == 0 -> 0
+        num = functools.reduce(jnp.add, [w[:, None] * o_ref[b, kvh, s, rows, :]
+                                         for s, w in enumerate(ws)])
+        den = functools.reduce(jnp.add, ws)
+        out_ref[b, kvh, rows, :] = (num / den[:, None]).astype(out_ref.dtype)
+        cnt_ref[b, kvh] = jnp.int32(0)
+
+
 # Process-wide overrides of the tuning defaults below (block_t, num_splits, num_warps,
 # num_stages), read at trace time: for end-to-end A/B runs (`benchmarks.decode
 # --decode-kernel block_t=32,num_warps=2`); arguments passed explicitly win.
@@ -223,7 +267,7 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
 
 def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_lens, page, slot,
                                *, rope=None, trash_page=None, interpret: bool = False,
-                               entry_stride: int = 1, **tuning):
+                               entry_stride: int = 1, counters=None, **tuning):
     """Decode attention for a new token that is not in the cache yet, which the kernel writes.
 
     qkv [B, H + 2 KVH, hd]: the token's q heads, then its k and v heads (the fused projection,
@@ -234,6 +278,12 @@ def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_le
     kernel applies model.apply_rope (each op rounded to qkv's dtype, as XLA rounds it).
     The caches are updated in place (aliased outputs; donate them). Returns (out [B, H, hd],
     k_cache, v_cache). Other arguments as paged_decode_attention (tensor-core path only).
+
+    counters: an int32 [B, KVH] array of zeros (donate it; the engine makes one per forward
+    block and threads it through the layers). With it and more than one split, the kernel
+    merges the splits itself (the last split program of each row and KV head to finish,
+    _merge_if_last) instead of an XLA combine after it, and the call returns (out, k_cache,
+    v_cache, counters), the counters back at zero.
     """
     bsz, rows, hd = qkv.shape
     _, _, _, kvh, hd_c = k_cache.shape
@@ -258,17 +308,23 @@ def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_le
                              f"must be [{bsz}, {hd}]")
         extra = (cos.astype(qkv.dtype), sin.astype(qkv.dtype))
     extra += (page.astype(jnp.int32), slot.astype(jnp.int32))
-    out, kc, vc = _call(qkv, h, k_cache, v_cache, entry, block_tables, kv_lens, extra,
-                        interpret=interpret, entry_stride=entry_stride, rope=rope is not None,
-                        trash_page=-1 if trash_page is None else int(trash_page), **tuning)
-    return out.reshape(bsz, h, hd).astype(qkv.dtype), kc, vc
+    if counters is not None and (counters.shape != (bsz, kvh) or counters.dtype != jnp.int32):
+        raise ValueError(f"paged_decode_attention_qkv: counters must be int32 [{bsz}, {kvh}], "
+                         f"got {counters.dtype} {counters.shape}")
+    out, kc, vc, *cnt = _call(qkv, h, k_cache, v_cache, entry, block_tables, kv_lens, extra,
+                              interpret=interpret, entry_stride=entry_stride,
+                              rope=rope is not None, counters=counters,
+                              trash_page=-1 if trash_page is None else int(trash_page), **tuning)
+    out = out.reshape(bsz, h, hd).astype(qkv.dtype)
+    return (out, kc, vc) if counters is None else (out, kc, vc, cnt[0] if cnt else counters)
 
 
 def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, interpret,
           block_t=None, num_splits=None, num_warps=None, num_stages=None, use_dot=True,
-          rowwise=False, entry_stride=1, rope=False, trash_page=0):
+          rowwise=False, entry_stride=1, rope=False, trash_page=0, counters=None):
     """The pallas_call for q [B, H (+ 2 KVH with write_args), hd]; write_args non-empty:
-    the fused-write mode's extra inputs ([cos, sin,] page, slot)."""
+    the fused-write mode's extra inputs ([cos, sin,] page, slot); counters (fused-write mode):
+    merge the splits in the kernel when there are several (then also returned)."""
     bsz, hd = q.shape[0], q.shape[-1]
     page_size, kvh = k_cache.shape[2], k_cache.shape[3]
     group = h // kvh
@@ -288,17 +344,22 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
         # from 163.5 to 170.2 tok/s on the H200 (benchmarks/results/ab_splits*_b1_h200.json).
         num_splits = choose_num_splits(bsz * kvh, max_tokens, block_t, min_blocks_per_split=1)
     write_new = bool(write_args)
+    last_combine = write_new and counters is not None and num_splits > 1
+    if last_combine:
+        write_args = (*write_args, counters)
     sd = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)
     # The caches follow the two plane operands, block tables, kv_lens and q.
     updated = ((5, sd(k_cache)), (6, sd(v_cache))) if write_new else ()
     kernel = functools.partial(
         _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,
         block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise,
-        entry_stride=entry_stride, write_new=write_new, rope=rope, trash_page=trash_page)
+        entry_stride=entry_stride, write_new=write_new, rope=rope, trash_page=trash_page,
+        last_combine=last_combine, gpu_sync=not interpret)
     # Output rows: the group's real query heads (the tensor-core tile's padding stays on chip).
     call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=group,
                                hd=hd, name="paged_decode_attention", num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret, out_dtype=q.dtype,
-                               updated=updated)
+                               updated=updated,
+                               counters_index=7 + len(write_args) - 1 if last_combine else None)
     return call(*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
                 kv_lens.astype(jnp.int32), q, k_cache, v_cache, *write_args)  # [B, KVH, G, hd]

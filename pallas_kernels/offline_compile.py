@@ -179,6 +179,15 @@ def main():
                                   S((8, 128), dt), S((8, 128), dt)).lower(
                     lowering_platforms=("cuda",))
                 compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} qkv rope={rope}")
+            # the same with the splits merged in the kernel (counters: atomics, CTA barriers)
+            def fc(qkv, kc_, vc_, e, bt, ln, pg, sl, cs, sn, cnt):
+                return paged_decode_attention_qkv(qkv, kc_, vc_, e, bt, ln, pg, sl,
+                                                  rope=(cs, sn), counters=cnt)
+            jax.jit(fc).trace(S((8, kvh * (g + 2), 128), dt), kc, kc, S((), i32),
+                              S((8, 256), i32), S((8,), i32), S((8,), i32), S((8,), i32),
+                              S((8, 128), dt), S((8, 128), dt), S((8, kvh), i32)).lower(
+                lowering_platforms=("cuda",))
+            compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} qkv last_combine")
             for n in (40, 512):
                 f = jax.jit(ragged_paged_attention)
                 f.trace(S((n, kvh * g, 128), dt), kc, kc, S((), i32), S((8, 256), i32),

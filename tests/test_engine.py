@@ -192,6 +192,41 @@ def test_pallas_backend_matches_xla_end_to_end():
             assert [o.token_ids for o in other] == [o.token_ids for o in outs[0]]
 
 
+def test_decode_kernel_merging_its_splits_matches_end_to_end(monkeypatch):
+    """With last_combine (the decode kernel's last split program merges the partials, its
+    counters threaded through the layers with the planes) and 3 splits forced, the engine
+    generates the same greedy tokens as with the XLA combine and as the xla backend, plain and
+    speculative; the counters never leak into the planes the engine keeps."""
+    import pallas_kernels.decode as decode
+    from ouro_jax.attention import make_paged_attend
+    from ouro_jax.speculative import SpeculativeConfig
+
+    folder = tiny_checkpoint("tiny-gqa", branch_scale=0.3)
+    cfg, params = load(folder)
+    prompts = ragged_prompts(cfg.vocab_size, [6, 3], seed=3)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    split = dict(block_t=4, num_splits=3)
+    merges = []
+    merge = decode._merge_if_last
+    monkeypatch.setattr(decode, "_merge_if_last", lambda *a: merges.append(1) or merge(*a))
+    runs = []
+    for attention, tuning in (("xla", {}), ("pallas", split),
+                              ("pallas", dict(split, last_combine=1))):
+        monkeypatch.setattr(decode, "TUNING", tuning)
+        llm = Ouro(cfg, params, None, page_size=4, attention=attention)
+        runs.append([[o.token_ids for o in llm.generate(prompts, sp, speculative=s).outputs]
+                     for s in (None, SpeculativeConfig(k=2, draft_loops=2))])
+        assert len(llm._planes) == 2
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+    assert merges  # traced only in the last run: that run's kernels merged their splits
+    tables, pos = np.ones((2, 3), np.int32), np.zeros((2, 1), np.int32)
+    attend = make_paged_attend(cfg, tables, pos, 4, "pallas")
+    assert hasattr(attend, "wrap")  # still the last_combine tuning from the loop
+    monkeypatch.setattr(decode, "TUNING", {})
+    attend = make_paged_attend(cfg, tables, pos, 4, "pallas")
+    assert not hasattr(attend, "wrap")
+
+
 def test_kv_planes_are_donated_without_warnings():
     """The KV pool is donated into every program (updated in place, the old buffers are
     consumed), no donation or other warning is raised, plain or speculative, and the compiled

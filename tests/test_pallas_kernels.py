@@ -176,6 +176,43 @@ def test_decode_kernel_with_fused_kv_write(dtype, kvh, group, kw):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("dtype,kvh,group,splits", [
+    (jnp.float32, 2, 1, 3), (jnp.bfloat16, 2, 4, 2), (jnp.bfloat16, 2, 1, 4),
+    (jnp.bfloat16, 2, 1, 1),
+])
+def test_decode_kernel_merges_splits_itself(dtype, kvh, group, splits):
+    """counters: the last split program merges the partials (no XLA combine). The output
+    matches the reference (and the XLA combine's result to fp32 rounding: the same math in
+    another summation order), the cache is written as before, and the counters come back at
+    zero for the next call (one split: nothing to merge, the counters pass through)."""
+    rng = np.random.default_rng(5)
+    (qkv, k, v, bt, lens), (page, slot), (q, k_want, v_want) = fused_write_case(
+        rng, dtype, kvh, group, [0, 1, 4, 8, 13, 23], hd=16, page_size=4)
+    args = (qkv, k, v, jnp.int32(2), bt, lens, page, slot)
+    kw = dict(trash_page=0, interpret=True, block_t=4, num_splits=splits)
+    counters = jnp.zeros((6, kvh), jnp.int32)
+    out, k2, v2, cnt = paged_decode_attention_qkv(*args, counters=counters, **kw)
+    xla_out, _, _ = paged_decode_attention_qkv(*args, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_array_equal(np.asarray(cnt), np.zeros((6, kvh), np.int32))
+    check(out, paged_decode_attention_reference(q, k_want, v_want, 2, bt, lens), dtype)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(xla_out, np.float32),
+                               rtol=tol, atol=tol)
+    assert np.all(np.asarray(out[0], np.float32) == 0)
+    for got, want in ((k2, k_want), (v2, v_want)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_decode_kernel_counters_are_checked():
+    rng = np.random.default_rng(5)
+    (qkv, k, v, bt, lens), (page, slot), _ = fused_write_case(
+        rng, jnp.float32, 2, 1, [1, 4], hd=16, page_size=4)
+    with pytest.raises(ValueError, match="counters must be int32 \\[2, 2\\]"):
+        paged_decode_attention_qkv(qkv, k, v, jnp.int32(2), bt, lens, page, slot,
+                                   counters=jnp.zeros((2, 1), jnp.int32), interpret=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_kernel_with_fused_rope(dtype):
     """rope=(cos, sin): q and the new k arrive unrotated; the kernel rotates both as
@@ -368,6 +405,36 @@ def test_decode_kernel_gpu(dtype, kvh, group):
             continue
         out = jax.jit(lambda *a: paged_decode_attention(*a, **kw))(q, k, v, jnp.int32(1), bt, lens)
         check(out, paged_decode_attention_reference(q, k, v, 1, bt, lens), dtype)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,kvh,group", [(jnp.bfloat16, 16, 1), (jnp.bfloat16, 4, 4)])
+def test_decode_kernel_merges_splits_itself_gpu(dtype, kvh, group):
+    """The compiled last-program combine (atomics and CTA barriers): over 60 calls with a
+    fresh query each (a partial read before its store landed would hold the previous call's
+    values), batch 1 and 8, default and 7 splits, the output matches the XLA combine's to
+    bf16 rounding and the counters are back at zero after every call."""
+    kv_lens = [0, 1, 16, 17, 300, 1024, 2047, 2100]
+    case, (page, slot), _ = fused_write_case(np.random.default_rng(9), dtype, kvh, group,
+                                             kv_lens, hd=128, page_size=16)
+    qkv, k, v, bt, lens = case
+    rng = np.random.default_rng(3)
+    for rows in (slice(7, 8), slice(0, 8)):
+        for kw in (dict(), dict(num_splits=7, block_t=32)):
+            args = lambda q: (q, k, v, jnp.int32(2), bt[rows], lens[rows], page[rows],
+                              slot[rows])
+            merged = jax.jit(lambda q, c: paged_decode_attention_qkv(
+                *args(q), trash_page=0, counters=c, **kw))
+            xla = jax.jit(lambda q: paged_decode_attention_qkv(*args(q), trash_page=0, **kw))
+            counters = jnp.zeros((lens[rows].shape[0], kvh), jnp.int32)
+            for _ in range(60):
+                q = jnp.asarray(rng.standard_normal(qkv[rows].shape), dtype)
+                out, _, _, counters = merged(q, counters)
+                want = xla(q)[0]
+                np.testing.assert_allclose(np.asarray(out, np.float32),
+                                           np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+                assert not np.any(np.asarray(counters))
 
 
 @gpu
