@@ -55,10 +55,14 @@ GEMV_TUNING = {
 # (batch-1 native 231.9 tok/s with '+norms'). The second sweep
 # (gpu_session7_call2_output.log) timed one block per program (st1_k512_p1_w4) 0.2-0.5 us
 # faster for qkv, o and gate/up alone; not yet measured end to end (--stream-tiling).
+# qkv and gate/up run with the add_norm prologue in the engine, which that sweep left out;
+# with it (session 9, gemv_stream_add_norm_session9_h200.json) the fastest were qkv
+# st4_k512_p4_w4 (11.41 vs 12.00 us) and gate/up st2_k512_p8_w4 (17.05 vs 17.33), and
+# batch-1 native went from 232.7 to 239.2 tok/s with both (ab_b1_*_session9_h200.json).
 STREAM_TUNING = {
-    "qkv": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
+    "qkv": dict(block_n=4, block_k=512, per_program=4, num_warps=4),
     "o": dict(block_n=2, block_k=512, per_program=2, num_warps=4),
-    "gate_up": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
+    "gate_up": dict(block_n=2, block_k=512, per_program=8, num_warps=4),
     "down": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
 }
 # Calls the streaming kernel takes: one row (decode, draft), the only count measured on a GPU;
