@@ -422,16 +422,17 @@ def test_decode_kernel_merges_splits_itself_gpu(dtype, kvh, group):
     rng = np.random.default_rng(3)
     for rows in (slice(7, 8), slice(0, 8)):
         for kw in (dict(), dict(num_splits=7, block_t=32)):
-            args = lambda q: (q, k, v, jnp.int32(2), bt[rows], lens[rows], page[rows],
-                              slot[rows])
-            merged = jax.jit(lambda q, c: paged_decode_attention_qkv(
-                *args(q), trash_page=0, counters=c, **kw))
-            xla = jax.jit(lambda q: paged_decode_attention_qkv(*args(q), trash_page=0, **kw))
+            # Every array is an argument: closed over, the caches would be compiled in as
+            # constants (hundreds of MB), which stalls XLA's compile for minutes.
+            args = (k, v, jnp.int32(2), bt[rows], lens[rows], page[rows], slot[rows])
+            merged = jax.jit(lambda q, c, *a: paged_decode_attention_qkv(
+                q, *a, trash_page=0, counters=c, **kw))
+            xla = jax.jit(lambda q, *a: paged_decode_attention_qkv(q, *a, trash_page=0, **kw))
             counters = jnp.zeros((lens[rows].shape[0], kvh), jnp.int32)
             for _ in range(20):
                 q = jnp.asarray(rng.standard_normal(qkv[rows].shape), dtype)
-                out, _, _, counters = merged(q, counters)
-                want = xla(q)[0]
+                out, _, _, counters = merged(q, counters, *args)
+                want = xla(q, *args)[0]
                 np.testing.assert_allclose(np.asarray(out, np.float32),
                                            np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
                 assert not np.any(np.asarray(counters))
