@@ -10,7 +10,6 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ouro_jax import engine
@@ -41,20 +40,20 @@ def admit(llm, ids, params, stops, room):
     pages = PageAllocator(num_pages, llm.page_size).allocate(tokens_needed)
     max_pages = bucket_pages(max(len(r) for r in pages), minimum=1)
     planes = llm.planes_for(num_pages)
-    bt = jnp.asarray(block_table_array(pages, bp, max_pages))
+    bt = jax.device_put(block_table_array(pages, bp, max_pages))
     n_stop = next_pow2(max(len(s) for s in stops), 1)
     stop_arr = np.full((bp, n_stop), -1, np.int32)
     for i, s in enumerate(stops):
         stop_arr[i, :len(s)] = s
     pad = bp - b
     state = engine.RowState(
-        tokens=jnp.zeros((bp,), jnp.int32),
-        lengths=jnp.asarray(np.array([len(p) for p in ids] + [0] * pad, np.int32)),
-        num_generated=jnp.zeros((bp,), jnp.int32),
-        max_tokens=jnp.asarray(np.array([sp.max_tokens for sp in params] + [1] * pad, np.int32)),
-        done=jnp.asarray(np.array([False] * b + [True] * pad)),
-        finish=jnp.zeros((bp,), jnp.int32),
-        stop_ids=jnp.asarray(stop_arr),
+        tokens=jax.device_put(np.zeros((bp,), np.int32)),
+        lengths=jax.device_put(np.array([len(p) for p in ids] + [0] * pad, np.int32)),
+        num_generated=jax.device_put(np.zeros((bp,), np.int32)),
+        max_tokens=jax.device_put(np.array([sp.max_tokens for sp in params] + [1] * pad, np.int32)),
+        done=jax.device_put(np.array([False] * b + [True] * pad)),
+        finish=jax.device_put(np.zeros((bp,), np.int32)),
+        stop_ids=jax.device_put(stop_arr),
         sampling=sampling_arrays(params, bp))
     return planes, bt, state
 
@@ -86,14 +85,20 @@ def prefill(llm, planes, bt, state, ids, spec, mode, want_lp):
     arr = np.zeros((bp, padded), np.int32)
     for i, p in enumerate(ids):
         arr[i, :len(p)] = p
-    last_idx = jnp.maximum(state.lengths - 1, 0)
-    last_h = jnp.zeros((cfg.total_ut_steps, bp, cfg.hidden_size), llm.params.dtype)
-    last_g = jnp.zeros((cfg.total_ut_steps, bp), llm.params.dtype)
+    # Host values reach the device by jax.device_put only (here, in admit and in
+    # sampling_arrays): jnp.int32(x), jnp.zeros, jnp.maximum and even jnp.asarray(ndarray)
+    # (a jit of lax.stage) each run an eager XLA program per call. The H200 trace shows one,
+    # a 4-byte convert_element_type copy (jnp.zeros' fill value), spanning ~8 ms before
+    # prefill (session 9); whether the wait goes with it is for the next trace.
+    last_idx = jax.device_put(np.array([max(len(p) - 1, 0) for p in ids]
+                                       + [0] * (bp - len(ids)), np.int32))
+    last_h = jax.device_put(np.zeros((cfg.total_ut_steps, bp, cfg.hidden_size), llm.params.dtype))
+    last_g = jax.device_put(np.zeros((cfg.total_ut_steps, bp), llm.params.dtype))
     static = dict(cfg=cfg, backend=llm.backend)
     for start in range(0, padded, chunk):
         planes, last_h, last_g = progs.call(
             engine.prefill_chunk, static, (1, 6, 7), llm.params, planes, bt,
-            jnp.asarray(arr[:, start:start + chunk]), jnp.int32(start), last_idx, last_h, last_g)
+            jax.device_put(arr[:, start:start + chunk]), np.int32(start), last_idx, last_h, last_g)
     static = dict(cfg=cfg, spec=spec, mode=mode, want_logprobs=want_lp)
     state, first = progs.call(engine.prefill_finish, static, (), llm.params, last_h, last_g, state)
     return planes, state, first
@@ -145,7 +150,7 @@ def decode_loop(llm, planes, bt, state, first, program, static, counters, on_chu
     while True:
         if counters is None:
             planes, state, bufs = llm.programs.call(program, static, (1,), llm.params, planes, bt,
-                                                    state, jnp.int32(llm.decode_chunk))
+                                                    state, np.int32(llm.decode_chunk))
         else:
             planes, state, counters, bufs = llm.programs.call(program, static, (1,), llm.params,
                                                               planes, bt, state, counters)

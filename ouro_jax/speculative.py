@@ -26,6 +26,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ouro_jax import engine
@@ -71,8 +72,9 @@ class SpecCounters:
 
 
 def init_counters(state) -> SpecCounters:
-    z = jnp.zeros_like(state.lengths)
-    return SpecCounters(z, z, z)
+    """Zeros staged from the host (an eager jnp.zeros would run XLA ops per call)."""
+    z = lambda: jax.device_put(np.zeros(state.lengths.shape, np.int32))
+    return SpecCounters(z(), z(), z())
 
 
 def chunk_static(llm, sc: SpeculativeConfig, spec, mode, want_lp) -> dict:
