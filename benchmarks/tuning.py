@@ -12,8 +12,8 @@ POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton 
 
 
 def parse_tuning(spec: str, keys) -> dict:
-    """'block_t=32,num_warps=2' -> {'block_t': 32, 'num_warps': 2}; unknown keys or non-positive
-    integers are errors."""
+    """'block_t=32,num_warps=2' -> {'block_t': 32, 'num_warps': 2}; unknown keys, non-positive
+    integers and switches (BOOL_TUNING_KEYS) other than 0 or 1 are errors."""
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         key, sep, value = item.partition("=")

@@ -24,8 +24,9 @@ from ouro_jax.model import attention_core
 
 BACKENDS = ("auto", "xla", "pallas")
 # Pallas decode (fused K/V write): merge the flash-decoding splits inside the decode kernel
-# (its last split program) instead of an XLA combine kernel after it. Off until measured on
-# the H200; `benchmarks.decode --decode-kernel last_combine=1` turns it on for a run.
+# (its last split program) instead of an XLA combine kernel after it. Off: on the H200 at
+# batch 1 it read 231.8 tok/s against 232.7 (session 9); `benchmarks.decode --decode-kernel
+# last_combine=1` turns it on for a run. Read when an engine compiles its programs.
 LAST_COMBINE = False
 
 
@@ -103,7 +104,7 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
 
                 def attend(q, k, v, state, loop, layer):  # noqa: F811 (same, counters kept)
                     out, planes = plain(q, k, v, state[:2], loop, layer)
-                    return out, (*planes, state[2])
+                    return out, (*planes, *state[2:])
                 attend.wrap = lambda planes: (*planes, jnp.zeros((b, kvh), jnp.int32))
                 attend.unwrap = lambda state: state[:2]
             attend.qkv = attend_qkv

@@ -96,9 +96,10 @@ def prefill(llm, planes, bt, state, ids, spec, mode, want_lp):
     last_g = jax.device_put(np.zeros((cfg.total_ut_steps, bp), llm.params.dtype))
     static = dict(cfg=cfg, backend=llm.backend)
     for start in range(0, padded, chunk):
+        ids_chunk, start_arr = jax.device_put((arr[:, start:start + chunk], np.int32(start)))
         planes, last_h, last_g = progs.call(
-            engine.prefill_chunk, static, (1, 6, 7), llm.params, planes, bt,
-            jax.device_put(arr[:, start:start + chunk]), np.int32(start), last_idx, last_h, last_g)
+            engine.prefill_chunk, static, (1, 6, 7), llm.params, planes, bt, ids_chunk,
+            start_arr, last_idx, last_h, last_g)
     static = dict(cfg=cfg, spec=spec, mode=mode, want_logprobs=want_lp)
     state, first = progs.call(engine.prefill_finish, static, (), llm.params, last_h, last_g, state)
     return planes, state, first
@@ -147,10 +148,11 @@ def decode_loop(llm, planes, bt, state, first, program, static, counters, on_chu
             on_chunk(new)
         return planes, out, finish, None, 1
     fetches = 0
+    steps = jax.device_put(np.int32(llm.decode_chunk))
     while True:
         if counters is None:
             planes, state, bufs = llm.programs.call(program, static, (1,), llm.params, planes, bt,
-                                                    state, np.int32(llm.decode_chunk))
+                                                    state, steps)
         else:
             planes, state, counters, bufs = llm.programs.call(program, static, (1,), llm.params,
                                                               planes, bt, state, counters)

@@ -5,7 +5,9 @@ Pallas with the Triton lowering (docs/kernels.md says why). Grid (B, KVH, S): pr
 that KV head share each K/V tile), gathering token rows through the block table straight
 out of plane `entry` of the full cache (the plane is a pointer offset, never a copy). Each
 program writes a normalised partial output and its log-sum-exp; a small XLA combine merges
-the S partials (skipped when S == 1).
+the S partials (skipped when S == 1), or, in paged_decode_attention_qkv with `counters`,
+the last split program to finish merges them in the kernel (_merge_if_last; opt-in: no
+gain on the H200 at batch 1).
 
 `paged_decode_attention_qkv` is the engine's decode entry point: the same kernel reads q, k and
 v of the new token from the packed projection, applies RoPE, writes the new K/V into the caches
@@ -137,7 +139,6 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
         if group_pad == group:
             o_ref[b, kvh, sp, :, :] = o.astype(o_ref.dtype)
             lse_ref[b, kvh, sp, :] = lse
-            rows = lax.iota(jnp.int32, group)
         else:
             # Only the `group` real rows go out (1 of 16 for MHA): padded rows repeat head
             # group-1, so storing every row at min(row, group-1) writes identical values.
@@ -145,7 +146,7 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
             o_ref[b, kvh, sp, rows, :] = o.astype(o_ref.dtype)
             lse_ref[b, kvh, sp, rows] = lse
         if last_combine:
-            _merge_if_last(o_ref, lse_ref, out_ref, cnt_ref, b, kvh, rows, num_splits, gpu_sync)
+            _merge_if_last(o_ref, lse_ref, out_ref, cnt_ref, b, kvh, group, num_splits, gpu_sync)
         return
 
     qs = [q_ref[b, kvh * group + g, :].astype(jnp.float32) * scale for g in range(group)]
@@ -201,13 +202,15 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
         store(g, *finish(acc, m, l))
 
 
-def _merge_if_last(o_ref, lse_ref, out_ref, cnt_ref, b, kvh, rows, num_splits: int,
+def _merge_if_last(o_ref, lse_ref, out_ref, cnt_ref, b, kvh, group: int, num_splits: int,
                    gpu_sync: bool):
     """The split combine inside the kernel: every split program of (b, kvh) has stored its
     partial (o, lse) and increments the (b, kvh) counter; the one that reads num_splits - 1
     is the last, merges all partials in split order (the result does not depend on which
-    program is last) with _common.combine_splits' math, stores the output and resets the
-    counter to 0 for the next call.
+    program is last) with _common.combine_splits' math (the max first, then the weighted
+    sums), stores the output and resets the counter to 0 for the next call. Two loops over
+    the splits, so registers do not grow with the split count, on next_pow2(group) rows (the
+    real heads; the dot tile's padding to 16 rows stays out).
 
     Memory ordering (the pattern of CUTLASS's semaphores): a CTA barrier orders every warp's
     partial stores before the counter's atomic, which Pallas lowers to atom.acq_rel.gpu by one
@@ -218,24 +221,32 @@ def _merge_if_last(o_ref, lse_ref, out_ref, cnt_ref, b, kvh, rows, num_splits: i
     if gpu_sync:
         plt.debug_barrier()
     old = plt.atomic_add(cnt_ref, (b, kvh), jnp.int32(1))
+    rows = jnp.minimum(lax.iota(jnp.int32, next_pow2(group)), group - 1)
 
     @pl.when(old == num_splits - 1)
     def _():
         if gpu_sync:
             plt.debug_barrier()
-        lses = [lse_ref[b, kvh, s, rows] for s in range(num_splits)]  # [G] each
-        m = functools.reduce(jnp.maximum, lses)
-        ws = [jnp.exp(x - m) for x in lses]  # all-empty rows: w == 1, o == 0 -> 0
-        num = functools.reduce(jnp.add, [w[:, None] * o_ref[b, kvh, s, rows, :]
-                                         for s, w in enumerate(ws)])
-        den = functools.reduce(jnp.add, ws)
+        m = lax.fori_loop(1, num_splits, lambda s, m: jnp.maximum(m, lse_ref[b, kvh, s, rows]),
+                          lse_ref[b, kvh, 0, rows])
+
+        def add(s, carry):  # all-empty rows: every w == 1 and every o == 0 -> 0
+            num, den = carry
+            w = jnp.exp(lse_ref[b, kvh, s, rows] - m)
+            return num + w[:, None] * o_ref[b, kvh, s, rows, :], den + w
+
+        hd = o_ref.shape[-1]
+        num, den = lax.fori_loop(0, num_splits, add, (jnp.zeros((rows.shape[0], hd), jnp.float32),
+                                                      jnp.zeros(rows.shape, jnp.float32)))
         out_ref[b, kvh, rows, :] = (num / den[:, None]).astype(out_ref.dtype)
         cnt_ref[b, kvh] = jnp.int32(0)
 
 
 # Process-wide overrides of the tuning defaults below (block_t, num_splits, num_warps,
 # num_stages), read at trace time: for end-to-end A/B runs (`benchmarks.decode
-# --decode-kernel block_t=32,num_warps=2`); arguments passed explicitly win.
+# --decode-kernel block_t=32,num_warps=2`); arguments passed explicitly win. The key
+# last_combine (0/1) is read by ouro_jax.attention, which then passes counters. Programs an
+# engine has already compiled keep the settings they were traced with.
 TUNING: dict = {}
 
 
@@ -345,6 +356,8 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
         num_splits = choose_num_splits(bsz * kvh, max_tokens, block_t, min_blocks_per_split=1)
     write_new = bool(write_args)
     last_combine = write_new and counters is not None and num_splits > 1
+    # (the fused-write entry point takes the tensor-core path only, the one that merges)
+    assert use_dot or not last_combine
     if last_combine:
         write_args = (*write_args, counters)
     sd = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)

@@ -118,8 +118,10 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
         # the defaults for this shape: a 16-token table in 4-key blocks, one block per split
         assert call_params(decode) == ((2, 2, 4), 4, 2)
         assert call_params(ragged)[0][2] == 2  # the default for this shape
+        assert apply_kernel_tuning("last_combine=0", "")["decode"] == {"last_combine": 0}
+        assert dk.TUNING == {"last_combine": 0}  # a switch: 0 is a value, not an error
         for bad in ("num_splits", "splits=2", "num_warps=two", "block_t=0", "block_t=48",
-                    "num_warps=3"):
+                    "num_warps=3", "last_combine=2", "last_combine=-1"):
             with pytest.raises(SystemExit):
                 apply_kernel_tuning(bad, "")
     finally:
