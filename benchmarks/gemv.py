@@ -72,7 +72,11 @@ STREAM_VARIANTS = {
                           (1, 512, 2, 4), (1, 512, 1, 4), (2, 512, 1, 4), (1, 256, 2, 4),
                           (1, 512, 2, 8), (2, 1024, 1, 4),
                           # one warp per output row (block_k = 32 lanes x 8): an intra-warp sum
-                          (4, 256, 1, 4), (8, 256, 1, 8), (2, 256, 1, 2)]
+                          (4, 256, 1, 4), (8, 256, 1, 8), (2, 256, 1, 2),
+                          # third round, around session 9's add_norm picks (st4_k512_p4_w4 for
+                          # qkv, st2_k512_p8_w4 for gate/up)
+                          (4, 512, 2, 4), (4, 512, 8, 4), (8, 512, 2, 4), (4, 512, 4, 2),
+                          (2, 512, 8, 2), (8, 512, 2, 8)]
     for x2 in (False, True)
 }
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))

@@ -12,6 +12,8 @@
 #      session-9 GPU run had it unrolled) and an A/B at batch 8 (batch 1: 231.8 vs 232.7).
 # A .partial file is deleted only when its finished JSON exists; at most 8 files come back.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_next_session.sh
+# A second call, benchmarks/gpu_next_session_tilings.sh, times a third round of streaming
+# tilings around session 9's picks and A/Bs the fastest end to end.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}

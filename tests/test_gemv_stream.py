@@ -182,7 +182,10 @@ def test_stream_variants_on_the_gpu(name):
 # Tilings with more rows per program, the candidates for the add_norm projections (their
 # prologue is paid once per program; docs/kernels.md), next to the engine's.
 PROLOGUE_CANDIDATES = ("st2_k512_p4_w4", "st2_k512_p8_w4", "st2_k512_p16_w4", "st4_k512_p4_w4",
-                       "st4_k512_p4_w8", "st8_k512_p4_w8", "st1_k512_p8_w2")
+                       "st4_k512_p4_w8", "st8_k512_p4_w8", "st1_k512_p8_w2",
+                       # third round (session 9's picks were st4_k512_p4_w4 and st2_k512_p8_w4)
+                       "st4_k512_p2_w4", "st4_k512_p8_w4", "st8_k512_p2_w4", "st4_k512_p4_w2",
+                       "st2_k512_p8_w2", "st8_k512_p2_w8")
 
 
 def test_prologue_candidates_fit_the_add_norm_projections():
