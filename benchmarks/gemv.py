@@ -12,6 +12,7 @@ projection and the weight-read rate.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -206,6 +207,19 @@ def run(args) -> list:
     return results
 
 
+def pick_fastest(results: list, max_rel_err: float = 1e-2) -> str:
+    """The fastest streaming tiling per shape among a run's rows that ran without error and
+    agree with XLA, as a --stream-tiling spec ('gate_up=st2_...,qkv=st4_...'); '' if none."""
+    best = {}
+    for r in results:
+        if "us" not in r or "error" in r or r["impl"] not in STREAM_VARIANTS \
+                or r.get("rel_err_vs_xla", 1.0) >= max_rel_err:
+            continue
+        if r["shape"] not in best or r["us"] < best[r["shape"]]["us"]:
+            best[r["shape"]] = r
+    return ",".join(f"{s}={r['impl']}" for s, r in sorted(best.items()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=None,
@@ -226,7 +240,14 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--pick", default=None, metavar="RESULT.json",
+                    help="print the fastest streaming tiling per shape in a saved run as a "
+                         "--stream-tiling spec (benchmarks.decode), and exit")
     args = ap.parse_args(argv)
+    if args.pick:
+        with open(args.pick) as f:
+            print(pick_fastest(json.load(f)["results"]))
+        return 0
     if args.variants == "none":
         args.variants = "engine"
     args.shapes = args.shapes or ("qkv,gate_up" if args.prologue else ",".join(SHAPES))

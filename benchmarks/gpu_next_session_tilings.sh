@@ -14,18 +14,7 @@ timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv_strea
 timeout 70 python3 -m benchmarks.gemv --rows 1 --shapes qkv,gate_up --prologue add_norm \
   --variants $V --calls 10 --trials 3 --out $OUT/gemv_stream_add_norm_round3_h200.json 2>&1 \
   | grep -E "^(qkv|gate_up)"
-PICK=$(python3 - "$OUT/gemv_stream_add_norm_round3_h200.json" <<'PY'
-import json, sys
-rows = [r for r in json.load(open(sys.argv[1]))["results"]
-        if "us" in r and "error" not in r and r["impl"] not in ("xla", "engine")
-        and r.get("rel_err_vs_xla", 1.0) < 1e-2]
-best = {}
-for r in rows:
-    if r["shape"] not in best or r["us"] < best[r["shape"]]["us"]:
-        best[r["shape"]] = r
-print(",".join(f"{s}={r['impl']}" for s, r in sorted(best.items())))
-PY
-)
+PICK=$(python3 -m benchmarks.gemv --pick $OUT/gemv_stream_add_norm_round3_h200.json)
 echo "picked: $PICK"
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --k 0 --temperature 0"
 timeout 50 $D --out $OUT/ab_b1_default_round3_h200.json 2>&1 | grep -E "^ *1 native|rror"

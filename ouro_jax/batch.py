@@ -40,21 +40,22 @@ def admit(llm, ids, params, stops, room):
     pages = PageAllocator(num_pages, llm.page_size).allocate(tokens_needed)
     max_pages = bucket_pages(max(len(r) for r in pages), minimum=1)
     planes = llm.planes_for(num_pages)
-    bt = jax.device_put(block_table_array(pages, bp, max_pages))
     n_stop = next_pow2(max(len(s) for s in stops), 1)
     stop_arr = np.full((bp, n_stop), -1, np.int32)
     for i, s in enumerate(stops):
         stop_arr[i, :len(s)] = s
     pad = bp - b
+    # Built on the host and sent in one jax.device_put (see prefill for why not jnp).
     state = engine.RowState(
-        tokens=jax.device_put(np.zeros((bp,), np.int32)),
-        lengths=jax.device_put(np.array([len(p) for p in ids] + [0] * pad, np.int32)),
-        num_generated=jax.device_put(np.zeros((bp,), np.int32)),
-        max_tokens=jax.device_put(np.array([sp.max_tokens for sp in params] + [1] * pad, np.int32)),
-        done=jax.device_put(np.array([False] * b + [True] * pad)),
-        finish=jax.device_put(np.zeros((bp,), np.int32)),
-        stop_ids=jax.device_put(stop_arr),
+        tokens=np.zeros((bp,), np.int32),
+        lengths=np.array([len(p) for p in ids] + [0] * pad, np.int32),
+        num_generated=np.zeros((bp,), np.int32),
+        max_tokens=np.array([sp.max_tokens for sp in params] + [1] * pad, np.int32),
+        done=np.array([False] * b + [True] * pad),
+        finish=np.zeros((bp,), np.int32),
+        stop_ids=stop_arr,
         sampling=sampling_arrays(params, bp))
+    bt, state = jax.device_put((block_table_array(pages, bp, max_pages), state))
     return planes, bt, state
 
 
@@ -90,10 +91,10 @@ def prefill(llm, planes, bt, state, ids, spec, mode, want_lp):
     # (a jit of lax.stage) each run an eager XLA program per call. The H200 trace shows one,
     # a 4-byte convert_element_type copy (jnp.zeros' fill value), spanning ~8 ms before
     # prefill (session 9); whether the wait goes with it is for the next trace.
-    last_idx = jax.device_put(np.array([max(len(p) - 1, 0) for p in ids]
-                                       + [0] * (bp - len(ids)), np.int32))
-    last_h = jax.device_put(np.zeros((cfg.total_ut_steps, bp, cfg.hidden_size), llm.params.dtype))
-    last_g = jax.device_put(np.zeros((cfg.total_ut_steps, bp), llm.params.dtype))
+    last_idx, last_h, last_g = jax.device_put((
+        np.array([max(len(p) - 1, 0) for p in ids] + [0] * (bp - len(ids)), np.int32),
+        np.zeros((cfg.total_ut_steps, bp, cfg.hidden_size), llm.params.dtype),
+        np.zeros((cfg.total_ut_steps, bp), llm.params.dtype)))
     static = dict(cfg=cfg, backend=llm.backend)
     for start in range(0, padded, chunk):
         ids_chunk, start_arr = jax.device_put((arr[:, start:start + chunk], np.int32(start)))

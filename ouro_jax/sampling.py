@@ -126,11 +126,11 @@ def sampling_arrays(params: Sequence[SamplingParams], batch: int) -> SamplingArr
     import numpy as np
 
     pad = batch - len(params)
+    col = lambda f, fill, dt: np.array([f(p) for p in params] + [fill] * pad, dt)
     # jax.device_put, not jnp.asarray: the latter runs an eager XLA program per array
-    col = lambda f, fill, dt: jax.device_put(np.array([f(p) for p in params] + [fill] * pad, dt))
-    return SamplingArrays(
+    return jax.device_put(SamplingArrays(
         temperature=col(lambda p: p.temperature, 0.0, np.float32),
         top_k=col(lambda p: p.top_k, 0, np.int32),
         top_p=col(lambda p: p.top_p, 1.0, np.float32),
         seed=col(lambda p: p.seed, 0, np.uint32),
-    )
+    ))

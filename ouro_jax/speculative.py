@@ -73,8 +73,8 @@ class SpecCounters:
 
 def init_counters(state) -> SpecCounters:
     """Zeros staged from the host (an eager jnp.zeros would run XLA ops per call)."""
-    z = lambda: jax.device_put(np.zeros(state.lengths.shape, np.int32))
-    return SpecCounters(z(), z(), z())
+    return jax.device_put(SpecCounters(*(np.zeros(state.lengths.shape, np.int32)
+                                         for _ in range(3))))
 
 
 def chunk_static(llm, sc: SpeculativeConfig, spec, mode, want_lp) -> dict:

@@ -185,3 +185,24 @@ def test_gemv_prologue_benchmark_refuses_what_it_cannot_time():
         np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=1e-5, atol=1e-5)
     plain = gb.chain_fn("xla", False, "qkv")(pairs[0][0].astype(jnp.float32), ws[:1])[0]
     assert not np.allclose(np.asarray(plain), np.asarray(got[0]))  # the prologue did something
+
+
+def test_pick_fastest_tiling_skips_errors_xla_and_disagreeing_rows(capsys):
+    """benchmarks.gemv --pick: the fastest streaming tiling per shape, among rows that ran and
+    agree with XLA; XLA and the engine's row are never picked. Session 9's H200 run picks
+    what became the default."""
+    import os
+
+    from benchmarks.gemv import main, pick_fastest
+    rows = [dict(shape="qkv", impl="xla", us=1.0),
+            dict(shape="qkv", impl="engine", us=2.0, rel_err_vs_xla=0.0),
+            dict(shape="qkv", impl="st4_k512_p4_w4", us=9.0, rel_err_vs_xla=0.02),
+            dict(shape="qkv", impl="st2_k512_p8_w4", error="CompileError"),
+            dict(shape="qkv", impl="st1_k512_p4_w4", us=12.0, rel_err_vs_xla=0.001),
+            dict(shape="o", impl="xla", us=3.0)]
+    assert pick_fastest(rows) == "qkv=st1_k512_p4_w4"
+    assert pick_fastest(rows[:1]) == ""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                        "gemv_stream_add_norm_session9_h200.json")
+    assert main(["--pick", path]) == 0
+    assert capsys.readouterr().out.strip() == "gate_up=st2_k512_p8_w4,qkv=st4_k512_p4_w4"
