@@ -161,7 +161,11 @@ def run_config(llm, batch, k, temp, args):
                decode_tok_s_max=max(dec), e2e_tok_s=statistics.median(e2e),
                prefill_s=statistics.median(r.stats.prefill_s for r in runs),
                decode_s=statistics.median(r.stats.decode_s for r in runs),
-               compile_s=compile_s, host_fetches=runs[-1].stats.host_fetches)
+               compile_s=compile_s, host_fetches=runs[-1].stats.host_fetches,
+               # the tokens' digest: equal across runs of different kernel options means the
+               # same output (a race, e.g. with --pdl, would show here or across repeats)
+               tokens_sha=token_digest(runs[-1]),
+               repeats_identical=len({token_digest(r) for r in runs}) == 1)
     if k:
         s = runs[-1].stats.spec
         row.update(acceptance=s["acceptance"], tokens_per_round=s["tokens_per_round"],
@@ -174,6 +178,14 @@ def run_config(llm, batch, k, temp, args):
         row.update(step_ms=1e3 * step_s, step_bytes=nbytes,
                    roofline_fraction=nbytes / step_s / args.copy_bw)
     return row, runs[-1]
+
+
+def token_digest(result) -> str:
+    """sha256 (16 hex digits) of every output's token ids, in order."""
+    h = hashlib.sha256()
+    for o in result.outputs:
+        h.update(np.asarray(o.token_ids, np.int64).tobytes() + b"|")
+    return h.hexdigest()[:16]
 
 
 def token_match(native, spec) -> dict:
@@ -283,9 +295,14 @@ def main(argv=None) -> int:
     p.add_argument("--stream-tiling", default="", metavar="NAME=VARIANT,...",
                    help="override the streaming GEMV's tiling per projection for this run, e.g. "
                         "qkv=st1_k512_p1_w4 (VARIANT: a benchmarks.gemv STREAM_VARIANTS key)")
+    p.add_argument("--pdl", default="", metavar="NAME,...",
+                   help="streaming projections whose GEMV lets the next kernel launch early "
+                        "(programmatic dependent launch), e.g. qkv,o,gate_up; the decode "
+                        "kernel's is --decode-kernel last_combine=1,pdl=1")
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
-    tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling)
+    tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling,
+                                 args.pdl)
     try:
         return _run(args, argv, tuning)
     finally:  # the overrides are process-wide: leave none behind for other callers

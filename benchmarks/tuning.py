@@ -5,9 +5,10 @@ cleared again afterwards."""
 from __future__ import annotations
 
 # last_combine=1: the decode kernel merges its splits itself (ouro_jax.attention.LAST_COMBINE)
-DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine")
+# pdl=1: the decode kernel emits the PDL trigger (pallas_kernels._common.PDL); needs last_combine
+DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine", "pdl")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
-BOOL_TUNING_KEYS = ("last_combine",)
+BOOL_TUNING_KEYS = ("last_combine", "pdl")
 POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton warps
 
 
@@ -62,7 +63,22 @@ def parse_stream_tiling(spec: str) -> dict:
     return out
 
 
-def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "") -> dict:
+def parse_pdl(spec: str) -> tuple:
+    """'qkv,o,gate_up' -> the streaming projections whose GEMV emits the PDL trigger
+    (gemv_stream's pdl). 'down' is refused: after the last layer its next kernel can be an
+    XLA fusion (the final norm), which must not be launched early (pallas_kernels._common.PDL);
+    the decode kernel's trigger is --decode-kernel pdl=1."""
+    from ouro_jax.projections import NAMES
+    names = tuple(filter(None, (x.strip() for x in spec.split(","))))
+    for name in names:
+        if name not in NAMES or name == "down":
+            raise SystemExit(f"--pdl: {name!r} is not one of {tuple(n for n in NAMES if n != 'down')}"
+                             " (down's next kernel may be an XLA fusion)")
+    return names
+
+
+def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "",
+                        pdl_spec: str = "") -> dict:
     """Sets the kernels' process-wide tuning overrides (before anything is compiled). Every
     spec is parsed before anything is set, so a bad one changes nothing."""
     import importlib
@@ -71,7 +87,10 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     global _STREAM_DEFAULTS
     tuning = {"decode": parse_tuning(decode_spec, DECODE_TUNING_KEYS),
               "ragged": parse_tuning(ragged_spec, RAGGED_TUNING_KEYS),
-              "stream": parse_stream_tiling(stream_spec)}
+              "stream": parse_stream_tiling(stream_spec), "pdl": parse_pdl(pdl_spec)}
+    if tuning["decode"].get("pdl") and not tuning["decode"].get("last_combine"):
+        raise SystemExit("--decode-kernel pdl=1 needs last_combine=1 (the kernel's next kernel "
+                         "must be the o projection's GEMV, not the XLA split combine)")
     for name in ("decode", "ragged"):
         mod = importlib.import_module(f"pallas_kernels.{name}")
         mod.TUNING.clear()
@@ -81,4 +100,6 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     projections.STREAM_TUNING.clear()
     projections.STREAM_TUNING.update({k: dict(v) for k, v in _STREAM_DEFAULTS.items()},
                                      **tuning["stream"])
+    for name in tuning["pdl"]:
+        projections.STREAM_TUNING[name]["pdl"] = True
     return tuning

@@ -34,6 +34,46 @@ def _col(x):
     return x[..., None] if x.ndim else x
 
 
+# Programmatic dependent launch (PDL, sm_90+). XLA (xla_gpu_enable_pdl, on by default in
+# jaxlib 0.10-0.11) already launches every Triton kernel, Pallas ones included, with the PDL
+# attribute and a griddepcontrol.wait at its start; a kernel may then let the next one launch
+# early with griddepcontrol.launch_dependents, and the next one's wait holds it until this one
+# has completed and its memory is visible. Opt-in per call (gemv_stream's `pdl`, decode
+# TUNING["pdl"]), off by default: a trigger is only safe when the next kernel reads this one's
+# output after a wait; XLA's own fusions may read through non-coherent loads that the compiler
+# can move above their wait (openxla/xla#43894), so a call whose next kernel may be an XLA
+# fusion must not trigger. Interpret mode (CPU) emits nothing. PDL["on"] = False turns every
+# trigger off whatever the calls ask (a kill switch for A/B runs).
+PDL = {"on": True}
+
+
+def pdl_trigger(anchor, *, interpret: bool):
+    """griddepcontrol.launch_dependents; returns a token for pdl_wait (None, and no asm, in
+    interpret mode or with PDL off). The asm is pure to the compiler: its result feeding
+    pdl_wait keeps it alive and ahead of the wait."""
+    if interpret or not PDL["on"]:
+        return None
+    [token] = plt.elementwise_inline_asm(
+        "griddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;", args=[jnp.full((1,), anchor,
+                                                                               jnp.int32)],
+        constraints="=r,r", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
+    return token
+
+
+def pdl_wait(token):
+    """griddepcontrol.wait; returns int32 0 that the caller adds to the index of every read
+    that must follow the wait. The data dependency is what orders those reads after it: the
+    asm is pure to the compiler, which may otherwise move loads across it (ptxas keeps loads
+    after the wait). XLA's own wait at the kernel's start makes this one redundant today; it
+    keeps the ordering if that ever moves. token None: a plain 0, no asm."""
+    if token is None:
+        return jnp.int32(0)
+    [zero] = plt.elementwise_inline_asm(
+        "griddepcontrol.wait;\n\tmov.u32 $0, $1;", args=[token], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
+    return jnp.sum(zero)
+
+
 def compiler_params(num_warps: int, num_stages: int):
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -54,8 +94,9 @@ def plane_operands(entry, entry_stride: int):
     return as1(base), as1(offset)
 
 
-def plane_index(base_ref, off_ref, entry_stride: int):
-    return base_ref[0] * entry_stride + off_ref[0]
+def plane_index(base_ref, off_ref, entry_stride: int, at=0):
+    """The plane; `at` is 0 (pdl_wait's zero, to order the reads after the wait)."""
+    return base_ref[at] * entry_stride + off_ref[at]
 
 
 def split_range(kv_end, split, num_splits: int, block_t: int):
@@ -190,7 +231,7 @@ def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int,
     return run
 
 
-__all__ = ["pl", "plt", "NEG_INF", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
+__all__ = ["pl", "plt", "NEG_INF", "PDL", "pdl_trigger", "pdl_wait", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
            "plane_operands", "plane_index",
            "split_range", "load_kv_block", "dot", "QK", "PV", "online_softmax_step", "finish", "combine_splits", "split_partials_call",
            "flash_tile"]

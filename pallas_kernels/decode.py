@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import (NEG_INF, choose_num_splits, finish, flash_tile,
-                                    load_kv_block, next_pow2, online_softmax_step, pl,
+                                    load_kv_block, next_pow2, online_softmax_step, pdl_trigger,
+                                    pdl_wait, pl,
                                     plane_index, plane_operands, split_partials_call,
                                     split_range)
 
@@ -55,7 +56,7 @@ def _rope(x, x_swapped, cos, sin):
 def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: int,
                    block_t: int, num_splits: int, scale: float, rowwise: bool, entry_stride: int,
                    write_new: bool = False, rope: bool = False, trash_page: int = 0,
-                   last_combine: bool = False, gpu_sync: bool = True):
+                   last_combine: bool = False, gpu_sync: bool = True, pdl: bool = False):
     """write_new: q_ref is the packed projection qkv [B, H + 2 KVH, hd] of the new token,
     whose K/V the kernel writes at (page, slot) [B] into the caches (aliased outputs); with
     `rope` the kernel also applies RoPE (cos, sin [B, hd]) to q and k. See
@@ -74,10 +75,13 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
         wpage_ref, wslot_ref, o_ref, lse_ref, kout_ref, vout_ref = rest[2:] if rope else rest
     else:
         base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-    b = pl.program_id(0)
+    # PDL (_common.PDL, off by default): every read below depends on `after`, so none is
+    # issued before the wait; the row index and the plane operands carry it.
+    after = pdl_wait(pdl_trigger(pl.program_id(2), interpret=not (gpu_sync and pdl)))
+    b = pl.program_id(0) + after
     kvh = pl.program_id(1)
     sp = pl.program_id(2)
-    entry = plane_index(base_ref, off_ref, entry_stride)
+    entry = plane_index(base_ref, off_ref, entry_stride, after)
     kv_len = lens_ref[b]
     # With write_new the newest key is not read from the cache (this call writes it, and
     # programs do not see each other's stores): the loop covers the kv_len - 1 cached keys
@@ -245,7 +249,8 @@ def _merge_if_last(o_ref, lse_ref, out_ref, cnt_ref, b, kvh, group: int, num_spl
 # Process-wide overrides of the tuning defaults below (block_t, num_splits, num_warps,
 # num_stages), read at trace time: for end-to-end A/B runs (`benchmarks.decode
 # --decode-kernel block_t=32,num_warps=2`); arguments passed explicitly win. The key
-# last_combine (0/1) is read by ouro_jax.attention, which then passes counters. Programs an
+# last_combine (0/1) is read by ouro_jax.attention, which then passes counters; pdl (0/1)
+# emits the PDL trigger (_common.PDL) and needs last_combine. Programs an
 # engine has already compiled keep the settings they were traced with.
 TUNING: dict = {}
 
@@ -358,6 +363,12 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
     last_combine = write_new and counters is not None and num_splits > 1
     # (the fused-write entry point takes the tensor-core path only, the one that merges)
     assert use_dot or not last_combine
+    # PDL trigger (_common.PDL): only when the kernel merges its own splits, so that the next
+    # kernel is the o projection's Pallas GEMV (which waits), not the XLA combine.
+    pdl = bool(TUNING.get("pdl", 0))
+    if pdl and not last_combine:
+        raise ValueError("decode kernel pdl=1 needs the in-kernel split merge (last_combine=1, "
+                         "counters, several splits): its next kernel must be one that waits")
     if last_combine:
         write_args = (*write_args, counters)
     sd = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)
@@ -367,7 +378,7 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
         _decode_kernel, group=group, group_pad=group_pad, use_dot=use_dot, page_size=page_size,
         block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5, rowwise=rowwise,
         entry_stride=entry_stride, write_new=write_new, rope=rope, trash_page=trash_page,
-        last_combine=last_combine, gpu_sync=not interpret)
+        last_combine=last_combine, gpu_sync=not interpret, pdl=pdl)
     # Output rows: the group's real query heads (the tensor-core tile's padding stays on chip).
     call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=group,
                                hd=hd, name="paged_decode_attention", num_warps=num_warps,

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import compiler_params, pl
+from pallas_kernels._common import compiler_params, pdl_trigger, pdl_wait, pl
 from pallas_kernels.gemv import (_normed, _silu_mul, check_norm_operands, check_operands,
                                   pow2_divisor)
 
@@ -43,23 +43,29 @@ MAX_WARPS = 16
 # register layout directly, instead of [block_k] vectors that are re-laid-out through shared
 # memory (with barriers) once per chunk in the prologue; same math. On the H200 end to end:
 # 229.3 tok/s against 231.2 without it (session 8), so the engine does not use it.
-DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False)
+# pdl: emit _common.pdl_trigger at the start (the next kernel may launch early; only for a
+# call whose next kernel is one that waits, see _common.PDL) and order the reads of x and
+# the branch after _common.pdl_wait, with the first weight block requested before it.
+DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False)
 
 
-def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d):
+def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=0):
     """Row r's GEMV input as nk fp32 chunks ([1, block_k] with row2d, else [block_k]), after
     the prologue (stores x' for add_norm). The row statistics are summed chunk by chunk
     (gemv._rms_scale sums the whole row at once); otherwise the rounding is gemv.py's,
-    through the same helpers. With row2d the norm weights arrive as [1, K] arrays."""
+    through the same helpers. With row2d the norm weights arrive as [1, K] arrays. after:
+    _common.pdl_wait's zero, added to the offsets of the reads of x and the branch (written
+    by earlier kernels) so that they follow the wait; the norm weights need not."""
     x_ref, b_ref, wb_ref, wx_ref, xo_ref = refs
     cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
+    late = [pl.ds(pl.multiple_of(after + c * block_k, block_k), block_k) for c in range(nk)]
     row = pl.ds(r, 1) if row2d else r
     vec = (lambda ref, c: ref[pl.ds(0, 1), cols[c]]) if row2d else (lambda ref, c: ref[cols[c]])
-    xs = [x_ref[row, cols[c]].astype(jnp.float32) for c in range(nk)]
+    xs = [x_ref[row, late[c]].astype(jnp.float32) for c in range(nk)]
     if not prologue:
         return xs
     if prologue == "add_norm":
-        bs = [b_ref[row, cols[c]].astype(jnp.float32) for c in range(nk)]
+        bs = [b_ref[row, late[c]].astype(jnp.float32) for c in range(nk)]
         s_b = lax.rsqrt(sum(jnp.sum(b * b) for b in bs) / k + eps)
         xs = [(xs[c] + _normed(bs[c], s_b, vec(wb_ref, c), dt).astype(jnp.float32)).astype(dt)
               .astype(jnp.float32) for c in range(nk)]
@@ -74,7 +80,7 @@ def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d
 
 
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
-            row2d):
+            row2d, interpret, pdl):
     if prologue == "add_norm":
         x_ref, b_ref, wb_ref, wx_ref, w_ref, y_ref, xo_ref = refs
     elif prologue == "norm":
@@ -97,9 +103,11 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
             tiles += tuple(w_ref[rows(j, up_offset), cols[c]] for c in range(nk))
         return tiles
 
-    first = load(p)  # in flight while the prologue runs
+    token = pdl_trigger(p, interpret=interpret or not pdl)
+    first = load(p)  # in flight while the prologue runs (and, with PDL, the previous kernel)
+    after = pdl_wait(token)
     xs = [_row_chunks((x_ref, b_ref, wb_ref, wx_ref, xo_ref), r, nk, block_k, k, dt,
-                      prologue, eps, p == 0, row2d) for r in range(m)]
+                      prologue, eps, p == 0, row2d, after) for r in range(m)]
     if not row2d:
         xs = [[xc[None, :] for xc in xr] for xr in xs]
 
@@ -128,7 +136,7 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
 def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,
                     per_program: int, num_warps: int, row2d: bool = False):
     """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
-    if not isinstance(row2d, bool):
+    if not isinstance(row2d, bool):  # (pdl is checked by _config)
         raise ValueError(f"gemv_stream row2d must be a bool, got {row2d!r}")
     if m < 1 or m > MAX_ROWS:
         raise ValueError(f"gemv_stream takes 1..{MAX_ROWS} rows (each row's input stays in "
@@ -154,6 +162,8 @@ def _config(tuning: dict, k: int) -> dict:
         raise ValueError(f"unknown gemv_stream tuning keys {sorted(unknown)}; valid: "
                          f"{sorted(DEFAULTS)}")
     cfg = dict(DEFAULTS, **tuning)
+    if not isinstance(cfg["pdl"], bool):
+        raise ValueError(f"gemv_stream pdl must be a bool, got {cfg['pdl']!r}")
     if "block_k" not in tuning:
         cfg["block_k"] = pow2_divisor(k, DEFAULTS["block_k"]) or DEFAULTS["block_k"]
     return cfg
@@ -166,7 +176,7 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
                                block_k=cfg["block_k"], per_program=cfg["per_program"],
                                gated=gated, up_offset=n_out, prologue=prologue, eps=eps,
-                               row2d=cfg["row2d"])
+                               row2d=cfg["row2d"], interpret=interpret, pdl=cfg["pdl"])
     if cfg["row2d"]:  # the norm weights as [1, K] rows
         operands = tuple(o.reshape(1, -1) if o.ndim == 1 else o for o in operands)
     dt = operands[0].dtype

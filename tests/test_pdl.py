@@ -1,0 +1,147 @@
+"""Programmatic dependent launch (pallas_kernels._common.PDL): the trigger and wait the kernels
+emit, checked on the Triton IR that JAX lowers for the 'cuda' platform (no GPU needed), and
+the switches' errors. Whether it pays is a benchmark (`benchmarks.decode --pdl`)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.triton import pallas_call_registration as _reg
+
+from pallas_kernels import _common
+from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+
+S = jax.ShapeDtypeStruct
+TRIGGER, WAIT = "griddepcontrol.launch_dependents", "griddepcontrol.wait"
+
+
+def triton_ir(fn, *shapes) -> list[str]:
+    """The Triton IR of every pallas_call in jit(fn) lowered for CUDA on this (CPU) machine."""
+    out, orig = [], _reg.lowering.lower_jaxpr_to_triton_module
+
+    def hook(*a, **k):
+        r = orig(*a, **k)
+        out.append(r.module.operation.get_asm(enable_debug_info=False))
+        return r
+    _reg.lowering.lower_jaxpr_to_triton_module = hook
+    try:
+        jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+    finally:
+        _reg.lowering.lower_jaxpr_to_triton_module = orig
+    return out
+
+
+def _loads(ir: str):
+    """(line number, shape) of every tt.load of a pointer tensor."""
+    return [(i, tuple(int(d) for d in m.group(1).split("x")))
+            for i, line in enumerate(ir.splitlines())
+            if (m := re.search(r"tt\.load %\S+ : tensor<([0-9x]+)x!tt\.ptr", line))]
+
+
+def _asm_line(ir: str, text: str):
+    lines = [i for i, line in enumerate(ir.splitlines()) if text in line]
+    return lines
+
+
+@pytest.mark.parametrize("prologue", ["", "add_norm"])
+def test_stream_gemv_trigger_weights_then_wait_then_activations(prologue):
+    """With pdl=True: the trigger first, then the first weight block's loads (2-D tiles), then
+    the wait, and every load of the activations (1-D rows) after it, with the wait's result
+    feeding their offsets (the data dependency that keeps the compiler from hoisting them)."""
+    k, n = 1024, 256
+    x, w = S((1, k), jnp.bfloat16), S((n, k), jnp.bfloat16)
+    tiling = dict(block_n=4, block_k=512, per_program=2, num_warps=4, pdl=True)
+    if prologue:
+        [ir] = triton_ir(lambda x, b, bw, nw, w: gemv_stream_normed(
+            x, nw, w, eps=1e-6, branch=b, branch_w=bw, **tiling)[0],
+            x, x, S((k,), jnp.bfloat16), S((k,), jnp.bfloat16), w)
+    else:
+        [ir] = triton_ir(lambda x, w: gemv_stream(x, w, **tiling), x, w)
+    [trig], [wait] = _asm_line(ir, TRIGGER), _asm_line(ir, WAIT)
+    loads = _loads(ir)
+    tiles = [i for i, shape in loads if len(shape) == 2]
+    rows = [i for i, shape in loads if shape == (512,)]  # block_k chunks of a row
+    assert trig < tiles[0] < wait, (trig, tiles[:2], wait)
+    assert rows and min(rows) > wait
+    # x, and the branch and both norm weights with the prologue: 2 chunks each (the x' store's
+    # read-before-write adds 2 more there)
+    assert len(rows) >= (2 if not prologue else 8)
+    lines = ir.splitlines()
+    token = re.match(r"\s*(%\S+) = ", lines[wait]).group(1)
+    assert any(token in line for line in lines[wait + 1:]), "the wait's result is unused"
+
+
+def test_stream_gemv_emits_nothing_by_default_or_when_switched_off():
+    x, w = S((1, 1024), jnp.bfloat16), S((256, 1024), jnp.bfloat16)
+    tiling = dict(block_n=4, block_k=512, per_program=2, num_warps=4)
+    [ir] = triton_ir(lambda x, w: gemv_stream(x, w, **tiling), x, w)
+    assert TRIGGER not in ir and WAIT not in ir
+    _common.PDL["on"] = False
+    try:
+        [ir] = triton_ir(lambda x, w: gemv_stream(x, w, pdl=True, **tiling), x, w)
+    finally:
+        _common.PDL["on"] = True
+    assert TRIGGER not in ir and WAIT not in ir
+
+
+def test_stream_gemv_pdl_is_the_same_math_in_interpret_mode():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
+    kw = dict(interpret=True, block_n=4, block_k=64, per_program=2)
+    np.testing.assert_array_equal(np.asarray(gemv_stream(x, w, pdl=True, **kw), np.float32),
+                                  np.asarray(gemv_stream(x, w, **kw), np.float32))
+    with pytest.raises(ValueError, match="pdl must be a bool"):
+        gemv_stream(x, w, pdl=1, **kw)
+
+
+def _decode_ir(counters: bool):
+    from pallas_kernels.decode import paged_decode_attention_qkv
+    i32 = jnp.int32
+    cache = S((2, 8, 16, 2, 128), jnp.bfloat16)
+    args = [S((1, 6, 128), jnp.bfloat16), cache, cache, S((), i32), S((1, 4), i32), S((1,), i32),
+            S((1,), i32), S((1,), i32)]
+
+    def f(qkv, kc, vc, e, bt, lens, page, slot, *cnt):
+        return paged_decode_attention_qkv(qkv, kc, vc, e, bt, lens, page, slot, num_splits=2,
+                                          counters=cnt[0] if cnt else None)[0]
+    return triton_ir(f, *args, *([S((1, 2), i32)] if counters else []))
+
+
+def test_decode_kernel_trigger_needs_the_in_kernel_merge():
+    from pallas_kernels import decode
+    decode.TUNING["pdl"] = 1
+    try:
+        [ir] = _decode_ir(counters=True)
+        with pytest.raises(ValueError, match="needs the in-kernel split merge"):
+            _decode_ir(counters=False)
+    finally:
+        decode.TUNING.clear()
+    [trig], [wait] = _asm_line(ir, TRIGGER), _asm_line(ir, WAIT)
+    loads = [i for i, _ in _loads(ir)] + _asm_line(ir, "tt.load %")
+    assert trig < wait < min(loads), "a read comes before the wait"
+    [plain] = _decode_ir(counters=True)
+    assert TRIGGER not in plain and WAIT not in plain
+
+
+def test_benchmark_pdl_switches():
+    from benchmarks.tuning import apply_kernel_tuning
+    from ouro_jax import projections
+    try:
+        t = apply_kernel_tuning("", "", "", "qkv,gate_up")
+        assert t["pdl"] == ("qkv", "gate_up")
+        assert projections.STREAM_TUNING["qkv"]["pdl"] is True
+        assert "pdl" not in projections.STREAM_TUNING["o"]
+        for bad in ("down", "lm_head", "qkv,x"):
+            with pytest.raises(SystemExit, match="--pdl"):
+                apply_kernel_tuning("", "", "", bad)
+        with pytest.raises(SystemExit, match="needs last_combine=1"):
+            apply_kernel_tuning("pdl=1", "", "", "")
+        assert apply_kernel_tuning("last_combine=1,pdl=1", "")["decode"]["pdl"] == 1
+    finally:
+        apply_kernel_tuning("", "")
+    assert "pdl" not in projections.STREAM_TUNING["qkv"]
