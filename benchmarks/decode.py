@@ -299,10 +299,13 @@ def main(argv=None) -> int:
                    help="streaming projections whose GEMV lets the next kernel launch early "
                         "(programmatic dependent launch), e.g. qkv,o,gate_up; the decode "
                         "kernel's is --decode-kernel last_combine=1,pdl=1")
+    p.add_argument("--pdl-at", default="start", choices=["start", "end"],
+                   help="where --pdl's GEMVs trigger: at their start, or once their last "
+                        "weight block has arrived")
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
     tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling,
-                                 args.pdl)
+                                 args.pdl, args.pdl_at)
     try:
         return _run(args, argv, tuning)
     finally:  # the overrides are process-wide: leave none behind for other callers

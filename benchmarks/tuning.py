@@ -78,7 +78,7 @@ def parse_pdl(spec: str) -> tuple:
 
 
 def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "",
-                        pdl_spec: str = "") -> dict:
+                        pdl_spec: str = "", pdl_at: str = "start") -> dict:
     """Sets the kernels' process-wide tuning overrides (before anything is compiled). Every
     spec is parsed before anything is set, so a bad one changes nothing."""
     import importlib
@@ -88,6 +88,8 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     tuning = {"decode": parse_tuning(decode_spec, DECODE_TUNING_KEYS),
               "ragged": parse_tuning(ragged_spec, RAGGED_TUNING_KEYS),
               "stream": parse_stream_tiling(stream_spec), "pdl": parse_pdl(pdl_spec)}
+    if pdl_at not in ("start", "end"):
+        raise SystemExit(f"--pdl-at is start or end, got {pdl_at!r}")
     if tuning["decode"].get("pdl") and not tuning["decode"].get("last_combine"):
         raise SystemExit("--decode-kernel pdl=1 needs last_combine=1 (the kernel's next kernel "
                          "must be the o projection's GEMV, not the XLA split combine)")
@@ -101,5 +103,5 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     projections.STREAM_TUNING.update({k: dict(v) for k, v in _STREAM_DEFAULTS.items()},
                                      **tuning["stream"])
     for name in tuning["pdl"]:
-        projections.STREAM_TUNING[name]["pdl"] = True
+        projections.STREAM_TUNING[name]["pdl"] = pdl_at
     return tuning

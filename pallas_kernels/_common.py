@@ -60,6 +60,21 @@ def pdl_trigger(anchor, *, interpret: bool):
     return token
 
 
+def pdl_trigger_on(tile, *, interpret: bool):
+    """griddepcontrol.launch_dependents once `tile` (a 16-bit array, e.g. a loaded weight
+    tile) has arrived: the asm passes the tile through, so it runs when its operand is ready
+    and before whatever uses the result. The late trigger: the next kernel may launch while
+    this one does its last math and stores, not from its start. No asm in interpret mode or
+    with PDL off."""
+    if interpret or not PDL["on"]:
+        return tile
+    [out] = plt.elementwise_inline_asm(
+        "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[tile],
+        constraints="=r,r", pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape,
+                                                                              tile.dtype)])
+    return out
+
+
 def pdl_wait(token):
     """griddepcontrol.wait; returns int32 0 that the caller adds to the index of every read
     that must follow the wait. The data dependency is what orders those reads after it: the
@@ -68,6 +83,8 @@ def pdl_wait(token):
     keeps the ordering if that ever moves. token None: a plain 0, no asm."""
     if token is None:
         return jnp.int32(0)
+    if isinstance(token, str):  # "wait only" (a late trigger follows): any int32[1] zero
+        token = jnp.zeros((1,), jnp.int32)
     [zero] = plt.elementwise_inline_asm(
         "griddepcontrol.wait;\n\tmov.u32 $0, $1;", args=[token], constraints="=r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
@@ -231,7 +248,7 @@ def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int,
     return run
 
 
-__all__ = ["pl", "plt", "NEG_INF", "PDL", "pdl_trigger", "pdl_wait", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
+__all__ = ["pl", "plt", "NEG_INF", "PDL", "pdl_trigger", "pdl_trigger_on", "pdl_wait", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
            "plane_operands", "plane_index",
            "split_range", "load_kv_block", "dot", "QK", "PV", "online_softmax_step", "finish", "combine_splits", "split_partials_call",
            "flash_tile"]

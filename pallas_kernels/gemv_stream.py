@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import compiler_params, pdl_trigger, pdl_wait, pl
+from pallas_kernels._common import PDL, compiler_params, pdl_trigger, pdl_trigger_on, pdl_wait, pl
 from pallas_kernels.gemv import (_normed, _silu_mul, check_norm_operands, check_operands,
                                   pow2_divisor)
 
@@ -43,9 +43,11 @@ MAX_WARPS = 16
 # register layout directly, instead of [block_k] vectors that are re-laid-out through shared
 # memory (with barriers) once per chunk in the prologue; same math. On the H200 end to end:
 # 229.3 tok/s against 231.2 without it (session 8), so the engine does not use it.
-# pdl: emit _common.pdl_trigger at the start (the next kernel may launch early; only for a
-# call whose next kernel is one that waits, see _common.PDL) and order the reads of x and
-# the branch after _common.pdl_wait, with the first weight block requested before it.
+# pdl: "start" emits _common.pdl_trigger at the start (the next kernel may launch early; only
+# for a call whose next kernel is one that waits, see _common.PDL), "end" once the last
+# weight block has arrived (_common.pdl_trigger_on); either orders the reads of x and the
+# branch after _common.pdl_wait, with the first weight block requested before it. False: none.
+PDL_MODES = (False, "start", "end")
 DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False)
 
 
@@ -103,9 +105,10 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
             tiles += tuple(w_ref[rows(j, up_offset), cols[c]] for c in range(nk))
         return tiles
 
-    token = pdl_trigger(p, interpret=interpret or not pdl)
+    pdl_off = interpret or not pdl or not PDL["on"]
+    token = pdl_trigger(p, interpret=pdl_off or pdl != "start")
     first = load(p)  # in flight while the prologue runs (and, with PDL, the previous kernel)
-    after = pdl_wait(token)
+    after = pdl_wait(token if pdl_off or pdl == "start" else "wait only")
     xs = [_row_chunks((x_ref, b_ref, wb_ref, wx_ref, xo_ref), r, nk, block_k, k, dt,
                       prologue, eps, p == 0, row2d, after) for r in range(m)]
     if not row2d:
@@ -130,6 +133,8 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
         return nxt
 
     last = lax.fori_loop(0, per_program - 1, body, first)
+    if pdl == "end":  # once the last block's first tile has arrived
+        last = (pdl_trigger_on(last[0], interpret=pdl_off), *last[1:])
     compute_store(p + (per_program - 1) * programs, last)
 
 
@@ -162,8 +167,8 @@ def _config(tuning: dict, k: int) -> dict:
         raise ValueError(f"unknown gemv_stream tuning keys {sorted(unknown)}; valid: "
                          f"{sorted(DEFAULTS)}")
     cfg = dict(DEFAULTS, **tuning)
-    if not isinstance(cfg["pdl"], bool):
-        raise ValueError(f"gemv_stream pdl must be a bool, got {cfg['pdl']!r}")
+    if cfg["pdl"] not in PDL_MODES:
+        raise ValueError(f"gemv_stream pdl must be one of {PDL_MODES}, got {cfg['pdl']!r}")
     if "block_k" not in tuning:
         cfg["block_k"] = pow2_divisor(k, DEFAULTS["block_k"]) or DEFAULTS["block_k"]
     return cfg

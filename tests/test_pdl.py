@@ -54,7 +54,7 @@ def test_stream_gemv_trigger_weights_then_wait_then_activations(prologue):
     feeding their offsets (the data dependency that keeps the compiler from hoisting them)."""
     k, n = 1024, 256
     x, w = S((1, k), jnp.bfloat16), S((n, k), jnp.bfloat16)
-    tiling = dict(block_n=4, block_k=512, per_program=2, num_warps=4, pdl=True)
+    tiling = dict(block_n=4, block_k=512, per_program=2, num_warps=4, pdl="start")
     if prologue:
         [ir] = triton_ir(lambda x, b, bw, nw, w: gemv_stream_normed(
             x, nw, w, eps=1e-6, branch=b, branch_w=bw, **tiling)[0],
@@ -82,7 +82,7 @@ def test_stream_gemv_emits_nothing_by_default_or_when_switched_off():
     assert TRIGGER not in ir and WAIT not in ir
     _common.PDL["on"] = False
     try:
-        [ir] = triton_ir(lambda x, w: gemv_stream(x, w, pdl=True, **tiling), x, w)
+        [ir] = triton_ir(lambda x, w: gemv_stream(x, w, pdl="start", **tiling), x, w)
     finally:
         _common.PDL["on"] = True
     assert TRIGGER not in ir and WAIT not in ir
@@ -93,10 +93,11 @@ def test_stream_gemv_pdl_is_the_same_math_in_interpret_mode():
     x = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
     kw = dict(interpret=True, block_n=4, block_k=64, per_program=2)
-    np.testing.assert_array_equal(np.asarray(gemv_stream(x, w, pdl=True, **kw), np.float32),
-                                  np.asarray(gemv_stream(x, w, **kw), np.float32))
-    with pytest.raises(ValueError, match="pdl must be a bool"):
-        gemv_stream(x, w, pdl=1, **kw)
+    for mode in ("start", "end"):
+        np.testing.assert_array_equal(np.asarray(gemv_stream(x, w, pdl=mode, **kw), np.float32),
+                                      np.asarray(gemv_stream(x, w, **kw), np.float32))
+    with pytest.raises(ValueError, match="pdl must be one of"):
+        gemv_stream(x, w, pdl=True, **kw)
 
 
 def _decode_ir(counters: bool):
@@ -134,7 +135,13 @@ def test_benchmark_pdl_switches():
     try:
         t = apply_kernel_tuning("", "", "", "qkv,gate_up")
         assert t["pdl"] == ("qkv", "gate_up")
-        assert projections.STREAM_TUNING["qkv"]["pdl"] is True
+        assert projections.STREAM_TUNING["qkv"]["pdl"] == "start"
+        assert apply_kernel_tuning("", "", "", "o", "end")["pdl"] == ("o",)
+        assert projections.STREAM_TUNING["o"]["pdl"] == "end"
+        assert "pdl" not in projections.STREAM_TUNING["qkv"]
+        with pytest.raises(SystemExit, match="--pdl-at"):
+            apply_kernel_tuning("", "", "", "o", "middle")
+        apply_kernel_tuning("", "", "", "qkv,gate_up")
         assert "pdl" not in projections.STREAM_TUNING["o"]
         for bad in ("down", "lm_head", "qkv,x"):
             with pytest.raises(SystemExit, match="--pdl"):
@@ -145,3 +152,21 @@ def test_benchmark_pdl_switches():
     finally:
         apply_kernel_tuning("", "")
     assert "pdl" not in projections.STREAM_TUNING["qkv"]
+
+
+def test_stream_gemv_late_trigger_follows_the_last_weight_block():
+    """pdl="end": the wait first (before the activations, after the first weight block's
+    loads), the trigger after the last block's loads, fed by the first of its tiles, and
+    before the stores of that block."""
+    x, w = S((1, 1024), jnp.bfloat16), S((256, 1024), jnp.bfloat16)
+    tiling = dict(block_n=4, block_k=512, per_program=2, num_warps=4, pdl="end")
+    [ir] = triton_ir(lambda x, w: gemv_stream(x, w, **tiling), x, w)
+    [trig], [wait] = _asm_line(ir, TRIGGER), _asm_line(ir, WAIT)
+    tiles = [i for i, shape in _loads(ir) if len(shape) == 2]
+    stores = _asm_line(ir, "tt.store")
+    assert tiles[0] < wait < trig < stores[-1]
+    lines = ir.splitlines()
+    # its operand: the weight loop's first carried tile (the last block's first chunk)
+    [loop] = [i for i, line in enumerate(lines) if " = scf.for " in line]
+    loop_value = re.match(r"\s*(%\d+):2 = scf.for", lines[loop]).group(1)
+    assert f"}} {loop_value}#0 : tensor<4x512xbf16>" in lines[trig], lines[trig]
