@@ -253,6 +253,11 @@ def _merge_if_last(o_ref, lse_ref, out_ref, cnt_ref, b, kvh, group: int, num_spl
 # emits the PDL trigger (_common.PDL) and needs last_combine. Programs an
 # engine has already compiled keep the settings they were traced with.
 TUNING: dict = {}
+# Up to this many rows the bf16 tensor-core path takes 32-key blocks (twice the splits at
+# batch 1), above it 64. H200, 1.4B shape, native greedy (session 10, interleaved A/B,
+# benchmarks/results/ab2_*_session10_h200.json): batch 1 240.4 / 241.2 tok/s against 240.1 /
+# 239.6, batch 8 1,503.2 against 1,493.4; batch 64 7,426.7 against 7,529.5 (so 64 there).
+SMALL_BATCH_ROWS = 8
 
 
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
@@ -351,7 +356,8 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
     num_stages = TUNING.get("num_stages", 2) if num_stages is None else num_stages
     if block_t is None:  # fp32 IEEE dots at 64 keys spill registers: 32 there
         wide = jnp.dtype(k_cache.dtype).itemsize <= 2
-        block_t = (64 if wide else 32) if use_dot else (64 if group == 1 else 32)
+        wide_t = 32 if bsz <= SMALL_BATCH_ROWS else 64
+        block_t = (wide_t if wide else 32) if use_dot else (64 if group == 1 else 32)
     group_pad = max(16, next_pow2(group)) if use_dot else group
     max_tokens = block_tables.shape[1] * page_size
     if num_splits is None:
