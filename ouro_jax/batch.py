@@ -88,9 +88,9 @@ def prefill(llm, planes, bt, state, ids, spec, mode, want_lp):
         arr[i, :len(p)] = p
     # Host values reach the device by jax.device_put only (here, in admit and in
     # sampling_arrays): jnp.int32(x), jnp.zeros, jnp.maximum and even jnp.asarray(ndarray)
-    # (a jit of lax.stage) each run an eager XLA program per call. The H200 trace shows one,
+    # (a jit of lax.stage) each run an eager XLA program per call. The H200 trace showed one,
     # a 4-byte convert_element_type copy (jnp.zeros' fill value), spanning ~8 ms before
-    # prefill (session 9); whether the wait goes with it is for the next trace.
+    # prefill (session 9); without eager ops that wait is gone (session-10 trace).
     last_idx, last_h, last_g = jax.device_put((
         np.array([max(len(p) - 1, 0) for p in ids] + [0] * (bp - len(ids)), np.int32),
         np.zeros((cfg.total_ut_steps, bp, cfg.hidden_size), llm.params.dtype),
