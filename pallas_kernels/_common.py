@@ -75,6 +75,33 @@ def pdl_trigger_on(tile, *, interpret: bool):
     return out
 
 
+def grid_barrier(cnt_ref, target, *, gpu_sync: bool = True):
+    """Every program of the grid waits here until `target` arrivals have been counted in
+    cnt_ref[0] (an int32 counter the caller zeroes once per call; phase i of P programs
+    passes target = P * (i + 1), so the counter never needs resetting inside the call).
+
+    The pattern of the split merge's counter (decode._merge_if_last), extended to a spin: a
+    CTA barrier orders every warp's stores before one thread's atomic increment, which Pallas
+    lowers to atom.acq_rel.gpu (release: this program's stores are visible GPU-wide first);
+    the program then re-reads the counter with atomic adds of 0 (acquire) until it reaches
+    the target, and a second CTA barrier holds the other warps until then. Deadlock-free only
+    if every program of the grid is resident at once (at most the SM count times the
+    programs an SM holds): the caller sizes the grid for that. Interpret mode runs programs
+    one after another and has no lowering for the CTA barriers: with gpu_sync=False the
+    barrier only counts the arrival (a one-program grid is then right; more programs would
+    not wait for each other)."""
+    if gpu_sync:
+        plt.debug_barrier()
+    seen = plt.atomic_add(cnt_ref, (jnp.int32(0),), jnp.int32(1)) + 1
+    if not gpu_sync:  # interpret mode: no spin (its atomics do not discharge inside a loop)
+        return seen
+    seen = lax.while_loop(lambda v: v < target,
+                          lambda v: plt.atomic_add(cnt_ref, (jnp.int32(0),), jnp.int32(0)), seen)
+    if gpu_sync:
+        plt.debug_barrier()
+    return seen
+
+
 def pdl_wait(token):
     """griddepcontrol.wait; returns int32 0 that the caller adds to the index of every read
     that must follow the wait. The data dependency is what orders those reads after it: the
@@ -248,7 +275,7 @@ def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int,
     return run
 
 
-__all__ = ["pl", "plt", "NEG_INF", "PDL", "pdl_trigger", "pdl_trigger_on", "pdl_wait", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
+__all__ = ["pl", "plt", "NEG_INF", "PDL", "pdl_trigger", "pdl_trigger_on", "pdl_wait", "grid_barrier", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
            "plane_operands", "plane_index",
            "split_range", "load_kv_block", "dot", "QK", "PV", "online_softmax_step", "finish", "combine_splits", "split_partials_call",
            "flash_tile"]

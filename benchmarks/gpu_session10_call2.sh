@@ -3,7 +3,7 @@
 # the third round of streaming tilings around session 9's add_norm picks (qkv st4_k512_p4_w4,
 # gate/up st2_k512_p8_w4; all compile offline without spills except st4_k512_p4_w2 for
 # gate/up), then batch-1 native with the fastest per shape against the default, same call.
-# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_next_session_tilings.sh
+# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session10_call2.sh (ran in session 10)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}

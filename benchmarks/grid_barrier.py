@@ -1,0 +1,145 @@
+"""What a grid-wide barrier costs inside one kernel, against a kernel boundary.
+
+    python -m benchmarks.grid_barrier --programs 132 --barriers 0,64 --out gb.json
+
+Batch-1 decode runs seven kernels per layer application, each paying launch, ramp and tail
+(~1.9 us per projection fitted in session 9). A persistent per-layer kernel would replace the
+boundaries between them with grid barriers (pallas_kernels._common.grid_barrier: an atomic
+arrival counter and a spin). Whether that can pay depends on one number, measured here:
+
+* barrier: one kernel of P programs passing N barriers; each phase every program stores a
+  value, passes the barrier and reads its neighbour's (double-buffered), so the barrier's
+  memory ordering is checked on every call, and the time per barrier is
+  (t(N) - t(0)) / N;
+* boundary: a chain of N one-program-per-SM kernels, each reading the previous one's output;
+  the time per boundary is (t(N) - t(0)) / N, the same way.
+
+Every program must be resident at once (the barrier spins): P at most the SM count times the
+programs an SM holds (132 on the H200 with 4 warps is one per SM). Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import compiler_params, grid_barrier, pl
+
+
+def _barrier_kernel(cnt_ref, out_ref, buf_ref, cnt_out_ref, *, phases, programs, gpu_sync):
+    del cnt_ref  # aliased with cnt_out_ref: the atomics go through the output
+    p = pl.program_id(0)
+
+    def phase(i, acc):
+        slot = lax.rem(i, 2) * programs
+        buf_ref[slot + p] = (p + 1) * (i + 1)
+        grid_barrier(cnt_out_ref, programs * (i + 1), gpu_sync=gpu_sync)
+        return acc + buf_ref[slot + lax.rem(p + 1, programs)]
+
+    out_ref[p] = lax.fori_loop(0, phases, phase, jnp.int32(0))
+
+
+def barrier_call(programs: int, phases: int, *, interpret: bool = False):
+    """f(counter int32[1] zeros) -> (out int32[P], counter): P programs pass `phases` barriers;
+    in phase i program p stores (p + 1) (i + 1) and then reads its neighbour's store, so
+    out[p] = ((p + 1) % P + 1) * phases * (phases + 1) / 2 when every barrier held."""
+    kernel = functools.partial(_barrier_kernel, phases=phases, programs=programs,
+                               gpu_sync=not interpret)
+    call = pl.pallas_call(
+        kernel, grid=(programs,), input_output_aliases={0: 2},
+        out_shape=(jax.ShapeDtypeStruct((programs,), jnp.int32),
+                   jax.ShapeDtypeStruct((2 * programs,), jnp.int32),
+                   jax.ShapeDtypeStruct((1,), jnp.int32)),
+        compiler_params=compiler_params(4, 1), interpret=interpret, name="grid_barrier")
+
+    def run(counter):
+        out, _, counter = call(counter)
+        return out, counter
+    return run
+
+
+def expected(programs: int, phases: int):
+    return [((p + 1) % programs + 1) * phases * (phases + 1) // 2 for p in range(programs)]
+
+
+def _step_kernel(x_ref, y_ref):
+    p = pl.program_id(0)
+    y_ref[p] = x_ref[p] + x_ref[lax.rem(p + 1, x_ref.shape[0])]
+
+
+def boundary_chain(programs: int, kernels: int, *, interpret: bool = False):
+    """f(x int32[P]) -> x after `kernels` dependent one-program-per-slot kernels."""
+    step = pl.pallas_call(_step_kernel, grid=(programs,),
+                          out_shape=jax.ShapeDtypeStruct((programs,), jnp.int32),
+                          compiler_params=compiler_params(4, 1), interpret=interpret,
+                          name="boundary_step")
+
+    def run(x):
+        for _ in range(kernels):
+            x = step(x)
+        return x
+    return run
+
+
+def _time(fn, arg, calls: int, trials: int) -> float:
+    """Best-of-trials mean seconds per call (one sync per trial)."""
+    jax.block_until_ready(fn(arg))
+    best = float("inf")
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(arg)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def measure(programs: int, counts: list[int], calls: int, trials: int) -> dict:
+    res = {"programs": programs, "barrier_us": {}, "boundary_us": {}, "barrier_ok": {}}
+    for n in counts:
+        f = jax.jit(lambda c, n=n: barrier_call(programs, n)(jnp.zeros((1,), jnp.int32) + c))
+        out, counter = f(jnp.zeros((1,), jnp.int32))
+        res["barrier_ok"][n] = (jax.device_get(out).tolist() == expected(programs, n)
+                                and int(counter[0]) == programs * n)
+        res["barrier_us"][n] = 1e6 * _time(f, jnp.zeros((1,), jnp.int32), calls, trials)
+        g = jax.jit(boundary_chain(programs, n))
+        res["boundary_us"][n] = 1e6 * _time(g, jnp.arange(programs, dtype=jnp.int32), calls,
+                                            trials)
+    lo, hi = min(counts), max(counts)
+    if hi > lo:
+        res["per_barrier_us"] = (res["barrier_us"][hi] - res["barrier_us"][lo]) / (hi - lo)
+        res["per_boundary_us"] = (res["boundary_us"][hi] - res["boundary_us"][lo]) / (hi - lo)
+    return res
+
+
+def main(argv=None) -> int:
+    from benchmarks.decode import save_record
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.grid_barrier", description=__doc__)
+    ap.add_argument("--programs", default="132", help="grid sizes, comma-separated")
+    ap.add_argument("--barriers", default="0,64", help="barrier (and kernel) counts")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        raise SystemExit("benchmarks.grid_barrier needs a GPU (the barrier spins on programs "
+                         "running at the same time; interpret mode runs them in turn)")
+    counts = sorted({int(x) for x in args.barriers.split(",")})
+    rows = []
+    for programs in [int(x) for x in args.programs.split(",")]:
+        rows.append(measure(programs, counts, args.calls, args.trials))
+        print(json.dumps(rows[-1]), flush=True)
+    save_record("benchmarks.grid_barrier", argv, args.out, rows=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The grid barrier (pallas_kernels._common.grid_barrier) and its benchmark. On the CPU only a
+one-program grid can run (interpret mode runs programs in turn, so a second program would
+wait forever); the GPU test runs a grid of one program per SM and checks every phase's
+neighbour reads."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.grid_barrier import barrier_call, boundary_chain, expected
+from engine_helpers import has_gpu
+
+
+def test_one_program_passes_its_barriers_and_counts_them():
+    out, counter = jax.jit(barrier_call(1, 3, interpret=True))(jnp.zeros((1,), jnp.int32))
+    assert out.tolist() == expected(1, 3) == [6]
+    assert int(counter[0]) == 3
+
+
+def test_expected_values_name_the_neighbour():
+    assert expected(3, 2) == [2 * 3, 3 * 3, 1 * 3]
+
+
+def test_boundary_chain_is_the_dependent_sum():
+    x = np.arange(4, dtype=np.int32)
+    want = x.copy()
+    for _ in range(3):
+        want = want + np.roll(want, -1)
+    got = jax.jit(boundary_chain(4, 3, interpret=True))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_the_benchmark_refuses_a_cpu():
+    from benchmarks.grid_barrier import main
+    if has_gpu():
+        pytest.skip("has a GPU")
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        main(["--programs", "2"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("programs", [8, 132])
+def test_grid_barrier_orders_every_phase_on_the_gpu(programs):
+    f = jax.jit(barrier_call(programs, 16))
+    for _ in range(5):
+        out, counter = f(jnp.zeros((1,), jnp.int32))
+        assert out.tolist() == expected(programs, 16)
+        assert int(counter[0]) == programs * 16
+
+
+def test_the_gpu_kernel_spins_on_an_acq_rel_counter_between_cta_barriers():
+    """The lowering for CUDA (no GPU needed): a CTA barrier, the arrival's atomic add, a
+    while loop re-reading the counter by atomic adds, a CTA barrier after it; all atomics
+    acq_rel at GPU scope."""
+    from test_pdl import triton_ir
+    [ir] = triton_ir(barrier_call(132, 2), jax.ShapeDtypeStruct((1,), jnp.int32))
+    lines = ir.splitlines()
+    atomics = [i for i, line in enumerate(lines) if "tt.atomic_rmw" in line]
+    barriers = [i for i, line in enumerate(lines) if "gpu.barrier" in line]
+    [loop] = [i for i, line in enumerate(lines) if "scf.while" in line]
+    assert len(atomics) == 2 and atomics[0] < loop < atomics[1]
+    assert barriers and barriers[0] < atomics[0] and any(b > atomics[1] for b in barriers)
+    for i in atomics:
+        assert "acq_rel" in lines[i] and "gpu" in lines[i], lines[i]
