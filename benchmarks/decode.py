@@ -180,6 +180,23 @@ def run_config(llm, batch, k, temp, args):
     return row, runs[-1]
 
 
+def check_pdl_run(args) -> None:
+    """--pdl and --decode-kernel pdl=1 make kernels let the next one launch early, which is safe
+    only where that next kernel is a Pallas kernel that waits (pallas_kernels._common.PDL):
+    the engine's GPU defaults (Pallas attention with the fused K/V write, the streaming GEMVs
+    with the norm prologues), and for the decode kernel one row."""
+    if not args.pdl and "pdl=1" not in args.decode_kernel.replace(" ", ""):
+        return
+    if (args.attention != "pallas" or args.kv_write != "fused" or args.projections != "auto"
+            or args.no_fuse):
+        raise SystemExit("--pdl / --decode-kernel pdl=1 need --attention pallas, --kv-write "
+                         "fused, --projections auto and fused projections: with other paths "
+                         "an XLA kernel can follow the triggering one")
+    if "pdl=1" in args.decode_kernel.replace(" ", "") and args.batch.strip() != "1":
+        raise SystemExit("--decode-kernel pdl=1 needs --batch 1: with more rows the o "
+                         "projection after the decode kernel is an XLA GEMM")
+
+
 def token_digest(result) -> str:
     """sha256 (16 hex digits) of every output's token ids, in order."""
     h = hashlib.sha256()
@@ -304,6 +321,7 @@ def main(argv=None) -> int:
                         "weight block has arrived")
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
+    check_pdl_run(args)
     tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling,
                                  args.pdl, args.pdl_at)
     try:

@@ -50,6 +50,9 @@ def barrier_call(programs: int, phases: int, *, interpret: bool = False):
     """f(counter int32[1] zeros) -> (out int32[P], counter): P programs pass `phases` barriers;
     in phase i program p stores (p + 1) (i + 1) and then reads its neighbour's store, so
     out[p] = ((p + 1) % P + 1) * phases * (phases + 1) / 2 when every barrier held."""
+    if interpret and programs > 1:
+        raise ValueError("barrier_call in interpret mode takes one program: interpret mode runs "
+                         f"programs in turn, so {programs} could not wait for each other")
     kernel = functools.partial(_barrier_kernel, phases=phases, programs=programs,
                                gpu_sync=not interpret)
     call = pl.pallas_call(

@@ -72,8 +72,9 @@ def parse_pdl(spec: str) -> tuple:
     names = tuple(filter(None, (x.strip() for x in spec.split(","))))
     for name in names:
         if name not in NAMES or name == "down":
-            raise SystemExit(f"--pdl: {name!r} is not one of {tuple(n for n in NAMES if n != 'down')}"
-                             " (down's next kernel may be an XLA fusion)")
+            allowed = tuple(n for n in NAMES if n != "down")
+            raise SystemExit(f"--pdl: {name!r} is not one of {allowed} (down's next kernel "
+                             "may be an XLA fusion)")
     return names
 
 

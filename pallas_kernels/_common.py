@@ -43,8 +43,16 @@ def _col(x):
 # output after a wait; XLA's own fusions may read through non-coherent loads that the compiler
 # can move above their wait (openxla/xla#43894), so a call whose next kernel may be an XLA
 # fusion must not trigger. Interpret mode (CPU) emits nothing. PDL["on"] = False turns every
-# trigger off whatever the calls ask (a kill switch for A/B runs).
+# trigger and wait off whatever the calls ask (a kill switch for A/B runs); like the kernels'
+# TUNING dicts it is read at trace time, so programs already compiled keep what they had.
 PDL = {"on": True}
+
+
+def _asm_i32(asm: str, arg):
+    [out] = plt.elementwise_inline_asm(
+        asm, args=[arg], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
+    return out
 
 
 def pdl_trigger(anchor, *, interpret: bool):
@@ -53,11 +61,25 @@ def pdl_trigger(anchor, *, interpret: bool):
     pdl_wait keeps it alive and ahead of the wait."""
     if interpret or not PDL["on"]:
         return None
-    [token] = plt.elementwise_inline_asm(
-        "griddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;", args=[jnp.full((1,), anchor,
-                                                                               jnp.int32)],
-        constraints="=r,r", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-    return token
+    return _asm_i32("griddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;",
+                    jnp.full((1,), anchor, jnp.int32))
+
+
+def pdl_token(*, interpret: bool):
+    """A token for pdl_wait when no trigger precedes the wait (a late trigger follows it):
+    an int32[1] zero, or None (no asm) in interpret mode or with PDL off."""
+    return None if interpret or not PDL["on"] else jnp.zeros((1,), jnp.int32)
+
+
+def pdl_wait(token):
+    """griddepcontrol.wait; returns int32 0 that the caller adds to the index of every read
+    that must follow the wait. The data dependency is what orders those reads after it: the
+    asm is pure to the compiler, which may otherwise move loads across it (ptxas keeps loads
+    after the wait). XLA's own wait at the kernel's start makes this one redundant today; it
+    keeps the ordering if that ever moves. token None: a plain 0, no asm."""
+    if token is None:
+        return jnp.int32(0)
+    return jnp.sum(_asm_i32("griddepcontrol.wait;\n\tmov.u32 $0, $1;", token))
 
 
 def pdl_trigger_on(tile, *, interpret: bool):
@@ -66,6 +88,9 @@ def pdl_trigger_on(tile, *, interpret: bool):
     and before whatever uses the result. The late trigger: the next kernel may launch while
     this one does its last math and stores, not from its start. No asm in interpret mode or
     with PDL off."""
+    if jnp.dtype(tile.dtype).itemsize != 2:
+        raise ValueError(f"pdl_trigger_on takes a 16-bit tile (two per 32-bit register), got "
+                         f"{tile.dtype}")
     if interpret or not PDL["on"]:
         return tile
     [out] = plt.elementwise_inline_asm(
@@ -88,34 +113,16 @@ def grid_barrier(cnt_ref, target, *, gpu_sync: bool = True):
     if every program of the grid is resident at once (at most the SM count times the
     programs an SM holds): the caller sizes the grid for that. Interpret mode runs programs
     one after another and has no lowering for the CTA barriers: with gpu_sync=False the
-    barrier only counts the arrival (a one-program grid is then right; more programs would
-    not wait for each other)."""
-    if gpu_sync:
-        plt.debug_barrier()
-    seen = plt.atomic_add(cnt_ref, (jnp.int32(0),), jnp.int32(1)) + 1
+    barrier only counts the arrival, which is right for a one-program grid only (callers
+    refuse more in interpret mode)."""
     if not gpu_sync:  # interpret mode: no spin (its atomics do not discharge inside a loop)
-        return seen
+        return plt.atomic_add(cnt_ref, (jnp.int32(0),), jnp.int32(1)) + 1
+    plt.debug_barrier()
+    seen = plt.atomic_add(cnt_ref, (jnp.int32(0),), jnp.int32(1)) + 1
     seen = lax.while_loop(lambda v: v < target,
                           lambda v: plt.atomic_add(cnt_ref, (jnp.int32(0),), jnp.int32(0)), seen)
-    if gpu_sync:
-        plt.debug_barrier()
+    plt.debug_barrier()
     return seen
-
-
-def pdl_wait(token):
-    """griddepcontrol.wait; returns int32 0 that the caller adds to the index of every read
-    that must follow the wait. The data dependency is what orders those reads after it: the
-    asm is pure to the compiler, which may otherwise move loads across it (ptxas keeps loads
-    after the wait). XLA's own wait at the kernel's start makes this one redundant today; it
-    keeps the ordering if that ever moves. token None: a plain 0, no asm."""
-    if token is None:
-        return jnp.int32(0)
-    if isinstance(token, str):  # "wait only" (a late trigger follows): any int32[1] zero
-        token = jnp.zeros((1,), jnp.int32)
-    [zero] = plt.elementwise_inline_asm(
-        "griddepcontrol.wait;\n\tmov.u32 $0, $1;", args=[token], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-    return jnp.sum(zero)
 
 
 def compiler_params(num_warps: int, num_stages: int):
@@ -275,7 +282,8 @@ def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int,
     return run
 
 
-__all__ = ["pl", "plt", "NEG_INF", "PDL", "pdl_trigger", "pdl_trigger_on", "pdl_wait", "grid_barrier", "next_pow2", "cdiv", "choose_num_splits", "compiler_params",
-           "plane_operands", "plane_index",
-           "split_range", "load_kv_block", "dot", "QK", "PV", "online_softmax_step", "finish", "combine_splits", "split_partials_call",
-           "flash_tile"]
+__all__ = ["pl", "plt", "NEG_INF", "PDL", "pdl_trigger", "pdl_token", "pdl_wait",
+           "pdl_trigger_on", "grid_barrier", "next_pow2", "cdiv", "choose_num_splits",
+           "compiler_params", "plane_operands", "plane_index", "split_range", "load_kv_block",
+           "dot", "QK", "PV", "online_softmax_step", "finish", "combine_splits",
+           "split_partials_call", "flash_tile"]

@@ -257,6 +257,8 @@ TUNING: dict = {}
 # batch 1), above it 64. H200, 1.4B shape, native greedy (session 10, interleaved A/B,
 # benchmarks/results/ab2_*_session10_h200.json): batch 1 240.4 / 241.2 tok/s against 240.1 /
 # 239.6, batch 8 1,503.2 against 1,493.4; batch 64 7,426.7 against 7,529.5 (so 64 there).
+# Measured through paged_decode_attention_qkv (the default fused write); paged_decode_attention
+# (the --kv-write xla path) takes the same default, unmeasured.
 SMALL_BATCH_ROWS = 8
 
 
@@ -369,12 +371,16 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
     last_combine = write_new and counters is not None and num_splits > 1
     # (the fused-write entry point takes the tensor-core path only, the one that merges)
     assert use_dot or not last_combine
-    # PDL trigger (_common.PDL): only when the kernel merges its own splits, so that the next
-    # kernel is the o projection's Pallas GEMV (which waits), not the XLA combine.
+    # PDL trigger (_common.PDL): only for one row with the kernel merging its own splits, so
+    # that the next kernel is the o projection's streaming GEMV (which waits; the engine sends
+    # only one-row calls there), not the XLA combine or an XLA GEMM.
     pdl = bool(TUNING.get("pdl", 0))
-    if pdl and not last_combine:
-        raise ValueError("decode kernel pdl=1 needs the in-kernel split merge (last_combine=1, "
-                         "counters, several splits): its next kernel must be one that waits")
+    if pdl and not (last_combine and bsz == 1):
+        raise ValueError(
+            f"decode kernel pdl=1 needs one row and the in-kernel split merge (last_combine=1, "
+            f"counters, more than one split); this call has {bsz} rows, {num_splits} splits, "
+            f"counters {'given' if counters is not None else 'missing'}: its next kernel "
+            f"must be one that waits")
     if last_combine:
         write_args = (*write_args, counters)
     sd = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import PDL, compiler_params, pdl_trigger, pdl_trigger_on, pdl_wait, pl
+from pallas_kernels._common import (compiler_params, pdl_token, pdl_trigger, pdl_trigger_on,
+                                    pdl_wait, pl)
 from pallas_kernels.gemv import (_normed, _silu_mul, check_norm_operands, check_operands,
                                   pow2_divisor)
 
@@ -105,10 +106,11 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
             tiles += tuple(w_ref[rows(j, up_offset), cols[c]] for c in range(nk))
         return tiles
 
-    pdl_off = interpret or not pdl or not PDL["on"]
-    token = pdl_trigger(p, interpret=pdl_off or pdl != "start")
+    pdl_off = interpret or not pdl
+    token = (pdl_trigger(p, interpret=pdl_off) if pdl == "start"
+             else pdl_token(interpret=pdl_off))
     first = load(p)  # in flight while the prologue runs (and, with PDL, the previous kernel)
-    after = pdl_wait(token if pdl_off or pdl == "start" else "wait only")
+    after = pdl_wait(token)
     xs = [_row_chunks((x_ref, b_ref, wb_ref, wx_ref, xo_ref), r, nk, block_k, k, dt,
                       prologue, eps, p == 0, row2d, after) for r in range(m)]
     if not row2d:

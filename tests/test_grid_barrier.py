@@ -20,6 +20,11 @@ def test_one_program_passes_its_barriers_and_counts_them():
     assert int(counter[0]) == 3
 
 
+def test_interpret_mode_refuses_a_grid_that_would_need_to_wait():
+    with pytest.raises(ValueError, match="takes one program"):
+        barrier_call(2, 1, interpret=True)
+
+
 def test_expected_values_name_the_neighbour():
     assert expected(3, 2) == [2 * 3, 3 * 3, 1 * 3]
 

@@ -512,3 +512,21 @@ def test_decode_layer_fuses_rope_and_kv_write(batch, fused):
                                                       jnp.int32(0), 0))(x, planes)
     names = {e.primitive.name for e in jaxpr.jaxpr.eqns}  # the layer's top-level ops
     assert ("scatter" in names) != fused and ("concatenate" in names) != fused, names
+
+
+@pytest.mark.parametrize("rows,dtype,splits", [
+    (1, jnp.bfloat16, 8), (8, jnp.bfloat16, 8), (9, jnp.bfloat16, 4), (9, jnp.float32, 8)])
+def test_decode_block_default_is_32_keys_up_to_eight_rows(rows, dtype, splits):
+    """decode.SMALL_BATCH_ROWS: 16-bit caches take 32-key blocks up to 8 rows and 64 above
+    (fp32 always 32). Seen through the split count: a 256-token table caps the splits at
+    256 / block_t (one block per split), below what the GPU-filling target asks here."""
+    from engine_helpers import pallas_call_eqns
+    from pallas_kernels import decode as dk
+    assert dk.SMALL_BATCH_ROWS == 8
+    kc = jnp.zeros((1, 16, 16, 1, 16), dtype)
+    bt = jnp.zeros((rows, 16), jnp.int32)
+    lens = jnp.full((rows,), 200, jnp.int32)
+    q = jnp.zeros((rows, 1, 16), dtype)
+    (eqn,) = pallas_call_eqns(
+        lambda q: dk.paged_decode_attention(q, kc, kc, 0, bt, lens, interpret=True), q)
+    assert eqn.params["grid_mapping"].grid == (rows, 1, splits)
