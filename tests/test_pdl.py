@@ -14,6 +14,7 @@ from jax._src.pallas.triton import pallas_call_registration as _reg
 
 from pallas_kernels import _common
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+from pallas_kernels.offline_compile import sm90_device_info
 
 S = jax.ShapeDtypeStruct
 TRIGGER, WAIT = "griddepcontrol.launch_dependents", "griddepcontrol.wait"
@@ -29,7 +30,8 @@ def triton_ir(fn, *shapes) -> list[str]:
         return r
     _reg.lowering.lower_jaxpr_to_triton_module = hook
     try:
-        jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+        with sm90_device_info():
+            jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
     finally:
         _reg.lowering.lower_jaxpr_to_triton_module = orig
     return out
