@@ -100,29 +100,44 @@ def pdl_trigger_on(tile, *, interpret: bool):
     return out
 
 
-def grid_barrier(cnt_ref, target, *, gpu_sync: bool = True):
-    """Every program of the grid waits here until `target` arrivals have been counted in
-    cnt_ref[0] (an int32 counter the caller zeroes once per call; phase i of P programs
-    passes target = P * (i + 1), so the counter never needs resetting inside the call).
+GEN_MASK = (1 << 30) - 1  # the barrier's generation stays in [0, 2**30)
 
-    The pattern of the split merge's counter (decode._merge_if_last), extended to a spin: a
-    CTA barrier orders every warp's stores before one thread's atomic increment, which Pallas
-    lowers to atom.acq_rel.gpu (release: this program's stores are visible GPU-wide first);
-    the program then re-reads the counter with atomic adds of 0 (acquire) until it reaches
-    the target, and a second CTA barrier holds the other warps until then. Deadlock-free only
-    if every program of the grid is resident at once (at most the SM count times the
-    programs an SM holds): the caller sizes the grid for that. Interpret mode runs programs
-    one after another and has no lowering for the CTA barriers: with gpu_sync=False the
-    barrier only counts the arrival, which is right for a one-program grid only (callers
+
+def grid_barrier(state_ref, programs, *, gpu_sync: bool = True):
+    """Every program of the grid waits here until all `programs` have arrived. state_ref:
+    int32 [2] (arrivals, generation), zeros when first used; each barrier leaves the
+    arrivals at 0 and advances the generation, so the state is reused across barriers and
+    calls without being reset (a sense-reversing barrier).
+
+    Built on the split merge's counter pattern (decode._merge_if_last): a CTA barrier orders
+    every warp's stores before one thread's atomics, which Pallas lowers to atom.acq_rel.gpu.
+    Each program reads the generation, then arrives; the last to arrive takes the arrivals
+    back to 0 and then advances the generation (release: every program's stores, and the
+    reset, are visible GPU-wide first; nobody else changes either in between); the others re-read the generation by atomic adds of
+    0 (acquire) until it moves, and a second CTA barrier holds their other warps until then.
+    Returns the generation this barrier passed (in [0, 2**30)).
+
+    Deadlock-free only if every program of the grid is resident at once (at most the SM
+    count times the programs an SM holds): the caller sizes the grid for that. Interpret
+    mode runs programs one after another and has no lowering for the CTA barriers: with
+    gpu_sync=False there is no spin, which is right for a one-program grid only (callers
     refuse more in interpret mode)."""
-    if not gpu_sync:  # interpret mode: no spin (its atomics do not discharge inside a loop)
-        return plt.atomic_add(cnt_ref, (jnp.int32(0),), jnp.int32(1)) + 1
-    plt.debug_barrier()
-    seen = plt.atomic_add(cnt_ref, (jnp.int32(0),), jnp.int32(1)) + 1
-    seen = lax.while_loop(lambda v: v < target,
-                          lambda v: plt.atomic_add(cnt_ref, (jnp.int32(0),), jnp.int32(0)), seen)
-    plt.debug_barrier()
-    return seen
+    zero, one = jnp.int32(0), jnp.int32(1)
+    if gpu_sync:
+        plt.debug_barrier()
+    gen = plt.atomic_add(state_ref, (one,), zero)
+    arrived = plt.atomic_add(state_ref, (zero,), one) + 1
+
+    @pl.when(arrived == programs)
+    def _():  # adds, not exchanges: interpret mode has no exchange; the values are known
+        plt.atomic_add(state_ref, (zero,), jnp.int32(-programs))
+        plt.atomic_add(state_ref, (one,), jnp.where(gen == GEN_MASK, jnp.int32(-GEN_MASK), one))
+
+    if gpu_sync:
+        lax.while_loop(lambda g: g == gen, lambda g: plt.atomic_add(state_ref, (one,), zero),
+                       gen)
+        plt.debug_barrier()
+    return gen
 
 
 def compiler_params(num_warps: int, num_stages: int):

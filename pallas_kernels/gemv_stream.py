@@ -82,39 +82,29 @@ def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d
     return [_normed(xs[c], s_x, vec(wx_ref, c), dt).astype(jnp.float32) for c in range(nk)]
 
 
-def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
-            row2d, interpret, pdl):
-    if prologue == "add_norm":
-        x_ref, b_ref, wb_ref, wx_ref, w_ref, y_ref, xo_ref = refs
-    elif prologue == "norm":
-        (x_ref, wx_ref, w_ref, y_ref), b_ref, wb_ref, xo_ref = refs, None, None, None
-    else:
-        (x_ref, w_ref, y_ref), b_ref, wb_ref, wx_ref, xo_ref = refs, None, None, None, None
-    p = pl.program_id(0)
-    programs = pl.num_programs(0)
-    dt = y_ref.dtype
-    nk = k // block_k
+def block_loader(w_ref, *, block_n: int, block_k: int, nk: int, gated: bool, up_offset: int):
+    """load(j): block j's raw weight slab, nk gate chunks (then nk up chunks when gated)."""
     cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
 
-    def rows(j, offset=0):
-        return pl.ds(pl.multiple_of(offset + j * block_n, block_n), block_n)
-
     def load(j):
-        """Block j's raw weight slab: nk gate chunks (then nk up chunks when gated)."""
-        tiles = tuple(w_ref[rows(j), cols[c]] for c in range(nk))
+        tiles = tuple(w_ref[_rows(j, block_n), cols[c]] for c in range(nk))
         if gated:
-            tiles += tuple(w_ref[rows(j, up_offset), cols[c]] for c in range(nk))
+            tiles += tuple(w_ref[_rows(j, block_n, up_offset), cols[c]] for c in range(nk))
         return tiles
+    return load
 
-    pdl_off = interpret or not pdl
-    token = (pdl_trigger(p, interpret=pdl_off) if pdl == "start"
-             else pdl_token(interpret=pdl_off))
-    first = load(p)  # in flight while the prologue runs (and, with PDL, the previous kernel)
-    after = pdl_wait(token)
-    xs = [_row_chunks((x_ref, b_ref, wb_ref, wx_ref, xo_ref), r, nk, block_k, k, dt,
-                      prologue, eps, p == 0, row2d, after) for r in range(m)]
-    if not row2d:
-        xs = [[xc[None, :] for xc in xr] for xr in xs]
+
+def _rows(j, block_n, offset=0):
+    return pl.ds(pl.multiple_of(offset + j * block_n, block_n), block_n)
+
+
+def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, block_n: int,
+                  block_k: int, nk: int, gated: bool, last_hook=None):
+    """Blocks p, p + programs, ... (per_program of them) of y = x @ W^T into y_ref, each
+    block's loads requested before the math on the one before; `first` holds block p's
+    (requested by the caller, ahead of its prologue). xs: per row, nk [1, block_k] fp32
+    chunks. last_hook(tiles) -> tiles runs on the last block's loads (the late PDL trigger)."""
+    m, dt = len(xs), y_ref.dtype
 
     def compute_store(j, tiles):
         wf = [t.astype(jnp.float32) for t in tiles]
@@ -126,7 +116,7 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
                 return jnp.sum(acc, axis=1)
             g = dotrow(wf[:nk])
             y = _silu_mul(g, dotrow(wf[nk:]), dt) if gated else g.astype(dt)
-            y_ref[r, rows(j)] = y
+            y_ref[r, _rows(j, block_n)] = y
 
     def body(i, cur):
         j = p + i * programs
@@ -135,9 +125,44 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
         return nxt
 
     last = lax.fori_loop(0, per_program - 1, body, first)
-    if pdl == "end":  # once the last block's first tile has arrived
-        last = (pdl_trigger_on(last[0], interpret=pdl_off), *last[1:])
+    if last_hook is not None:
+        last = last_hook(last)
     compute_store(p + (per_program - 1) * programs, last)
+
+
+def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=0):
+    """Every row's GEMV input chunks (_row_chunks), as [1, block_k] arrays."""
+    xs = [_row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, after)
+          for r in range(m)]
+    return xs if row2d else [[xc[None, :] for xc in xr] for xr in xs]
+
+
+def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
+            row2d, interpret, pdl):
+    if prologue == "add_norm":
+        x_ref, b_ref, wb_ref, wx_ref, w_ref, y_ref, xo_ref = refs
+    elif prologue == "norm":
+        (x_ref, wx_ref, w_ref, y_ref), b_ref, wb_ref, xo_ref = refs, None, None, None
+    else:
+        (x_ref, w_ref, y_ref), b_ref, wb_ref, wx_ref, xo_ref = refs, None, None, None, None
+    p = pl.program_id(0)
+    nk = k // block_k
+    load = block_loader(w_ref, block_n=block_n, block_k=block_k, nk=nk, gated=gated,
+                        up_offset=up_offset)
+    pdl_off = interpret or not pdl
+    token = (pdl_trigger(p, interpret=pdl_off) if pdl == "start"
+             else pdl_token(interpret=pdl_off))
+    first = load(p)  # in flight while the prologue runs (and, with PDL, the previous kernel)
+    after = pdl_wait(token)
+    xs = row_inputs((x_ref, b_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=block_k, k=k,
+                    dt=y_ref.dtype, prologue=prologue, eps=eps, first_program=p == 0,
+                    row2d=row2d, after=after)
+    hook = None
+    if pdl == "end":  # once the last block's first tile has arrived
+        hook = lambda last: (pdl_trigger_on(last[0], interpret=pdl_off), *last[1:])
+    stream_blocks(load, first, xs, y_ref, p=p, programs=pl.num_programs(0),
+                  per_program=per_program, block_n=block_n, block_k=block_k, nk=nk,
+                  gated=gated, last_hook=hook)
 
 
 def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,

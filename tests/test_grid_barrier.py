@@ -14,10 +14,16 @@ from benchmarks.grid_barrier import barrier_call, boundary_chain, expected
 from engine_helpers import has_gpu
 
 
-def test_one_program_passes_its_barriers_and_counts_them():
-    out, counter = jax.jit(barrier_call(1, 3, interpret=True))(jnp.zeros((1,), jnp.int32))
+def test_one_program_passes_its_barriers_and_leaves_the_state_reusable():
+    f = jax.jit(barrier_call(1, 3, interpret=True))
+    out, state = f(jnp.zeros((2,), jnp.int32))
     assert out.tolist() == expected(1, 3) == [6]
-    assert int(counter[0]) == 3
+    assert state.tolist() == [0, 3]  # arrivals back at 0, three generations on
+    out, state = f(state)
+    assert out.tolist() == [6] and state.tolist() == [0, 6]
+    from pallas_kernels._common import GEN_MASK
+    out, state = f(jnp.array([0, GEN_MASK - 1], jnp.int32))  # the generation wraps to 0
+    assert state.tolist() == [0, 1]  # GEN_MASK - 1 -> GEN_MASK -> 0 -> 1
 
 
 def test_interpret_mode_refuses_a_grid_that_would_need_to_wait():
@@ -51,23 +57,28 @@ def test_the_benchmark_refuses_a_cpu():
 @pytest.mark.parametrize("programs", [8, 132])
 def test_grid_barrier_orders_every_phase_on_the_gpu(programs):
     f = jax.jit(barrier_call(programs, 16))
-    for _ in range(5):
-        out, counter = f(jnp.zeros((1,), jnp.int32))
+    state = jnp.zeros((2,), jnp.int32)
+    for call in range(5):  # the state carries over from call to call
+        out, state = f(state)
         assert out.tolist() == expected(programs, 16)
-        assert int(counter[0]) == programs * 16
+        assert state.tolist() == [0, 16 * (call + 1)]
 
 
 def test_the_gpu_kernel_spins_on_an_acq_rel_counter_between_cta_barriers():
-    """The lowering for CUDA (no GPU needed): a CTA barrier, the arrival's atomic add, a
-    while loop re-reading the counter by atomic adds, a CTA barrier after it; all atomics
-    acq_rel at GPU scope."""
+    """The lowering for CUDA (no GPU needed): a CTA barrier; the generation read and the
+    arrival; the last arrival's reset and generation step under an scf.if; a while loop
+    re-reading the generation; a CTA barrier after it. All atomics acq_rel at GPU scope."""
     from test_pdl import triton_ir
-    [ir] = triton_ir(barrier_call(132, 2), jax.ShapeDtypeStruct((1,), jnp.int32))
+    [ir] = triton_ir(barrier_call(132, 2), jax.ShapeDtypeStruct((2,), jnp.int32))
     lines = ir.splitlines()
     atomics = [i for i, line in enumerate(lines) if "tt.atomic_rmw" in line]
     barriers = [i for i, line in enumerate(lines) if "gpu.barrier" in line]
+    [branch] = [i for i, line in enumerate(lines) if "scf.if" in line]
     [loop] = [i for i, line in enumerate(lines) if "scf.while" in line]
-    assert len(atomics) == 2 and atomics[0] < loop < atomics[1]
-    assert barriers and barriers[0] < atomics[0] and any(b > atomics[1] for b in barriers)
+    assert len(atomics) == 5
+    read, arrive, reset, flip, spin = atomics
+    assert barriers[0] < read < arrive < branch < reset < flip < loop < spin
+    assert all("add" in lines[i] for i in atomics)
+    assert any(b > spin for b in barriers)
     for i in atomics:
         assert "acq_rel" in lines[i] and "gpu" in lines[i], lines[i]
