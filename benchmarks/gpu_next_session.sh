@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Prepared at the end of session 10 for the next session (issue 6), one device call (~7 min).
+# Prepared at the end of session 10 for the next session (issue 6), one device call (~8 min).
 #   1. The grid barrier (pallas_kernels._common.grid_barrier) on the GPU: its ordering test
 #      (one program per SM and 8 programs, 16 phases, neighbour reads), then what one
 #      barrier costs against one kernel boundary (benchmarks.grid_barrier). A persistent
 #      per-layer kernel, the one lever left for batch-1 native decode, pays only if a barrier
 #      is much cheaper than a boundary (~1.9 us of fixed cost per projection kernel now).
+#      Then the first such kernel (pallas_kernels/gemv_chain.py: o -> gate/up, 128
+#      persistent programs): its GPU test against the two kernels, and us per layer against
+#      them (benchmarks.gemv_chain).
 #   2. The new decode block default (32-key blocks up to 8 rows, session 10's interleaved
 #      A/B ran it as an override only): batch 1 and 8, native and k=4 d=2, greedy.
 #   3. A prefill-only trace (--new-tokens 1: batch-1 prefill reads ~10 ms against ~3 ms of
@@ -15,9 +18,12 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
-timeout 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_grid_barrier.py 2>&1 | tail -2
+timeout 120 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_grid_barrier.py \
+  tests/test_gemv_chain.py 2>&1 | tail -2
 timeout 90 python3 -m benchmarks.grid_barrier --programs 132,264 --barriers 0,64 \
   --out $OUT/grid_barrier_h200.json 2>&1 | tail -3
+timeout 90 python3 -m benchmarks.gemv_chain --layers 8 --programs 128 \
+  --out $OUT/gemv_chain_h200.json 2>&1 | tail -3
 timeout 170 python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 \
   --compile-cache /tmp/cc --batch 1,8 --k 0,4 --temperature 0 \
   --out $OUT/decode_b1_b8_block_default_h200.json 2>&1 | grep -E "^ *(1|8) |rror|identical"

@@ -130,8 +130,10 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
     compute_store(p + (per_program - 1) * programs, last)
 
 
-def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=0):
-    """Every row's GEMV input chunks (_row_chunks), as [1, block_k] arrays."""
+def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=None):
+    """Every row's GEMV input chunks (_row_chunks), as [1, block_k] arrays. after: pdl_wait's
+    zero (default: an int32 0, which the Triton lowering's multiple_of hint needs as a value)."""
+    after = jnp.int32(0) if after is None else after
     xs = [_row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, after)
           for r in range(m)]
     return xs if row2d else [[xc[None, :] for xc in xr] for xr in xs]

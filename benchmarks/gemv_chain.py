@@ -1,0 +1,112 @@
+"""The o -> gate/up persistent kernel (pallas_kernels/gemv_chain.py) against the two streaming
+GEMVs the engine runs now, on the 1.4B shapes, bf16, one row.
+
+    python -m benchmarks.gemv_chain --layers 8 --programs 128 --out chain.json
+
+Each variant runs `layers` layer-sized steps in one jit, every layer with its own weights (so
+the 54 MB of o and gate/up weights per layer stream from HBM, not L2) and its input being the
+previous layer's output, as in decode; the figure is microseconds per layer. The separate
+variant uses the engine's tilings (projections.STREAM_TUNING); the fused one the chain's
+(gemv_chain.TILING), so a difference is the boundary and the tilings together: the run also
+reports the separate kernels with the chain's tilings. Errors are against the separate
+kernels with the chain's tilings (the same math and layout: expected 0). Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+K, K_O, INTER = 2048, 2048, 5632
+
+
+def _weights(layers: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    bf = jnp.bfloat16
+    w = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32) * s[-1] ** -0.5, bf)
+    return [dict(w_o=w(K, K_O), w_post=jnp.asarray(rng.uniform(0.5, 1.5, K), bf),
+                 w_pre=jnp.asarray(rng.uniform(0.5, 1.5, K), bf), w_gu=w(2 * INTER, K))
+            for _ in range(layers)]
+
+
+def separate(ws, attn, h, tiling):
+    from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+    for lw in ws:
+        o = gemv_stream(attn, lw["w_o"], **tiling["o"])
+        y, h = gemv_stream_normed(h, lw["w_pre"], lw["w_gu"], eps=1e-6, branch=o,
+                                  branch_w=lw["w_post"], gated=True, **tiling["gate_up"])
+        attn = y[:, :K_O]  # the next layer's "attention output", dependent on this layer
+    return y, h
+
+
+def fused(ws, attn, h, state, programs):
+    from pallas_kernels.gemv_chain import o_gate_up
+    for lw in ws:
+        y, h, _, state = o_gate_up(attn, lw["w_o"], h, lw["w_post"], lw["w_pre"], lw["w_gu"],
+                                   state, eps=1e-6, programs=programs)
+        attn = y[:, :K_O]
+    return y, h, state
+
+
+def _time(fn, args, calls, trials):
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def main(argv=None) -> int:
+    from benchmarks.decode import save_record
+    from ouro_jax.projections import STREAM_TUNING
+    from pallas_kernels.gemv_chain import PROGRAMS, TILING
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gemv_chain", description=__doc__)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--programs", type=int, default=PROGRAMS)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        raise SystemExit("benchmarks.gemv_chain needs a GPU (the fused kernel's barrier spins "
+                         "on programs running at the same time)")
+    ws = _weights(args.layers)
+    rng = np.random.default_rng(1)
+    attn = jnp.asarray(rng.standard_normal((1, K_O)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
+    engine = {n: dict(STREAM_TUNING[n]) for n in ("o", "gate_up")}
+    chain = {n: dict(TILING[n], per_program=1) for n in ("o", "gate_up")}
+    sep = {name: jax.jit(lambda a, x, t=t: separate(ws, a, x, t))
+           for name, t in (("separate_engine_tiling", engine), ("separate_chain_tiling", chain))}
+    fus = jax.jit(lambda a, x, s: fused(ws, a, x, s, args.programs))
+    state = jnp.zeros((2,), jnp.int32)
+    ref = sep["separate_chain_tiling"](attn, h)
+    got = fus(attn, h, state)
+    err = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+              for g, r in zip(got[:2], ref))
+    row = dict(layers=args.layers, programs=args.programs, max_abs_diff_vs_separate=err,
+               barrier_state=jax.device_get(got[2]).tolist())
+    for name, f in sep.items():
+        row[f"{name}_us_per_layer"] = 1e6 * _time(f, (attn, h), args.calls,
+                                                  args.trials) / args.layers
+    row["fused_us_per_layer"] = 1e6 * _time(fus, (attn, h, state), args.calls,
+                                            args.trials) / args.layers
+    print(json.dumps(row), flush=True)
+    save_record("benchmarks.gemv_chain", argv, args.out, rows=[row], tiling_engine=engine,
+                tiling_chain=TILING)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

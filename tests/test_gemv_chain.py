@@ -1,0 +1,74 @@
+"""The o -> gate/up persistent kernel (pallas_kernels/gemv_chain.py): the same results as the
+two streaming GEMVs it replaces. On the CPU one program runs both phases (interpret mode runs
+programs in turn); the GPU test runs the persistent grid."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import has_gpu
+from pallas_kernels.gemv_chain import o_gate_up
+from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+
+
+def _case(m, k_o, k, inter, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    a = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, dtype)
+    return (a(m, k_o), a(k, k_o, scale=k_o ** -0.5), a(m, k),
+            jnp.asarray(rng.uniform(0.5, 1.5, k), dtype), jnp.asarray(rng.uniform(0.5, 1.5, k), dtype),
+            a(2 * inter, k, scale=k ** -0.5))
+
+
+def _separate(attn, w_o, h, w_post, w_pre, w_gu, tiling, **kw):
+    o = gemv_stream(attn, w_o, per_program=1, **tiling["o"], **kw)
+    y, x_new = gemv_stream_normed(h, w_pre, w_gu, eps=1e-6, branch=o, branch_w=w_post,
+                                  gated=True, per_program=1, **tiling["gate_up"], **kw)
+    return y, x_new, o
+
+
+TILING = dict(o=dict(block_n=2, block_k=64), gate_up=dict(block_n=2, block_k=64))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_program_matches_the_two_kernels(dtype):
+    args = _case(1, 128, 128, 192, dtype)
+    y, x_new, o, state = o_gate_up(*args, jnp.zeros((2,), jnp.int32), eps=1e-6, programs=1,
+                                   tiling=TILING, interpret=True)
+    for got, want in zip((y, x_new, o), _separate(*args, TILING, interpret=True)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert state.tolist() == [0, 1]  # one barrier passed, the state ready for the next call
+
+
+def test_bad_inputs_are_refused():
+    args = _case(1, 128, 128, 192, jnp.float32)
+    state = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="programs=1"):
+        o_gate_up(*args, state, eps=1e-6, programs=2, tiling=TILING, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 3 blocks"):
+        o_gate_up(*args, state, eps=1e-6, programs=3, tiling=TILING)
+    with pytest.raises(ValueError, match="but h is"):
+        o_gate_up(args[0], args[1], args[2][:, :64], *args[3:], state, eps=1e-6, programs=1,
+                  tiling=TILING, interpret=True)
+    with pytest.raises(ValueError, match="barrier state"):
+        o_gate_up(*args, jnp.zeros((1,), jnp.int32), eps=1e-6, programs=1, tiling=TILING,
+                  interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+def test_persistent_grid_matches_the_two_kernels_on_the_gpu():
+    """1.4B shapes, bf16, 128 programs: the fused kernel's results equal the two kernels' with
+    the same tilings (same math, same summation layout), call after call."""
+    args = _case(1, 2048, 2048, 5632, jnp.bfloat16, seed=1)
+    f = jax.jit(lambda *a: o_gate_up(*a, eps=1e-6), donate_argnums=6)
+    tiling = dict(o=dict(block_n=2, block_k=512), gate_up=dict(block_n=2, block_k=512))
+    want = jax.jit(lambda *a: _separate(*a, tiling))(*args)
+    state = jnp.zeros((2,), jnp.int32)
+    for call in range(10):
+        y, x_new, o, state = f(*args, state)
+        for got, ref in zip((y, x_new, o), want):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+        assert state.tolist() == [0, call + 1]
