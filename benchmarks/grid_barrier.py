@@ -47,10 +47,10 @@ def _barrier_kernel(state_ref, out_ref, buf_ref, state_out_ref, *, phases, progr
 
 
 def barrier_call(programs: int, phases: int, *, interpret: bool = False):
-    """f(state int32[2]) -> (out int32[P], state): P programs pass `phases` barriers;
+    """f(state int32[3]) -> (out int32[P], state): P programs pass `phases` barriers;
     in phase i program p stores (p + 1) (i + 1) and then reads its neighbour's store, so
     out[p] = ((p + 1) % P + 1) * phases * (phases + 1) / 2 when every barrier held, and the
-    state comes back as (0, generation + phases)."""
+    state comes back as (0, generation + phases, 0): no program gave up waiting."""
     if interpret and programs > 1:
         raise ValueError("barrier_call in interpret mode takes one program: interpret mode runs "
                          f"programs in turn, so {programs} could not wait for each other")
@@ -60,7 +60,7 @@ def barrier_call(programs: int, phases: int, *, interpret: bool = False):
         kernel, grid=(programs,), input_output_aliases={0: 2},
         out_shape=(jax.ShapeDtypeStruct((programs,), jnp.int32),
                    jax.ShapeDtypeStruct((2 * programs,), jnp.int32),
-                   jax.ShapeDtypeStruct((2,), jnp.int32)),
+                   jax.ShapeDtypeStruct((3,), jnp.int32)),
         compiler_params=compiler_params(4, 1), interpret=interpret, name="grid_barrier")
 
     def run(state):
@@ -121,9 +121,9 @@ def measure(programs: int, counts: list[int], calls: int, trials: int) -> dict:
     res = {"programs": programs, "barrier_us": {}, "boundary_us": {}, "barrier_ok": {}}
     for n in counts:
         f = jax.jit(barrier_call(programs, n), donate_argnums=0)
-        out, state = f(jnp.zeros((2,), jnp.int32))
+        out, state = f(jnp.zeros((3,), jnp.int32))
         res["barrier_ok"][n] = (jax.device_get(out).tolist() == expected(programs, n)
-                                and jax.device_get(state).tolist() == [0, n])
+                                and jax.device_get(state).tolist() == [0, n, 0])
         res["barrier_us"][n] = 1e6 * _time_state(f, state, calls, trials)
         g = jax.jit(boundary_chain(programs, n))
         res["boundary_us"][n] = 1e6 * _time(g, jnp.arange(programs, dtype=jnp.int32), calls,

@@ -101,28 +101,32 @@ def pdl_trigger_on(tile, *, interpret: bool):
 
 
 GEN_MASK = (1 << 30) - 1  # the barrier's generation stays in [0, 2**30)
+SPIN_LIMIT = 1 << 22  # re-reads before a waiting program gives up (seconds, not a hang)
 
 
 def grid_barrier(state_ref, programs, *, gpu_sync: bool = True):
     """Every program of the grid waits here until all `programs` have arrived. state_ref:
-    int32 [2] (arrivals, generation), zeros when first used; each barrier leaves the
-    arrivals at 0 and advances the generation, so the state is reused across barriers and
-    calls without being reset (a sense-reversing barrier).
+    int32 [3] (arrivals, generation, give-ups), zeros when first used; each barrier leaves
+    the arrivals at 0 and advances the generation, so the state is reused across barriers
+    and calls without being reset (a sense-reversing barrier).
 
     Built on the split merge's counter pattern (decode._merge_if_last): a CTA barrier orders
     every warp's stores before one thread's atomics, which Pallas lowers to atom.acq_rel.gpu.
     Each program reads the generation, then arrives; the last to arrive takes the arrivals
     back to 0 and then advances the generation (release: every program's stores, and the
-    reset, are visible GPU-wide first; nobody else changes either in between); the others re-read the generation by atomic adds of
-    0 (acquire) until it moves, and a second CTA barrier holds their other warps until then.
-    Returns the generation this barrier passed (in [0, 2**30)).
+    reset, are visible GPU-wide first; nobody else changes either in between); the others
+    re-read the generation by atomic adds of 0 (acquire) until it moves, and a second CTA
+    barrier holds their other warps until then. A program that re-reads SPIN_LIMIT times
+    without seeing it move (some program never arrived: the grid was not all resident) counts
+    itself in the third word and goes on, so a broken barrier shows as a nonzero count and
+    wrong results, not as a hung GPU. Returns the generation this barrier passed.
 
     Deadlock-free only if every program of the grid is resident at once (at most the SM
     count times the programs an SM holds): the caller sizes the grid for that. Interpret
     mode runs programs one after another and has no lowering for the CTA barriers: with
     gpu_sync=False there is no spin, which is right for a one-program grid only (callers
     refuse more in interpret mode)."""
-    zero, one = jnp.int32(0), jnp.int32(1)
+    zero, one, two = jnp.int32(0), jnp.int32(1), jnp.int32(2)
     if gpu_sync:
         plt.debug_barrier()
     gen = plt.atomic_add(state_ref, (one,), zero)
@@ -134,8 +138,13 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True):
         plt.atomic_add(state_ref, (one,), jnp.where(gen == GEN_MASK, jnp.int32(-GEN_MASK), one))
 
     if gpu_sync:
-        lax.while_loop(lambda g: g == gen, lambda g: plt.atomic_add(state_ref, (one,), zero),
-                       gen)
+        seen, _ = lax.while_loop(
+            lambda c: (c[0] == gen) & (c[1] < SPIN_LIMIT),
+            lambda c: (plt.atomic_add(state_ref, (one,), zero), c[1] + 1), (gen, zero))
+
+        @pl.when(seen == gen)
+        def _():
+            plt.atomic_add(state_ref, (two,), one)
         plt.debug_barrier()
     return gen
 

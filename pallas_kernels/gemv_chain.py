@@ -13,7 +13,7 @@ the MLP's gate/up, with _common.grid_barrier:
 Same math and rounding as gemv_stream(attn, W_o) followed by gemv_stream_normed(h, w_pre_mlp,
 W_gate_up, branch=o, branch_w=w_post_attn, gated=True), through the same helpers. The grid is
 `programs` persistent programs, every one resident at once (the barrier spins): the default
-128 is under the H200's 132 SMs. The barrier state (int32 [2], zeros at first) is threaded
+128 is under the H200's 132 SMs. The barrier state (int32 [3], zeros at first) is threaded
 through calls and donated. Not in the engine: `benchmarks.gemv_chain` times it against the
 two kernels, and it becomes a candidate only if the barrier is cheaper than the boundary.
 """
@@ -70,7 +70,7 @@ def o_gate_up(attn, w_o, h, w_post_attn, w_pre_mlp, w_gate_up, state, *, eps: fl
               programs: int = PROGRAMS, tiling: dict | None = None, num_warps: int = 4,
               interpret: bool = False):
     """attn [M, K_o] (the attention output), w_o [K, K_o], h [M, K] (the residual stream),
-    the two norm weights [K], w_gate_up [2I, K], state int32 [2] (the barrier's; donate it).
+    the two norm weights [K], w_gate_up [2I, K], state int32 [3] (the barrier's; donate it; its last word counts programs that gave up waiting, 0 when the barrier held).
     Returns (y [M, I], x' [M, K], o [M, K], state): gemv_stream's results for the o
     projection and the gated, add_norm gate/up projection, in one kernel."""
     tiling = dict(TILING, **(tiling or {}))
@@ -80,8 +80,8 @@ def o_gate_up(attn, w_o, h, w_post_attn, w_pre_mlp, w_gate_up, state, *, eps: fl
                          f"[{attn.shape[0]}, {k}], but h is {h.shape}")
     inter = check_operands(h, w_gate_up, True)
     check_norm_operands("o_gate_up", h, w_pre_mlp, h, w_post_attn)
-    if state.shape != (2,) or state.dtype != jnp.int32:
-        raise ValueError(f"o_gate_up: the barrier state must be int32 [2], got {state.dtype} "
+    if state.shape != (3,) or state.dtype != jnp.int32:
+        raise ValueError(f"o_gate_up: the barrier state must be int32 [3], got {state.dtype} "
                          f"{state.shape}")
     if interpret and programs != 1:
         raise ValueError("o_gate_up in interpret mode takes programs=1: interpret mode runs "
@@ -95,7 +95,7 @@ def o_gate_up(attn, w_o, h, w_post_attn, w_pre_mlp, w_gate_up, state, *, eps: fl
     sd = jax.ShapeDtypeStruct
     o, y, x_new, state = pl.pallas_call(
         kernel, grid=(programs,), input_output_aliases={6: 3},
-        out_shape=(sd((m, k), dt), sd((m, inter), dt), sd((m, k), dt), sd((2,), jnp.int32)),
+        out_shape=(sd((m, k), dt), sd((m, inter), dt), sd((m, k), dt), sd((3,), jnp.int32)),
         compiler_params=compiler_params(num_warps, 1), interpret=interpret, name="o_gate_up",
     )(attn.astype(dt), w_o.astype(dt), h, w_post_attn.astype(dt), w_pre_mlp.astype(dt),
       w_gate_up.astype(dt), state)

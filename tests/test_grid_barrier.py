@@ -16,14 +16,14 @@ from engine_helpers import has_gpu
 
 def test_one_program_passes_its_barriers_and_leaves_the_state_reusable():
     f = jax.jit(barrier_call(1, 3, interpret=True))
-    out, state = f(jnp.zeros((2,), jnp.int32))
+    out, state = f(jnp.zeros((3,), jnp.int32))
     assert out.tolist() == expected(1, 3) == [6]
-    assert state.tolist() == [0, 3]  # arrivals back at 0, three generations on
+    assert state.tolist() == [0, 3, 0]  # arrivals back at 0, three generations on
     out, state = f(state)
-    assert out.tolist() == [6] and state.tolist() == [0, 6]
+    assert out.tolist() == [6] and state.tolist() == [0, 6, 0]
     from pallas_kernels._common import GEN_MASK
-    out, state = f(jnp.array([0, GEN_MASK - 1], jnp.int32))  # the generation wraps to 0
-    assert state.tolist() == [0, 1]  # GEN_MASK - 1 -> GEN_MASK -> 0 -> 1
+    out, state = f(jnp.array([0, GEN_MASK - 1, 0], jnp.int32))  # the generation wraps to 0
+    assert state.tolist() == [0, 1, 0]  # GEN_MASK - 1 -> GEN_MASK -> 0 -> 1
 
 
 def test_interpret_mode_refuses_a_grid_that_would_need_to_wait():
@@ -57,11 +57,11 @@ def test_the_benchmark_refuses_a_cpu():
 @pytest.mark.parametrize("programs", [8, 132])
 def test_grid_barrier_orders_every_phase_on_the_gpu(programs):
     f = jax.jit(barrier_call(programs, 16))
-    state = jnp.zeros((2,), jnp.int32)
+    state = jnp.zeros((3,), jnp.int32)
     for call in range(5):  # the state carries over from call to call
         out, state = f(state)
+        assert state.tolist() == [0, 16 * (call + 1), 0], "a program gave up waiting"
         assert out.tolist() == expected(programs, 16)
-        assert state.tolist() == [0, 16 * (call + 1)]
 
 
 def test_the_gpu_kernel_spins_on_an_acq_rel_counter_between_cta_barriers():
@@ -69,15 +69,15 @@ def test_the_gpu_kernel_spins_on_an_acq_rel_counter_between_cta_barriers():
     arrival; the last arrival's reset and generation step under an scf.if; a while loop
     re-reading the generation; a CTA barrier after it. All atomics acq_rel at GPU scope."""
     from test_pdl import triton_ir
-    [ir] = triton_ir(barrier_call(132, 2), jax.ShapeDtypeStruct((2,), jnp.int32))
+    [ir] = triton_ir(barrier_call(132, 2), jax.ShapeDtypeStruct((3,), jnp.int32))
     lines = ir.splitlines()
     atomics = [i for i, line in enumerate(lines) if "tt.atomic_rmw" in line]
     barriers = [i for i, line in enumerate(lines) if "gpu.barrier" in line]
-    [branch] = [i for i, line in enumerate(lines) if "scf.if" in line]
+    branch, give_up = [i for i, line in enumerate(lines) if "scf.if" in line]
     [loop] = [i for i, line in enumerate(lines) if "scf.while" in line]
-    assert len(atomics) == 5
-    read, arrive, reset, flip, spin = atomics
-    assert barriers[0] < read < arrive < branch < reset < flip < loop < spin
+    assert len(atomics) == 6
+    read, arrive, reset, flip, spin, count = atomics
+    assert barriers[0] < read < arrive < branch < reset < flip < loop < spin < give_up < count
     assert all("add" in lines[i] for i in atomics)
     assert any(b > spin for b in barriers)
     for i in atomics:
