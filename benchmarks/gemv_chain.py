@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -58,20 +57,9 @@ def fused(ws, attn, h, state, programs):
     return y, h, state
 
 
-def _time(fn, args, calls, trials):
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
-
-
 def main(argv=None) -> int:
     from benchmarks.decode import save_record
+    from benchmarks.grid_barrier import require_gpu, time_calls, time_threaded
     from ouro_jax.projections import STREAM_TUNING
     from pallas_kernels.gemv_chain import PROGRAMS, TILING
 
@@ -84,9 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        raise SystemExit("benchmarks.gemv_chain needs a GPU (the fused kernel's barrier spins "
-                         "on programs running at the same time)")
+    require_gpu("gemv_chain", "the fused kernel's barrier spins on programs running at the "
+                "same time")
     ws = _weights(args.layers)
     rng = np.random.default_rng(1)
     attn = jnp.asarray(rng.standard_normal((1, K_O)), jnp.bfloat16)
@@ -112,16 +99,10 @@ def main(argv=None) -> int:
                    barrier_state=jax.device_get(state).tolist())
         for name, t in (("separate_engine_tiling", engine), ("separate_chain_tiling", chain),
                         ("separate_same_grid", grid)):
-            row[f"{name}_us_per_layer"] = 1e6 * _time(run_sep(freeze(t)), (attn, h), args.calls,
-                                                      args.trials) / args.layers
-        best = float("inf")
-        for _ in range(args.trials):  # the state threaded from call to call, donated
-            jax.block_until_ready(state)
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                y, _, state = fus(ws, attn, h, state, programs)
-            jax.block_until_ready(y)
-            best = min(best, (time.perf_counter() - t0) / args.calls)
+            row[f"{name}_us_per_layer"] = 1e6 * time_calls(run_sep(freeze(t)), (attn, h),
+                                                           args.calls, args.trials) / args.layers
+        step = lambda st: (lambda r: (r[0], r[2]))(fus(ws, attn, h, st, programs))
+        best, state = time_threaded(step, state, args.calls, args.trials)  # state donated
         row["fused_us_per_layer"] = 1e6 * best / args.layers
         row["barrier_state_after"] = jax.device_get(state).tolist()
         rows.append(row)

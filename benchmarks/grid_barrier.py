@@ -92,29 +92,30 @@ def boundary_chain(programs: int, kernels: int, *, interpret: bool = False):
     return run
 
 
-def _time(fn, arg, calls: int, trials: int) -> float:
-    """Best-of-trials mean seconds per call (one sync per trial)."""
-    jax.block_until_ready(fn(arg))
+def time_threaded(step, state, calls: int, trials: int):
+    """Best-of-trials mean seconds per call of step(state) -> (out, state), the state (a
+    donated barrier state, or None) threaded from call to call, one sync per trial. Returns
+    (seconds, the last state)."""
     best = float("inf")
     for _ in range(trials):
+        jax.block_until_ready(state)
         t0 = time.perf_counter()
         for _ in range(calls):
-            out = fn(arg)
+            out, state = step(state)
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - t0) / calls)
-    return best
+    return best, state
 
 
-def _time_state(f, state, calls: int, trials: int) -> float:
-    """Like _time for f(state) -> (out, state), threading the (donated) barrier state."""
-    best = float("inf")
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out, state = f(state)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
+def time_calls(fn, args, calls: int, trials: int) -> float:
+    """time_threaded for a stateless fn(*args), after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    return time_threaded(lambda s: (fn(*args), s), None, calls, trials)[0]
+
+
+def require_gpu(module: str, why: str) -> None:
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"benchmarks.{module} needs a GPU ({why})")
 
 
 def measure(programs: int, counts: list[int], calls: int, trials: int) -> dict:
@@ -124,9 +125,9 @@ def measure(programs: int, counts: list[int], calls: int, trials: int) -> dict:
         out, state = f(jnp.zeros((3,), jnp.int32))
         res["barrier_ok"][n] = (jax.device_get(out).tolist() == expected(programs, n)
                                 and jax.device_get(state).tolist() == [0, n, 0])
-        res["barrier_us"][n] = 1e6 * _time_state(f, state, calls, trials)
+        res["barrier_us"][n] = 1e6 * time_threaded(f, state, calls, trials)[0]
         g = jax.jit(boundary_chain(programs, n))
-        res["boundary_us"][n] = 1e6 * _time(g, jnp.arange(programs, dtype=jnp.int32), calls,
+        res["boundary_us"][n] = 1e6 * time_calls(g, (jnp.arange(programs, dtype=jnp.int32),), calls,
                                             trials)
     lo, hi = min(counts), max(counts)
     if hi > lo:
@@ -145,9 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        raise SystemExit("benchmarks.grid_barrier needs a GPU (the barrier spins on programs "
-                         "running at the same time; interpret mode runs them in turn)")
+    require_gpu("grid_barrier", "the barrier spins on programs running at the same time; "
+                "interpret mode runs them in turn")
     counts = sorted({int(x) for x in args.barriers.split(",")})
     rows = []
     for programs in [int(x) for x in args.programs.split(",")]:

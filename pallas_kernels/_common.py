@@ -110,7 +110,7 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True):
     the arrivals at 0 and advances the generation, so the state is reused across barriers
     and calls without being reset (a sense-reversing barrier).
 
-    Built on the split merge's counter pattern (decode._merge_if_last): a CTA barrier orders
+    Built on the split merge's counter pattern (split_merge.merge_if_last): a CTA barrier orders
     every warp's stores before one thread's atomics, which Pallas lowers to atom.acq_rel.gpu.
     Each program reads the generation, then arrives; the last to arrive takes the arrivals
     back to 0 and then advances the generation (release: every program's stores, and the
@@ -274,7 +274,7 @@ def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int,
     pairs of inputs the kernel updates in place (aliased outputs after o and lse); the
     function then returns (output, *updated arrays). counters_index: the input index of an
     int32 [rows, KVH] array of zeros; the kernel merges the partials itself (the last split
-    program of each row and head, see decode._merge_if_last), writing the output [rows, KVH,
+    program of each row and head, see split_merge.merge_if_last), writing the output [rows, KVH,
     m, hd] and leaving the counters at zero again (aliased, updated in place); the function
     then returns (output, *updated arrays, counters)."""
     o_dtype = out_dtype if num_splits == 1 else jnp.float32

@@ -6,7 +6,7 @@ that KV head share each K/V tile), gathering token rows through the block table 
 out of plane `entry` of the full cache (the plane is a pointer offset, never a copy). Each
 program writes a normalised partial output and its log-sum-exp; a small XLA combine merges
 the S partials (skipped when S == 1), or, in paged_decode_attention_qkv with `counters`,
-the last split program to finish merges them in the kernel (_merge_if_last; opt-in: no
+the last split program to finish merges them in the kernel (split_merge.py; opt-in: no
 gain on the H200 at batch 1).
 
 `paged_decode_attention_qkv` is the engine's decode entry point: the same kernel reads q, k and
@@ -38,6 +38,8 @@ from pallas_kernels._common import (NEG_INF, choose_num_splits, finish, flash_ti
                                     pdl_wait, pl,
                                     plane_index, plane_operands, split_partials_call,
                                     split_range)
+# a module global, so that tests can count the merges by patching it here
+from pallas_kernels.split_merge import merge_if_last as _merge_if_last
 
 
 def _rope(x, x_swapped, cos, sin):
@@ -204,46 +206,6 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
     carry = lax.fori_loop(0, n_blocks, body, init)
     for g, (m, l, acc) in enumerate(carry):
         store(g, *finish(acc, m, l))
-
-
-def _merge_if_last(o_ref, lse_ref, out_ref, cnt_ref, b, kvh, group: int, num_splits: int,
-                   gpu_sync: bool):
-    """The split combine inside the kernel: every split program of (b, kvh) has stored its
-    partial (o, lse) and increments the (b, kvh) counter; the one that reads num_splits - 1
-    is the last, merges all partials in split order (the result does not depend on which
-    program is last) with _common.combine_splits' math (the max first, then the weighted
-    sums), stores the output and resets the counter to 0 for the next call. Two loops over
-    the splits, so registers do not grow with the split count, on next_pow2(group) rows (the
-    real heads; the dot tile's padding to 16 rows stays out).
-
-    Memory ordering (the pattern of CUTLASS's semaphores): a CTA barrier orders every warp's
-    partial stores before the counter's atomic, which Pallas lowers to atom.acq_rel.gpu by one
-    thread (release: the stores are visible GPU-wide before the increment; acquire: the last
-    program sees the other programs' stores); a second barrier orders that acquire before the
-    other warps' loads of the partials."""
-    from pallas_kernels._common import plt
-    if gpu_sync:
-        plt.debug_barrier()
-    old = plt.atomic_add(cnt_ref, (b, kvh), jnp.int32(1))
-    rows = jnp.minimum(lax.iota(jnp.int32, next_pow2(group)), group - 1)
-
-    @pl.when(old == num_splits - 1)
-    def _():
-        if gpu_sync:
-            plt.debug_barrier()
-        m = lax.fori_loop(1, num_splits, lambda s, m: jnp.maximum(m, lse_ref[b, kvh, s, rows]),
-                          lse_ref[b, kvh, 0, rows])
-
-        def add(s, carry):  # all-empty rows: every w == 1 and every o == 0 -> 0
-            num, den = carry
-            w = jnp.exp(lse_ref[b, kvh, s, rows] - m)
-            return num + w[:, None] * o_ref[b, kvh, s, rows, :], den + w
-
-        hd = o_ref.shape[-1]
-        num, den = lax.fori_loop(0, num_splits, add, (jnp.zeros((rows.shape[0], hd), jnp.float32),
-                                                      jnp.zeros(rows.shape, jnp.float32)))
-        out_ref[b, kvh, rows, :] = (num / den[:, None]).astype(out_ref.dtype)
-        cnt_ref[b, kvh] = jnp.int32(0)
 
 
 # Process-wide overrides of the tuning defaults below (block_t, num_splits, num_warps,

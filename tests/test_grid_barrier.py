@@ -82,3 +82,10 @@ def test_the_gpu_kernel_spins_on_an_acq_rel_counter_between_cta_barriers():
     assert any(b > spin for b in barriers)
     for i in atomics:
         assert "acq_rel" in lines[i] and "gpu" in lines[i], lines[i]
+
+
+def test_the_timing_helpers_thread_the_state():
+    from benchmarks.grid_barrier import time_calls, time_threaded
+    assert time_calls(lambda x: x + 1, (jnp.ones(3),), 2, 2) > 0
+    seconds, state = time_threaded(lambda s: (s * 2, s + 1), jnp.int32(0), 3, 2)
+    assert seconds > 0 and int(state) == 6  # 3 calls x 2 trials, the state carried through
