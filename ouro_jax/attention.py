@@ -24,8 +24,9 @@ from ouro_jax.model import attention_core
 
 BACKENDS = ("auto", "xla", "pallas")
 # Pallas decode (fused K/V write): merge the flash-decoding splits inside the decode kernel
-# (its last split program) instead of an XLA combine kernel after it. Off: on the H200 at
-# batch 1 it read 231.8 tok/s against 232.7 (session 9); `benchmarks.decode --decode-kernel
+# (its last split program) instead of an XLA combine kernel after it. Off: on the H200 it
+# is level with the combine (batch 1: 231.8 vs 232.7 tok/s in session 9, 239.8 vs 239.7 in
+# session 10; batch 8: 1,499.1 vs 1,496.4); `benchmarks.decode --decode-kernel
 # last_combine=1` turns it on for a run. Read when an engine compiles its programs.
 LAST_COMBINE = False
 
