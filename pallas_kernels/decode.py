@@ -216,12 +216,16 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
 # engine has already compiled keep the settings they were traced with.
 TUNING: dict = {}
 # Up to this many rows the bf16 tensor-core path takes 32-key blocks (twice the splits at
-# batch 1), above it 64. H200, 1.4B shape, native greedy (session 10, interleaved A/B,
-# benchmarks/results/ab2_*_session10_h200.json): batch 1 240.4 / 241.2 tok/s against 240.1 /
-# 239.6, batch 8 1,503.2 against 1,493.4; batch 64 7,426.7 against 7,529.5 (so 64 there).
-# Measured through paged_decode_attention_qkv (the default fused write); paged_decode_attention
-# (the --kv-write xla path) takes the same default, unmeasured.
-SMALL_BATCH_ROWS = 8
+# batch 1), above it 64. H200, 1.4B shape, native greedy: batch 1 240.4 / 241.2 tok/s against
+# 240.1 / 239.6 with the same tokens (session 10, interleaved, ab2_*_session10_h200.json).
+# At batch 8 the interleaved A/B of session 11 (ab_b8_*_session11_h200.json) read 1,495.7 /
+# 1,489.5 against 1,498.5 / 1,497.0 for 64 keys (session 10's single pair had 32 ahead by
+# 0.7%), and the changed summation order changed the synthetic model's tokens and with them
+# its speculative acceptance (76.3% against 79.3%), so 64 stays from 2 rows up; at batch 64,
+# 32 keys lost (7,426.7 against 7,529.5). Measured through paged_decode_attention_qkv (the
+# default fused write); paged_decode_attention (the --kv-write xla path) takes the same
+# default, unmeasured.
+SMALL_BATCH_ROWS = 1
 
 
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,

@@ -515,14 +515,14 @@ def test_decode_layer_fuses_rope_and_kv_write(batch, fused):
 
 
 @pytest.mark.parametrize("rows,dtype,splits", [
-    (1, jnp.bfloat16, 8), (8, jnp.bfloat16, 8), (9, jnp.bfloat16, 4), (9, jnp.float32, 8)])
-def test_decode_block_default_is_32_keys_up_to_eight_rows(rows, dtype, splits):
-    """decode.SMALL_BATCH_ROWS: 16-bit caches take 32-key blocks up to 8 rows and 64 above
+    (1, jnp.bfloat16, 8), (2, jnp.bfloat16, 4), (8, jnp.bfloat16, 4), (8, jnp.float32, 8)])
+def test_decode_block_default_is_32_keys_at_one_row(rows, dtype, splits):
+    """decode.SMALL_BATCH_ROWS: 16-bit caches take 32-key blocks at one row and 64 above
     (fp32 always 32). Seen through the split count: a 256-token table caps the splits at
     256 / block_t (one block per split), below what the GPU-filling target asks here."""
     from engine_helpers import pallas_call_eqns
     from pallas_kernels import decode as dk
-    assert dk.SMALL_BATCH_ROWS == 8
+    assert dk.SMALL_BATCH_ROWS == 1
     kc = jnp.zeros((1, 16, 16, 1, 16), dtype)
     bt = jnp.zeros((rows, 16), jnp.int32)
     lens = jnp.full((rows,), 200, jnp.int32)
