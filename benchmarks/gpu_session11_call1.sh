@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared at the end of session 10 for the next session (issue 6), one device call (at most ~9 min: the time-outs add up to 520 s).
+# Session 11 (issue 6), first call (prepared at the end of session 10 as gpu_next_session.sh; at most ~9 min: the time-outs add up to 520 s).
 #   1. The grid barrier (pallas_kernels._common.grid_barrier) on the GPU: its ordering test
 #      (one program per SM and 8 programs, 16 phases, neighbour reads), then what one
 #      barrier costs against one kernel boundary (benchmarks.grid_barrier). A persistent
@@ -14,7 +14,7 @@
 #      weight reads and math) and a trace of batch-1 speculative rounds (verification takes
 #      3.61 ms for two loops over 5 tokens).
 # A .partial file is deleted only when its finished JSON exists; at most 8 files come back.
-# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_next_session.sh
+# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session11_call1.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
