@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Session 11 (issue 6), last call, with the device time left (~8 min): the decode kernel's
+# Prepared in session 11 for the next session (issue 6): session 11's last call, which found
+# no machine and then too little device time (about 4 min of commands). The decode kernel's
 # split count at batch 1 (default: one 32-key block per split, 8 splits over the 256-token
 # table) against 2 and 4 splits, and the in-kernel merge (last_combine=1, which drops the
 # XLA merge kernel, 1.25 us per layer application in the session-10 trace) now that batch 1
-# runs 32-key blocks. Batch 1, native, greedy; one pass over the arms between two runs of the
-# default (the device time left allowed no second pass).
-# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session11_call4.sh
+# runs 32-key blocks. Batch 1, native, greedy; the arms interleaved twice, the second pass in
+# another order, so drift hits every arm alike.
+# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_next_session.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
@@ -16,7 +17,8 @@ pass=1
 run default ""; run splits2 "--decode-kernel num_splits=2"; run splits4 "--decode-kernel num_splits=4"
 run merge "--decode-kernel last_combine=1"
 pass=2
-run default ""
+run merge "--decode-kernel last_combine=1"; run splits4 "--decode-kernel num_splits=4"
+run splits2 "--decode-kernel num_splits=2"; run default ""
 python3 - "$OUT" <<'PY'
 import glob, json, sys
 for f in sorted(glob.glob(sys.argv[1] + "/ab3_*.json")):
