@@ -220,8 +220,8 @@ TUNING: dict = {}
 # 240.1 / 239.6 with the same tokens (session 10, interleaved, ab2_*_session10_h200.json).
 # At batch 8 the interleaved A/B of session 11 (ab_b8_*_session11_h200.json) read 1,495.7 /
 # 1,489.5 against 1,498.5 / 1,497.0 for 64 keys (session 10's single pair had 32 ahead by
-# 0.7%), and the changed summation order changed the synthetic model's tokens and with them
-# its speculative acceptance (76.3% against 79.3%), so 64 stays from 2 rows up; at batch 64,
+# 0.7%; the speculative rows differed by acceptance, on tokens that also vary between
+# processes: docs/performance.md, "Session 11"), so 64 stays from 2 rows up; at batch 64,
 # 32 keys lost (7,426.7 against 7,529.5). Measured through paged_decode_attention_qkv (the
 # default fused write); paged_decode_attention (the --kv-write xla path) takes the same
 # default, unmeasured.
