@@ -17,7 +17,7 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short -W ignore::DeprecationWarning \
-  tests/test_gemv_mgpu.py > $OUT/gpu_tests_gemv_mgpu.txt 2>&1
+  tests/test_gemv_mgpu.py -k "not normed" > $OUT/gpu_tests_gemv_mgpu.txt 2>&1
 tail -15 $OUT/gpu_tests_gemv_mgpu.txt
 timeout 400 python3 -W ignore::DeprecationWarning -m pallas_kernels.gemv_mgpu $OUT/gemv_mgpu_h200.json 2>&1 \
   | tee $OUT/gemv_mgpu_h200.txt | grep -v "^ *$" | cut -c1-200

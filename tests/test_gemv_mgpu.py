@@ -131,3 +131,181 @@ def test_gpu_matches_reference_at_the_1p4b_shapes(n, k, block_n, block_k, k_spli
     y = jax.jit(lambda x, w: gemv_mgpu(x, w, block_n=block_n, block_k=block_k,
                                        k_splits=k_splits, stages=stages))(x, w)
     _assert_close(y, gemv_reference(x, w))
+
+
+# --- gemv_mgpu_normed: the norm / add_norm prologue and the gated (SiLU) epilogue ---------
+
+from pallas_kernels.gemv_mgpu_normed import (NORMED_SHAPES, gemv_mgpu_normed,  # noqa: E402
+                                             lower_for_h200 as lower_normed_for_h200,
+                                             reference as normed_reference)
+
+
+def _normed_inputs(n, k, seed=0, dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    x = jax.random.normal(ks[0], (1, k)).astype(dtype)
+    b = (jax.random.normal(ks[1], (1, k)) * 3).astype(dtype)
+    wb, wx = ((1 + 0.1 * jax.random.normal(kk, (k,))).astype(dtype) for kk in ks[2:4])
+    w = (jax.random.normal(ks[4], (n, k)) * 0.06).astype(dtype)
+    return x, b, wb, wx, w
+
+
+def _f32(a):
+    return np.asarray(a, np.float32)
+
+
+@pytest.mark.parametrize("add_norm", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("n,k,block_n,block_k,k_splits,stages,eps", [
+    (128, 512, 64, 128, 1, 2, 1e-6),
+    (256, 256, 64, 64, 1, 3, 1e-6),   # more steps than stages
+    (256, 512, 128, 128, 1, 2, 0.5),  # a large eps must reach both norms
+])
+def test_normed_interpret_is_bit_exact(n, k, block_n, block_k, k_splits, stages, eps,
+                                       gated, add_norm):
+    """Interpret mode: y and x' bit-identical to the engine's XLA path (model.rms_norm,
+    linear, silu) in bf16, i.e. the rounding contract of gemv._normed / gemv._silu_mul."""
+    x, b, wb, wx, w = _normed_inputs(n, k)
+    br = dict(branch=b, branch_w=wb) if add_norm else {}
+    y, x_new = gemv_mgpu_normed(x, wx, w, eps=eps, gated=gated, block_n=block_n,
+                                block_k=block_k, k_splits=k_splits, stages=stages,
+                                interpret=True, **br)
+    ref_y, ref_x = normed_reference(x, wx, w, eps=eps, gated=gated, **br)
+    assert y.shape == ref_y.shape == (1, n // 2 if gated else n) and y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_f32(y), _f32(ref_y))
+    np.testing.assert_array_equal(_f32(x_new), _f32(ref_x))
+    if not add_norm:
+        assert x_new is x
+
+
+@pytest.mark.parametrize("gated,add_norm", [(False, False), (True, True)])
+def test_normed_interpret_overlap_is_bit_exact(gated, add_norm):
+    # overlap=True: the prologue runs inside the pipeline's first step (W tiles in flight).
+    x, b, wb, wx, w = _normed_inputs(256, 512, seed=2)
+    br = dict(branch=b, branch_w=wb) if add_norm else {}
+    y, x_new = gemv_mgpu_normed(x, wx, w, eps=1e-6, gated=gated, block_n=64, block_k=128,
+                                stages=2, overlap=True, interpret=True, **br)
+    ref_y, ref_x = normed_reference(x, wx, w, eps=1e-6, gated=gated, **br)
+    np.testing.assert_array_equal(_f32(y), _f32(ref_y))
+    np.testing.assert_array_equal(_f32(x_new), _f32(ref_x))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_normed_interpret_no_races(overlap):
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    x, b, wb, wx, w = _normed_inputs(256, 256, seed=4)
+    y, x_new = gemv_mgpu_normed(x, wx, w, eps=1e-6, branch=b, branch_w=wb, gated=True,
+                                block_n=64, block_k=64, stages=3, overlap=overlap,
+                                interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready((y, x_new))
+    assert not gpu_callbacks.get_races().races_found
+    ref_y, _ = normed_reference(x, wx, w, eps=1e-6, branch=b, branch_w=wb, gated=True)
+    np.testing.assert_array_equal(_f32(y), _f32(ref_y))
+
+
+def test_normed_interpret_k_splits():
+    # split-K: fp32 partials summed by XLA, so the sum order differs from XLA's dot: within
+    # one bf16 rounding (see _assert_close); x' is still exact.
+    x, b, wb, wx, w = _normed_inputs(256, 512, seed=3)
+    y, x_new = gemv_mgpu_normed(x, wx, w, eps=1e-6, branch=b, branch_w=wb, block_n=64,
+                                block_k=64, k_splits=2, stages=2, interpret=True)
+    ref_y, ref_x = normed_reference(x, wx, w, eps=1e-6, branch=b, branch_w=wb)
+    _assert_close(y, ref_y)
+    np.testing.assert_array_equal(_f32(x_new), _f32(ref_x))
+
+
+def test_normed_interpret_gated_k_splits():
+    # gated split-K: fp32 gate/up partials, summed and passed through the SiLU by XLA.
+    x, b, wb, wx, w = _normed_inputs(256, 512, seed=5)
+    y, _ = gemv_mgpu_normed(x, wx, w, eps=1e-6, branch=b, branch_w=wb, gated=True,
+                            block_n=64, block_k=64, k_splits=4, stages=2, interpret=True)
+    ref_y, _ = normed_reference(x, wx, w, eps=1e-6, branch=b, branch_w=wb, gated=True)
+    assert y.shape == (1, 128)
+    _assert_close(y, ref_y)
+
+
+def test_normed_matches_gemv_stream_normed():
+    # The engine's Triton kernel in interpret mode: the same numbers.
+    from pallas_kernels.gemv_stream import gemv_stream_normed
+    x, b, wb, wx, w = _normed_inputs(128, 256, seed=1)
+    for gated in (False, True):
+        kw = dict(eps=1e-6, branch=b, branch_w=wb, gated=gated)
+        y, xn = gemv_mgpu_normed(x, wx, w, block_n=64, block_k=64, stages=2, interpret=True,
+                                 **kw)
+        y2, xn2 = gemv_stream_normed(x, wx, w, interpret=True, block_n=4, block_k=64, **kw)
+        np.testing.assert_array_equal(_f32(y), _f32(y2))
+        np.testing.assert_array_equal(_f32(xn), _f32(xn2))
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(block_n=32), "block_n"),
+    (dict(block_k=96), "block_k"),
+    (dict(stages=1), "stages"),
+])
+def test_normed_bad_arguments_raise(kw, msg):
+    x, b, wb, wx, w = _normed_inputs(128, 256)
+    tiling = dict(dict(block_n=64, block_k=64, k_splits=1, stages=2), **kw)
+    with pytest.raises(ValueError, match=msg):
+        gemv_mgpu_normed(x, wx, w, eps=1e-6, interpret=True, **tiling)
+
+
+def test_normed_bad_operands_raise():
+    x, b, wb, wx, w = _normed_inputs(128, 256)
+    with pytest.raises(ValueError, match="norm weight shape"):
+        gemv_mgpu_normed(x, wx[:128], w, eps=1e-6, block_k=64, interpret=True)
+    with pytest.raises(ValueError, match="together"):
+        gemv_mgpu_normed(x, wx, w, eps=1e-6, branch=b, block_k=64, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gemv_mgpu_normed(x[:, :192], wx[:192], w[:, :192], eps=1e-6, block_k=64,
+                         interpret=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        xk, _, _, wxk, wk = _normed_inputs(512, 2048)
+        gemv_mgpu_normed(xk, wxk, wk, eps=1e-6, gated=True, block_n=128, block_k=256,
+                         stages=4, interpret=True)
+
+
+NORMED_GPU_TILINGS = {"qkv": [(64, 256, 1, 4), (64, 128, 1, 4), (128, 128, 1, 4),
+                              (64, 128, 2, 4)],
+                      "gate_up": [(64, 128, 1, 4), (64, 256, 1, 2), (128, 64, 1, 4),
+                                  (64, 128, 2, 4)]}
+NORMED_CASES = [(name, add_norm, t, overlap) for name, ts in NORMED_GPU_TILINGS.items()
+                for t in ts for add_norm in (True, False) for overlap in (False, True)]
+# Lowering (~3 s a case on a CPU): the engine's add_norm calls at every tiling, norm once.
+NORMED_LOWER_CASES = [c for c in NORMED_CASES if c[1] or (c[2] == NORMED_GPU_TILINGS[c[0]][0]
+                                                          and not c[3])]
+
+
+@pytest.mark.parametrize("name,add_norm,tiling,overlap", NORMED_LOWER_CASES)
+def test_normed_lowers_for_cuda_at_the_1p4b_shapes(name, add_norm, tiling, overlap):
+    n, k, gated = NORMED_SHAPES[name]
+    bf = jnp.bfloat16
+    S = jax.ShapeDtypeStruct
+    br = dict(branch=S((1, k), bf), branch_w=S((k,), bf)) if add_norm else {}
+    bn, bk, ks, st = tiling
+    text = lower_normed_for_h200(S((1, k), bf), S((k,), bf), S((n, k), bf), eps=1e-6,
+                                 gated=gated, block_n=bn, block_k=bk, k_splits=ks, stages=st,
+                                 overlap=overlap, **br).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,add_norm,tiling,overlap", NORMED_CASES)
+def test_normed_gpu_matches_the_xla_path(name, add_norm, tiling, overlap):
+    """On the GPU: x' exact but for the fp32 statistic (rsqrt and the sum order may differ
+    from XLA's in the last bit, which can flip a bf16 rounding: one bf16 ulp); y within one
+    bf16 rounding plus the accumulation order (as gemv_stream's GPU test)."""
+    n, k, gated = NORMED_SHAPES[name]
+    x, b, wb, wx, w = _normed_inputs(n, k, seed=n)
+    w = (w.astype(jnp.float32) / (0.06 * k ** 0.5)).astype(jnp.bfloat16)
+    br = dict(branch=b, branch_w=wb) if add_norm else {}
+    bn, bk, ks, st = tiling
+    y, x_new = jax.jit(lambda x, w: gemv_mgpu_normed(
+        x, wx, w, eps=1e-6, gated=gated, block_n=bn, block_k=bk, k_splits=ks, stages=st,
+        overlap=overlap, **br))(x, w)
+    ref_y, ref_x = normed_reference(x, wx, w, eps=1e-6, gated=gated, **br)
+    np.testing.assert_allclose(_f32(x_new), _f32(ref_x), rtol=2 ** -7, atol=1e-2)
+    err = np.max(np.abs(_f32(y) - _f32(ref_y))) / np.max(np.abs(_f32(ref_y)))
+    mism = int((_f32(y) != _f32(ref_y)).sum())
+    print(f"{name} add_norm={add_norm} {tiling} overlap={overlap}: rel err {err:.3g}, "
+          f"{mism} of {y.size} differ")
+    assert err <= 8e-3, err

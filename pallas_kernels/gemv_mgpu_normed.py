@@ -1,0 +1,315 @@
+"""The Mosaic GPU GEMV (gemv_mgpu.py) with the engine's fused RMSNorm prologue and SiLU epilogue:
+gemv_mgpu_normed has gemv_stream.gemv_stream_normed's contract (prototype).
+
+  norm:      h = rms_norm(x, norm_w);                               y = h @ W^T
+  add_norm:  x' = x + rms_norm(branch, branch_w); h = rms_norm(x', norm_w); y = h @ W^T
+             (x' is returned too; program (0, 0) writes it)
+  gated:     W = [gate; up] [2I, K];  y = silu(h @ gate^T) * (h @ up^T)  [1, I]
+
+Rounding is gemv.py's contract (gemv._normed / gemv._silu_mul, i.e. model.rms_norm and
+model.silu): row statistics in fp32 over the whole row, x * scale rounded to the model dtype,
+times the weight rounded, the residual add rounded, fp32 accumulation, each projection
+rounded before the SiLU, silu rounded once, the product rounded once.
+
+Per program (Lane semantics: the body is one warpgroup, arrays are warpgroup-wide):
+1. The row statistics: the whole row [K] is loaded from GMEM straight into registers in the
+   WG_STRIDED layout (plgpu.load works on GMEM refs), squared and summed (a full reduction of
+   a strided array: per thread, then across the warpgroup through a small SMEM scratch).
+   add_norm: x' is computed in that layout, kept in a plain SMEM row for step 2, and
+   program (0, 0) stores it to GMEM with an ordinary register store.
+2. h, block_k columns at a time, in a TiledLayout made for this (_h_layout below): the
+   layout of [8, block_k] whose 8 rows are split over the 4 warps (2 rows each) and whose
+   columns go 2 per lane. Its 1-D reduction over the rows (.reduce(0): every warp
+   holds all columns, replicated) is the layout the chunk is loaded and normalised in;
+   lax.broadcast_in_dim to [8, block_k] (plgpu.layout_cast names the target layout: the
+   broadcast rule takes the cast as its hint) is then free in registers, and the [8, block_k]
+   array is stored into h_smem[c], a buffer with the wgmma B-operand transforms
+   (TilingTransform((8, 64)) + 128-byte SwizzleTransform): Pallas' store of a TiledLayout
+   array into a tiled, swizzled ref. All 8 rows hold h (MMA columns are independent, so
+   nothing needs zeroing). commit_smem() fences these generic-proxy writes for wgmma.
+3. The pipeline of gemv_mgpu.py streams only W tiles (gate and up tiles when gated, two
+   accumulators); step s multiplies by h_smem[s]^T. overlap=True runs steps 1-2 inside the
+   pipeline's first step (under pl.when), so the first `stages` W tiles are already in
+   flight during the prologue, as gemv_stream requests its first block before its prologue.
+
+SMEM: h takes 8 x (K / k_splits) x 2 bytes (32 KB at K = 2048), x' K x 2 more (add_norm).
+gated with k_splits > 1 writes fp32 partials of gate and up ([k_splits, 2I, 8]); XLA sums
+them and applies the SiLU (gemv._silu_mul) afterwards. K must be a multiple of 256.
+
+Status: interpret mode (CPU) is bit-identical to the engine's XLA path in bf16 (tests), and
+every tiling in the tests lowers for 'cuda' (Mosaic GPU MLIR, layouts, wgmma operands); it has
+not yet run on a GPU. There, the fp32 row statistic (sum order, rsqrt) may differ from XLA's
+in the last bit, as for gemv_stream. `python -m pallas_kernels.gemv_mgpu_normed out.json`
+times it against XLA and the engine's gemv_stream_normed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+# gemv's rounding helpers, used in the kernel as they are: (x * scale) rounded to the model
+# dtype, times the weight, rounded; silu(g) * u rounded as model.silu and the product.
+from pallas_kernels.gemv import _normed, _silu_mul, check_norm_operands
+from pallas_kernels.gemv_mgpu import SMEM_LIMIT, XROWS, _check
+
+H_TILE = 64  # columns per (8, 64) tile: one 128-byte swizzle atom of bf16 per row
+
+
+def _h_layout():
+    """[8, n] (n % 64 == 0) in 8 x 64 tiles: warp w holds rows 2w and 2w + 1, lane l
+    columns 2l and 2l + 1 of each tile (4 elements per thread per tile)."""
+    from jax.experimental.mosaic.gpu.fragmented_array import Tiling
+    return plgpu.Layout.TILED(Tiling(((XROWS, H_TILE), (XROWS, 2), (2, 2))),
+                              warp_dims=(-4,), lane_dims=(-5,), vector_dim=-1)
+
+
+def smem_bytes(k, block_n, block_k, k_splits, stages, gated, add_norm, out_itemsize=4):
+    w_ring = stages * block_n * block_k * 2 * (2 if gated else 1)
+    out_tiles = 2 if gated and k_splits > 1 else 1
+    return (w_ring + XROWS * (k // k_splits) * 2 + (k * 2 if add_norm else 0)
+            + out_tiles * block_n * XROWS * out_itemsize + 1024)  # + reduction scratch etc.
+
+
+@functools.lru_cache(maxsize=None)
+def _build(n_out, k, dtype, eps, add_norm, gated, block_n, block_k, k_splits, stages,
+           overlap, interpret):
+    dt = jnp.dtype(dtype)
+    k_part = k // k_splits
+    nk = k_part // block_k
+    out_dtype = jnp.float32 if k_splits > 1 else dt
+    swizzle = plgpu.find_swizzle(block_k * dt.itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // dt.itemsize)),
+                  plgpu.SwizzleTransform(swizzle))
+    h_layout = _h_layout()
+    col_layout = h_layout.reduce(0)
+
+    def body(*refs):
+        if add_norm:
+            x_g, b_g, wb_g, wx_g, w_g, o_g, xo_g, o_smem, h_smem, xn_smem = refs
+        else:
+            x_g, wx_g, w_g, o_g, o_smem, h_smem = refs
+        ni = lax.axis_index("n")
+        ki = lax.axis_index("k")
+
+        def prologue():
+            # 1. Row statistics (WG_STRIDED registers, the whole row).
+            xf = plgpu.load(x_g.at[0]).astype(jnp.float32)
+            if add_norm:
+                bf = plgpu.load(b_g.at[0]).astype(jnp.float32)
+                s_b = lax.rsqrt(jnp.sum(bf * bf) / k + eps)
+                nb = _normed(bf, s_b, plgpu.load(wb_g), dt)
+                xn = (xf + nb.astype(jnp.float32)).astype(dt)
+                xn_smem[...] = xn
+
+                @pl.when(jnp.logical_and(ni == 0, ki == 0))
+                def _():
+                    xo_g[0] = xn
+
+                xf = xn.astype(jnp.float32)
+            s_x = lax.rsqrt(jnp.sum(xf * xf) / k + eps)
+
+            # 2. h, block_k columns at a time, broadcast to 8 rows into the B-operand buffer.
+            # (Loads from GMEM in a TiledLayout need optimized=False.)
+            src = xn_smem if add_norm else x_g.at[0]
+            for c in range(nk):
+                cols = pl.ds(ki * k_part + c * block_k, block_k)
+                xc = plgpu.load(src.at[cols], layout=col_layout, optimized=False)
+                wx = plgpu.load(wx_g.at[cols], layout=col_layout, optimized=False)
+                h = _normed(xc.astype(jnp.float32), s_x, wx, dt)
+                h_smem[c] = plgpu.layout_cast(
+                    lax.broadcast_in_dim(h, (XROWS, block_k), (1,)), h_layout)
+            plgpu.commit_smem()  # fence the generic-proxy SMEM writes for wgmma (+ barrier)
+
+        if not overlap:
+            prologue()
+
+        # 3. The W stream.
+        def acc_scope(*accs):
+            def step(idx, *w_tiles):
+                if overlap:  # the first `stages` W tiles are in flight already
+                    pl.when(idx[0] == 0)(prologue)
+                hb = h_smem.at[idx[0]]
+                for acc, w_tile in zip(accs, w_tiles):
+                    plgpu.wgmma(acc, w_tile, hb.T)
+                plgpu.wgmma_wait(1)  # as in gemv_mgpu: delay_release=1 covers the last one
+
+            spec = functools.partial(plgpu.BlockSpec, (block_n, block_k),
+                                     index_map=lambda s: (0, s), transforms=transforms,
+                                     delay_release=1)
+            rows = [pl.ds(ni * block_n, block_n)]
+            if gated:
+                rows.append(pl.ds(n_out + ni * block_n, block_n))
+            plgpu.emit_pipeline(
+                step, grid=(nk,), in_specs=[spec() for _ in rows],
+                max_concurrent_steps=stages,
+            )(*[w_g.at[r, pl.ds(ki * k_part, k_part)] for r in rows])
+            plgpu.wgmma_wait(0)
+            return tuple(acc[...] for acc in accs)
+
+        acc_t = plgpu.ACC((block_n, XROWS), jnp.float32)
+        accs = pl.run_scoped(acc_scope, *([acc_t] * (2 if gated else 1)))
+        if gated and k_splits == 1:
+            accs = (_silu_mul(accs[0], accs[1], dt),)
+        # Registers -> SMEM -> TMA store (gated split-K: gate and up partials, rows 0 and I).
+        for i, acc in enumerate(accs):
+            o_smem[i] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        for i in range(len(accs)):
+            rows = pl.ds(i * n_out + ni * block_n, block_n)
+            plgpu.copy_smem_to_gmem(o_smem.at[i], o_g.at[ki, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    split_gated = gated and k_splits > 1
+    out_type = [jax.ShapeDtypeStruct((k_splits, n_out * (2 if split_gated else 1), XROWS),
+                                     out_dtype)]
+    scratch = [plgpu.SMEM((2 if split_gated else 1, block_n, XROWS), out_dtype),
+               plgpu.SMEM((nk, XROWS, block_k), dt, transforms=transforms)]
+    if add_norm:
+        out_type.append(jax.ShapeDtypeStruct((1, k), dt))
+        scratch.append(plgpu.SMEM((k,), dt))
+    return plgpu.kernel(
+        body, out_type=tuple(out_type), scratch_types=scratch,
+        grid=(n_out // block_n, k_splits), grid_names=("n", "k"), interpret=interpret)
+
+
+def gemv_mgpu_normed(x, norm_w, w, *, eps, branch=None, branch_w=None, gated=False,
+                     block_n=64, block_k=256, k_splits=1, stages=4, overlap=False,
+                     interpret=False):
+    """gemv_stream.gemv_stream_normed's contract on Mosaic GPU: returns (y, x'), y [1, N]
+    (or [1, I] gated) the projection of rms_norm(x', norm_w), x' = x or
+    x + rms_norm(branch, branch_w) (x itself without a branch). overlap: run the prologue
+    inside the pipeline's first step, after the first `stages` W tiles have been requested
+    (else before the pipeline starts)."""
+    check_norm_operands("gemv_mgpu_normed", x, norm_w, branch, branch_w)
+    if gated and w.shape[0] % 2:
+        raise ValueError(f"gated needs w = [gate; up] with an even row count, got {w.shape}")
+    n_out = w.shape[0] // 2 if gated else w.shape[0]
+    _check(x, w[:n_out], block_n, block_k, k_splits, stages)
+    k = x.shape[1]
+    if k % 256:  # the whole-row WG_STRIDED loads: 128 threads x a 2-element vector or more
+        raise ValueError(f"K={k} must be a multiple of 256")
+    add_norm = branch is not None
+    need = smem_bytes(k, block_n, block_k, k_splits, stages, gated, add_norm)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"{need} B of shared memory exceeds {SMEM_LIMIT}")
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    dt = x.dtype
+    call = _build(n_out, k, jnp.dtype(dt), float(eps), add_norm, gated, block_n, block_k,
+                  k_splits, stages, bool(overlap), interpret or None)
+    vecs = (x, branch.astype(dt), branch_w.astype(dt), norm_w.astype(dt)) if add_norm else (
+        x, norm_w.astype(dt))
+    outs = call(*vecs, w)
+    raw = outs[0]
+    if k_splits == 1:
+        y = raw[0, :, 0][None]
+    elif gated:  # the fp32 partials of gate and up, summed, then gemv._silu_mul's rounding
+        gu = raw[:, :, 0].sum(0)
+        y = _silu_mul(gu[:n_out], gu[n_out:], dt)[None]
+    else:
+        y = raw[:, :, 0].sum(0).astype(dt)[None]
+    return y, (outs[1] if add_norm else x)
+
+
+def lower_for_h200(x, norm_w, w, branch=None, branch_w=None, **kw):
+    """gemv_mgpu.lower_for_h200 for gemv_mgpu_normed (arguments may be ShapeDtypeStructs)."""
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401 - registers the cuda rule
+    from pallas_kernels.offline_compile import sm90_device_info
+    fn = lambda x, nw, w, b, bw: gemv_mgpu_normed(x, nw, w, branch=b, branch_w=bw, **kw)
+    with sm90_device_info():
+        return jax.jit(fn).trace(x, norm_w, w, branch, branch_w).lower(
+            lowering_platforms=("cuda",))
+
+
+# The engine's fused calls at the 1.4B shapes: name -> (W rows, K, gated); all add_norm.
+NORMED_SHAPES = {"qkv": (6144, 2048, False), "gate_up": (11264, 2048, True)}
+NORMED_SWEEP = {  # (block_n, block_k, k_splits, stages); gated streams two W tiles per step
+    "qkv": [(64, 256, 1, 4), (64, 128, 1, 4), (64, 128, 1, 6), (128, 128, 1, 4),
+            (64, 256, 2, 4), (64, 128, 2, 4), (64, 128, 4, 4)],
+    "gate_up": [(64, 128, 1, 4), (64, 256, 1, 2), (64, 128, 1, 6), (64, 64, 1, 8),
+                (128, 64, 1, 4), (128, 128, 1, 2), (64, 128, 2, 4), (64, 64, 4, 4)],
+}
+
+
+def reference(x, norm_w, w, *, eps, branch=None, branch_w=None, gated=False):
+    """The engine's XLA path (model.rms_norm, model.linear, model.silu): (y, x')."""
+    from ouro_jax.model import rms_norm
+    from pallas_kernels.gemv import gemv_reference
+    if branch is not None:
+        x = x + rms_norm(branch, branch_w, eps)
+    return gemv_reference(rms_norm(x, norm_w, eps), w, gated=gated), x
+
+
+def benchmark_normed(names=tuple(NORMED_SHAPES), sweep=NORMED_SWEEP, min_bytes=200_000_000,
+                     calls=200, eps=1e-6):
+    """us per call of the add_norm projections: XLA (the reference path), the engine's
+    gemv_stream_normed on STREAM_TUNING, and gemv_mgpu_normed at each tiling; rows as
+    gemv_mgpu.benchmark's, with the mismatches against XLA (bf16 elements that differ)."""
+    import itertools
+    import numpy as np
+    from ouro_jax.projections import STREAM_TUNING
+    from pallas_kernels.gemv_mgpu import _bench
+    from pallas_kernels.gemv_stream import gemv_stream_normed
+    rows = []
+    for name in names:
+        n, k, gated = NORMED_SHAPES[name]
+        ks = jax.random.split(jax.random.PRNGKey(n + k), 5)
+        x = jax.random.normal(ks[0], (1, k), jnp.float32).astype(jnp.bfloat16)
+        b = (jax.random.normal(ks[1], (1, k)) * 3).astype(jnp.bfloat16)
+        wb, wx = ((1 + 0.1 * jax.random.normal(kk, (k,))).astype(jnp.bfloat16)
+                  for kk in ks[2:4])
+        nbytes = n * k * 2
+        copies = max(2, -(-min_bytes // nbytes))
+        ws = [(jax.random.normal(jax.random.fold_in(ks[4], i), (n, k), jnp.float32)
+               * k ** -0.5).astype(jnp.bfloat16) for i in range(copies)]
+        reps = max(1, calls // copies)
+        args = dict(eps=eps, branch=b, branch_w=wb, gated=gated)
+        ref_y, ref_x = (np.asarray(a, np.float32)
+                        for a in jax.jit(lambda w: reference(x, wx, w, **args))(ws[0]))
+
+        def record(kernel, fn, **extra):
+            try:
+                y, xn = (np.asarray(a, np.float32) for a in jax.jit(fn)(ws[0]))
+                us = _bench(fn, ws, reps)
+            except Exception as e:  # noqa: BLE001 - report it and go on
+                msg = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"  {kernel} {extra}: FAILED {msg}", flush=True)
+                rows.append(dict(name=name, n=n, k=k, kernel=kernel, error=msg, **extra))
+                return
+            row = dict(name=name, n=n, k=k, kernel=kernel, us=us, **extra,
+                       max_err=float(np.abs(y - ref_y).max()),
+                       y_mismatches=int((y != ref_y).sum()),
+                       x_mismatches=int((xn != ref_x).sum()))
+            print(f"  {kernel} {extra}: {us:7.2f} us {nbytes / us / 1e6:.2f} TB/s | max err "
+                  f"{row['max_err']:.3g}, {row['y_mismatches']} y / {row['x_mismatches']} x' "
+                  f"elements differ from XLA", flush=True)
+            rows.append(row)
+
+        print(f"{name}: N={n} K={k} gated={gated} {nbytes / 1e6:.1f} MB x{copies}", flush=True)
+        record("xla", lambda w: reference(x, wx, w, **args))
+        tuning = STREAM_TUNING[name]
+        record("gemv_stream_normed", lambda w: gemv_stream_normed(x, wx, w, **args, **tuning),
+               tiling=tuning)
+        for (bn, bk, ksp, st), ov in itertools.product(sweep[name], (False, True)):
+            tiling = dict(block_n=bn, block_k=bk, k_splits=ksp, stages=st, overlap=ov)
+            record("gemv_mgpu_normed",
+                   lambda w, t=tiling: gemv_mgpu_normed(x, wx, w, **args, **t),
+                   tiling=[bn, bk, ksp, st], overlap=ov)
+    return rows
+
+
+if __name__ == "__main__":
+    # On the H200:  PYTHONPATH=. python -m pallas_kernels.gemv_mgpu_normed [out.json]
+    import json
+    import sys
+    result = dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
+                  command="python -m pallas_kernels.gemv_mgpu_normed", rows=benchmark_normed())
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(result, f, indent=1)
