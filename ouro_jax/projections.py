@@ -90,6 +90,51 @@ GEMM_TUNING = {
 GEMM_MAX_ROWS = 64
 GEMM_ROW_LIMIT = 512  # without split-K the kernel turns compute-bound well before this
 
+# '+mgpu': one-row calls through the Mosaic GPU GEMV (pallas_kernels/gemv_mgpu_normed.py: TMA
+# ring of weight tiles, wgmma; qkv and gate/up with the norm prologue, o and down plain), jax
+# >= 0.11. (block_n, block_k, k_splits, stages, overlap) per projection. FIRST GUESSES, NOT
+# MEASURED: the kernel has not yet run on a GPU. Chosen for >= 88 programs (132 SMs) and
+# 64-128 KB of weight tiles in flight per program; benchmarks.decode --mgpu-tiling overrides
+# them per run, and benchmarks/mgpu_pick.py turns a GPU sweep into that override.
+MGPU_TUNING = {
+    "qkv": (64, 128, 2, 4, False),
+    "o": (64, 128, 4, 4, False),
+    "gate_up": (64, 128, 1, 4, False),
+    "down": (64, 128, 4, 4, False),
+}
+
+
+def mgpu_available() -> bool:
+    """Whether this jax has the Mosaic GPU Pallas API the '+mgpu' kernels use (jax >= 0.11;
+    jax 0.10.2 lacks GPU interpret mode and fails to import the module without absl)."""
+    try:
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+        return hasattr(plgpu, "InterpretGPUParams") and hasattr(plgpu, "kernel")
+    except ImportError:
+        return False
+
+
+def fit_mgpu_tuning(name: str, tuning: tuple, n_out: int, k: int, dtype, normed: bool) -> dict:
+    """The Mosaic GEMV tiling for one projection call, shrunk to fit a small model (block_n
+    to 64, k_splits to a divisor leaving multiples of 64, block_k by halving to >= 64); a
+    shape the kernel cannot take at all is an error naming the projection."""
+    import jax.numpy as jnp
+    from pallas_kernels.gemv import pow2_divisor
+    bn, bk, ks, st, ov = tuning
+    why = None
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        why = f"runs bf16 or fp16 weights, not {jnp.dtype(dtype)}"
+    elif n_out % 64:
+        why = f"needs {n_out} output features to be a multiple of 64"
+    elif k % (256 if normed else 64):
+        why = f"needs K={k} to be a multiple of {256 if normed else 64}"
+    if why:
+        raise ValueError(f"projections '+mgpu' ({name}): the Mosaic GPU GEMV {why}")
+    bn = bn if n_out % bn == 0 else 64
+    ks = max(d for d in range(1, ks + 1) if k % (d * 64) == 0)
+    bk = pow2_divisor(k // ks, bk, floor=64) or 64
+    return dict(block_n=bn, block_k=bk, k_splits=ks, stages=st, overlap=ov)
+
 
 def fit_gemm_tuning(tuning: dict, n_out: int, k: int) -> dict:
     """GEMM tiling shrunk (by halving, not below 16) to divide a small test model's shape."""
@@ -185,6 +230,7 @@ class PallasGemv(XLA):
     fuse_norms: bool = False
     prefetch: int | None = None  # '+pf<N>': every GEMV's prefetch depth instead of GEMV_TUNING's
     stream: bool = False  # '+stream': the streaming GEMV for calls of up to STREAM_MAX_ROWS rows
+    mgpu: bool = False  # '+mgpu': the Mosaic GPU GEMV for one-row calls (MGPU_TUNING)
 
     @property
     def spec(self) -> str:
@@ -201,6 +247,8 @@ class PallasGemv(XLA):
             parts.append("norms")
         if self.stream:
             parts.append("stream")
+        if self.mgpu:
+            parts.append("mgpu")
         if self.prefetch is not None:
             parts.append(f"pf{self.prefetch}")
         return "+".join(parts)
@@ -223,13 +271,23 @@ class PallasGemv(XLA):
     def _streams(self, x) -> bool:
         return self.stream and math.prod(x.shape[:-1]) <= STREAM_MAX_ROWS
 
+    def _mgpus(self, x) -> bool:
+        return self.mgpu and math.prod(x.shape[:-1]) == 1
+
+    def _mgpu_tuning(self, name, n_out, k, dtype, normed):
+        return fit_mgpu_tuning(name, MGPU_TUNING[name], n_out, k, dtype, normed)
+
     def _gemv(self, name, x, w, gated=False):
         from pallas_kernels.gemv import gemv
         from pallas_kernels.gemv_stream import gemv_stream
         lead, k = x.shape[:-1], x.shape[-1]
         interpret = jax.default_backend() != "gpu"
         n_out = w.shape[0] // 2 if gated else w.shape[0]
-        if self._streams(x):
+        if self._mgpus(x):
+            from pallas_kernels.gemv_mgpu_normed import gemv_mgpu_plain
+            y = gemv_mgpu_plain(x.reshape(1, k), w, gated=gated, interpret=interpret,
+                                **self._mgpu_tuning(name, n_out, k, w.dtype, False))
+        elif self._streams(x):
             y = gemv_stream(x.reshape(-1, k), w, gated=gated, interpret=interpret,
                             **fit_stream_tuning(STREAM_TUNING[name], n_out, k))
         else:
@@ -259,7 +317,11 @@ class PallasGemv(XLA):
         n_out = w.shape[0] // 2 if gated else w.shape[0]
         branch = dict(branch=x.branch.reshape(-1, k), branch_w=x.weight) \
             if isinstance(x, Residual) else {}
-        if self._streams(resid):
+        if self._mgpus(resid):
+            from pallas_kernels.gemv_mgpu_normed import gemv_mgpu_normed
+            fn = gemv_mgpu_normed
+            tuning = self._mgpu_tuning(name, n_out, k, w.dtype, True)
+        elif self._streams(resid):
             fn, tuning = gemv_stream_normed, fit_stream_tuning(STREAM_TUNING[name], n_out, k)
         else:
             fn, tuning = gemv_normed, self.tuning(name, n_out, k)
@@ -334,7 +396,9 @@ def parse(spec: str):
     calls of 2..N rows (default GEMM_MAX_ROWS) through the skinny GEMM; 'gemv+gemm' -> both;
     '+norms' -> the norm prologue; '+pfN' -> every GEMV loads N chunks ahead (default: each
     projection's GEMV_TUNING); '+stream' -> the streaming GEMV kernel (STREAM_TUNING) for
-    GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'); 'auto' -> see resolve."""
+    GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'); '+mgpu' -> the Mosaic GPU
+    GEMV (MGPU_TUNING, jax >= 0.11, bf16/fp16) for one-row GEMV calls instead (not with
+    '+stream' or '+pfN'); 'auto' -> see resolve."""
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
@@ -342,6 +406,7 @@ def parse(spec: str):
     parts = spec.split("+")
     fuse_norms = "norms" in parts
     stream = "stream" in parts
+    mgpu = "mgpu" in parts
     kinds = [p.partition(":")[0].partition("@")[0] for p in parts]
     if parts.count("norms") > 1 or (fuse_norms and "gemv" not in kinds):
         raise ValueError(f"projections {spec!r}: 'norms' (RMSNorms and residual adds in the GEMV "
@@ -362,11 +427,21 @@ def parse(spec: str):
             raise ValueError(f"projections {spec!r}: 'pfN' is the per-block GEMV's prefetch "
                              f"depth; with 'stream' one-row calls take the streaming kernel, "
                              f"which has none (give one of the two)")
-    for part in (p for p in parts if p not in ("norms", "stream") and not p.startswith("pf")):
+    if parts.count("mgpu") > 1 or (mgpu and ("gemv" not in kinds or stream or pf)):
+        raise ValueError(f"projections {spec!r}: 'mgpu' (the Mosaic GPU GEMV for one-row "
+                         f"calls) is given once, with a 'gemv' part, and without 'stream' or "
+                         f"'pfN' (they choose the Triton kernels it replaces)")
+    if mgpu and not mgpu_available():
+        raise ValueError(f"projections {spec!r}: 'mgpu' needs jax >= 0.11 with Mosaic GPU "
+                         f"Pallas (jax.experimental.pallas.mosaic_gpu); this is jax "
+                         f"{jax.__version__}")
+    for part in (p for p in parts if p not in ("norms", "stream", "mgpu")
+                 and not p.startswith("pf")):
         kind, names, rows = _parse_part(spec, part)
         if kind in kw:
             raise ValueError(f"projections {spec!r}: '{kind}' given twice")
         kw[kind] = (names, rows)
     gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
     gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
-    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream)
+    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream,
+                      mgpu)

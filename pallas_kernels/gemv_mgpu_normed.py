@@ -73,12 +73,12 @@ def smem_bytes(k, block_n, block_k, k_splits, stages, gated, add_norm, out_items
     w_ring = stages * block_n * block_k * 2 * (2 if gated else 1)
     out_tiles = 2 if gated and k_splits > 1 else 1
     return (w_ring + XROWS * (k // k_splits) * 2 + (k * 2 if add_norm else 0)
-            + out_tiles * block_n * XROWS * out_itemsize + 1024)  # + reduction scratch etc.
+            + out_tiles * block_n * out_itemsize + 1024)  # + reduction scratch etc.
 
 
 @functools.lru_cache(maxsize=None)
 def _build(n_out, k, dtype, eps, add_norm, gated, block_n, block_k, k_splits, stages,
-           overlap, interpret):
+           overlap, interpret, norm=True):
     dt = jnp.dtype(dtype)
     k_part = k // k_splits
     nk = k_part // block_k
@@ -92,13 +92,16 @@ def _build(n_out, k, dtype, eps, add_norm, gated, block_n, block_k, k_splits, st
     def body(*refs):
         if add_norm:
             x_g, b_g, wb_g, wx_g, w_g, o_g, xo_g, o_smem, h_smem, xn_smem = refs
-        else:
+        elif norm:
             x_g, wx_g, w_g, o_g, o_smem, h_smem = refs
+        else:  # no norm: x itself, loaded in the kernel, is the B operand (no XLA pad kernel)
+            x_g, w_g, o_g, o_smem, h_smem = refs
         ni = lax.axis_index("n")
         ki = lax.axis_index("k")
 
-        def prologue():
-            # 1. Row statistics (WG_STRIDED registers, the whole row).
+        def statistics():
+            """1. The row statistics (WG_STRIDED registers, the whole row): x's scale (after
+            the residual add with add_norm, x' then kept in SMEM for step 2)."""
             xf = plgpu.load(x_g.at[0]).astype(jnp.float32)
             if add_norm:
                 bf = plgpu.load(b_g.at[0]).astype(jnp.float32)
@@ -112,16 +115,19 @@ def _build(n_out, k, dtype, eps, add_norm, gated, block_n, block_k, k_splits, st
                     xo_g[0] = xn
 
                 xf = xn.astype(jnp.float32)
-            s_x = lax.rsqrt(jnp.sum(xf * xf) / k + eps)
+            return lax.rsqrt(jnp.sum(xf * xf) / k + eps)
 
+        def prologue():
+            s_x = statistics() if norm else None
             # 2. h, block_k columns at a time, broadcast to 8 rows into the B-operand buffer.
             # (Loads from GMEM in a TiledLayout need optimized=False.)
             src = xn_smem if add_norm else x_g.at[0]
             for c in range(nk):
                 cols = pl.ds(ki * k_part + c * block_k, block_k)
-                xc = plgpu.load(src.at[cols], layout=col_layout, optimized=False)
-                wx = plgpu.load(wx_g.at[cols], layout=col_layout, optimized=False)
-                h = _normed(xc.astype(jnp.float32), s_x, wx, dt)
+                h = plgpu.load(src.at[cols], layout=col_layout, optimized=False)
+                if norm:
+                    wx = plgpu.load(wx_g.at[cols], layout=col_layout, optimized=False)
+                    h = _normed(h.astype(jnp.float32), s_x, wx, dt)
                 h_smem[c] = plgpu.layout_cast(
                     lax.broadcast_in_dim(h, (XROWS, block_k), (1,)), h_layout)
             plgpu.commit_smem()  # fence the generic-proxy SMEM writes for wgmma (+ barrier)
@@ -154,6 +160,11 @@ def _build(n_out, k, dtype, eps, add_norm, gated, block_n, block_k, k_splits, st
 
         acc_t = plgpu.ACC((block_n, XROWS), jnp.float32)
         accs = pl.run_scoped(acc_scope, *([acc_t] * (2 if gated else 1)))
+        # All 8 columns of an accumulator are equal (every row of h holds h), so their max is
+        # column 0 exactly: a row reduction in registers (WGMMA_ROW layout) leaves the [N]
+        # result the engine wants, where an [N, 8] output would need an XLA slice kernel
+        # before a Pallas consumer.
+        accs = tuple(jnp.max(acc, axis=1) for acc in accs)
         if gated and k_splits == 1:
             accs = (_silu_mul(accs[0], accs[1], dt),)
         # Registers -> SMEM -> TMA store (gated split-K: gate and up partials, rows 0 and I).
@@ -165,10 +176,12 @@ def _build(n_out, k, dtype, eps, add_norm, gated, block_n, block_k, k_splits, st
             plgpu.copy_smem_to_gmem(o_smem.at[i], o_g.at[ki, rows])
         plgpu.wait_smem_to_gmem(0)
 
+    # The kernel's name in traces and profiles, as gemv_stream's: gemv_mgpu[_silu][_add_norm]
+    body.__name__ = ("gemv_mgpu" + ("_silu" if gated else "")
+                     + ("_add_norm" if add_norm else "_norm" if norm else ""))
     split_gated = gated and k_splits > 1
-    out_type = [jax.ShapeDtypeStruct((k_splits, n_out * (2 if split_gated else 1), XROWS),
-                                     out_dtype)]
-    scratch = [plgpu.SMEM((2 if split_gated else 1, block_n, XROWS), out_dtype),
+    out_type = [jax.ShapeDtypeStruct((k_splits, n_out * (2 if split_gated else 1)), out_dtype)]
+    scratch = [plgpu.SMEM((2 if split_gated else 1, block_n), out_dtype),
                plgpu.SMEM((nk, XROWS, block_k), dt, transforms=transforms)]
     if add_norm:
         out_type.append(jax.ShapeDtypeStruct((1, k), dt))
@@ -183,17 +196,23 @@ def gemv_mgpu_normed(x, norm_w, w, *, eps, branch=None, branch_w=None, gated=Fal
                      interpret=False):
     """gemv_stream.gemv_stream_normed's contract on Mosaic GPU: returns (y, x'), y [1, N]
     (or [1, I] gated) the projection of rms_norm(x', norm_w), x' = x or
-    x + rms_norm(branch, branch_w) (x itself without a branch). overlap: run the prologue
-    inside the pipeline's first step, after the first `stages` W tiles have been requested
-    (else before the pipeline starts)."""
-    check_norm_operands("gemv_mgpu_normed", x, norm_w, branch, branch_w)
+    x + rms_norm(branch, branch_w) (x itself without a branch). norm_w=None: no prologue
+    math, y the projection of x itself (no branch then): the plain GEMV without
+    gemv_mgpu's XLA pad and slice around it. overlap: run the prologue inside the pipeline's
+    first step, after the first `stages` W tiles have been requested (else before the
+    pipeline starts)."""
+    norm = norm_w is not None
+    if norm:
+        check_norm_operands("gemv_mgpu_normed", x, norm_w, branch, branch_w)
+    elif branch is not None or branch_w is not None:
+        raise ValueError("gemv_mgpu_normed: a branch (the residual add) needs norm_w")
     if gated and w.shape[0] % 2:
         raise ValueError(f"gated needs w = [gate; up] with an even row count, got {w.shape}")
     n_out = w.shape[0] // 2 if gated else w.shape[0]
     _check(x, w[:n_out], block_n, block_k, k_splits, stages)
     k = x.shape[1]
-    if k % 256:  # the whole-row WG_STRIDED loads: 128 threads x a 2-element vector or more
-        raise ValueError(f"K={k} must be a multiple of 256")
+    if norm and k % 256:  # the statistics' whole-row WG_STRIDED loads: 128 threads x >= 2
+        raise ValueError(f"K={k} must be a multiple of 256 (the norm prologue)")
     add_norm = branch is not None
     need = smem_bytes(k, block_n, block_k, k_splits, stages, gated, add_norm)
     if need > SMEM_LIMIT:
@@ -202,19 +221,28 @@ def gemv_mgpu_normed(x, norm_w, w, *, eps, branch=None, branch_w=None, gated=Fal
         interpret = plgpu.InterpretGPUParams()
     dt = x.dtype
     call = _build(n_out, k, jnp.dtype(dt), float(eps), add_norm, gated, block_n, block_k,
-                  k_splits, stages, bool(overlap), interpret or None)
-    vecs = (x, branch.astype(dt), branch_w.astype(dt), norm_w.astype(dt)) if add_norm else (
-        x, norm_w.astype(dt))
+                  k_splits, stages, bool(overlap), interpret or None, norm)
+    if add_norm:
+        vecs = (x, branch.astype(dt), branch_w.astype(dt), norm_w.astype(dt))
+    else:
+        vecs = (x, norm_w.astype(dt)) if norm else (x,)
     outs = call(*vecs, w)
     raw = outs[0]
     if k_splits == 1:
-        y = raw[0, :, 0][None]
+        y = raw  # [1, N]: no XLA op between this kernel and the next
     elif gated:  # the fp32 partials of gate and up, summed, then gemv._silu_mul's rounding
-        gu = raw[:, :, 0].sum(0)
+        gu = raw.sum(0)
         y = _silu_mul(gu[:n_out], gu[n_out:], dt)[None]
     else:
-        y = raw[:, :, 0].sum(0).astype(dt)[None]
+        y = raw.sum(0).astype(dt)[None]
     return y, (outs[1] if add_norm else x)
+
+
+def gemv_mgpu_plain(x, w, *, gated=False, **tiling):
+    """y [1, N] = x @ w^T (gated: silu(x @ gate^T) * (x @ up^T) [1, I]) on the kernel above
+    with no norm prologue: x is loaded into the wgmma operand in the kernel and y is written
+    as [1, N], so no XLA op runs before or after it (k_splits == 1)."""
+    return gemv_mgpu_normed(x, None, w, eps=0.0, gated=gated, **tiling)[0]
 
 
 def lower_for_h200(x, norm_w, w, branch=None, branch_w=None, **kw):

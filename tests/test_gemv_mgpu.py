@@ -309,3 +309,66 @@ def test_normed_gpu_matches_the_xla_path(name, add_norm, tiling, overlap):
     print(f"{name} add_norm={add_norm} {tiling} overlap={overlap}: rel err {err:.3g}, "
           f"{mism} of {y.size} differ")
     assert err <= 8e-3, err
+
+
+# --- gemv_mgpu_plain: the same kernel with no norm (the engine's o and down projections) ---
+
+from pallas_kernels.gemv_mgpu_normed import gemv_mgpu_plain  # noqa: E402
+
+PLAIN_SHAPES = {"o": (2048, 2048), "down": (2048, 5632)}
+
+
+@pytest.mark.parametrize("n,k,gated,block_n,block_k,stages", [
+    (128, 256, False, 64, 128, 2),
+    (256, 192, False, 128, 64, 2),  # K only a multiple of 64: no norm, no 256 rule
+    (256, 512, True, 64, 128, 3),
+])
+def test_plain_interpret_is_bit_exact(n, k, gated, block_n, block_k, stages):
+    """No prologue math: x is loaded into the wgmma operand in the kernel and the result row
+    comes out as [1, N] (the max over the 8 equal accumulator columns); bit-identical to the
+    XLA path (model.linear, and model.silu gated) in bf16."""
+    from pallas_kernels.gemv import gemv_reference as gemv_ref
+    _, _, _, _, w = _normed_inputs(n, k, seed=7)
+    x = jax.random.normal(jax.random.PRNGKey(8), (1, k)).astype(jnp.bfloat16)
+    y = gemv_mgpu_plain(x, w, gated=gated, block_n=block_n, block_k=block_k, stages=stages,
+                        interpret=True)
+    ref = gemv_ref(x, w, gated=gated)
+    assert y.shape == ref.shape == (1, n // 2 if gated else n)
+    np.testing.assert_array_equal(_f32(y), _f32(ref))
+
+
+def test_plain_interpret_k_splits_and_errors():
+    from pallas_kernels.gemv import gemv_reference as gemv_ref
+    _, b, wb, _, w = _normed_inputs(128, 512, seed=9)
+    x = b / 3
+    for gated in (False, True):
+        y = gemv_mgpu_plain(x, w, gated=gated, block_n=64, block_k=64, k_splits=4, stages=2,
+                            interpret=True)
+        _assert_close(y, gemv_ref(x, w, gated=gated))
+    with pytest.raises(ValueError, match="needs norm_w"):
+        gemv_mgpu_normed(x, None, w, eps=1e-6, branch=b, branch_w=wb, interpret=True)
+
+
+@pytest.mark.parametrize("name", PLAIN_SHAPES)
+@pytest.mark.parametrize("tiling", [(64, 128, 1, 4), (64, 64, 8, 4)])
+def test_plain_lowers_for_cuda_at_the_1p4b_shapes(name, tiling):
+    n, k = PLAIN_SHAPES[name]
+    S = jax.ShapeDtypeStruct
+    bn, bk, ks, st = tiling
+    text = lower_normed_for_h200(S((1, k), jnp.bfloat16), None, S((n, k), jnp.bfloat16),
+                                 eps=0.0, block_n=bn, block_k=bk, k_splits=ks,
+                                 stages=st).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PLAIN_SHAPES)
+@pytest.mark.parametrize("tiling", [(64, 128, 1, 4), (64, 128, 4, 4), (64, 64, 8, 4)])
+def test_plain_gpu_matches_the_reference(name, tiling):
+    n, k = PLAIN_SHAPES[name]
+    x, w = _xw(n, k, seed=n + k + 1)
+    bn, bk, ks, st = tiling
+    y = jax.jit(lambda x, w: gemv_mgpu_plain(x, w, block_n=bn, block_k=bk, k_splits=ks,
+                                             stages=st))(x, w)
+    _assert_close(y, gemv_reference(x, w))
