@@ -255,49 +255,66 @@ def lower_for_h200(x, norm_w, w, branch=None, branch_w=None, **kw):
             lowering_platforms=("cuda",))
 
 
-# The engine's fused calls at the 1.4B shapes: name -> (W rows, K, gated); all add_norm.
-NORMED_SHAPES = {"qkv": (6144, 2048, False), "gate_up": (11264, 2048, True)}
+# The engine's one-row calls at the 1.4B shapes: name -> (W rows, K, gated, normed); qkv and
+# gate/up run with the add_norm prologue, o and down plain (gemv_mgpu_plain).
+BENCH_SHAPES = {"qkv": (6144, 2048, False, True), "o": (2048, 2048, False, False),
+                "gate_up": (11264, 2048, True, True), "down": (2048, 5632, False, False)}
 NORMED_SWEEP = {  # (block_n, block_k, k_splits, stages); gated streams two W tiles per step
     "qkv": [(64, 256, 1, 4), (64, 128, 1, 4), (64, 128, 1, 6), (128, 128, 1, 4),
             (64, 256, 2, 4), (64, 128, 2, 4), (64, 128, 4, 4)],
+    "o": [(64, 128, 1, 4), (64, 128, 2, 4), (64, 128, 4, 4), (64, 256, 4, 2), (64, 64, 8, 4),
+          (128, 128, 4, 4)],
     "gate_up": [(64, 128, 1, 4), (64, 256, 1, 2), (64, 128, 1, 6), (64, 64, 1, 8),
                 (128, 64, 1, 4), (128, 128, 1, 2), (64, 128, 2, 4), (64, 64, 4, 4)],
+    "down": [(64, 256, 1, 3), (64, 128, 2, 4), (64, 128, 4, 4), (64, 64, 8, 4),
+             (128, 128, 4, 3), (64, 128, 1, 6)],
 }
 
 
 def reference(x, norm_w, w, *, eps, branch=None, branch_w=None, gated=False):
-    """The engine's XLA path (model.rms_norm, model.linear, model.silu): (y, x')."""
+    """The engine's XLA path (model.rms_norm, model.linear, model.silu): (y, x'); norm_w
+    None: the plain projection of x."""
     from ouro_jax.model import rms_norm
     from pallas_kernels.gemv import gemv_reference
+    if norm_w is None:
+        return gemv_reference(x, w, gated=gated), x
     if branch is not None:
         x = x + rms_norm(branch, branch_w, eps)
     return gemv_reference(rms_norm(x, norm_w, eps), w, gated=gated), x
 
 
-def benchmark_normed(names=tuple(NORMED_SHAPES), sweep=NORMED_SWEEP, min_bytes=200_000_000,
+def _bench_inputs(n, k, min_bytes):
+    ks = jax.random.split(jax.random.PRNGKey(n + k), 5)
+    x = jax.random.normal(ks[0], (1, k), jnp.float32).astype(jnp.bfloat16)
+    b = (jax.random.normal(ks[1], (1, k)) * 3).astype(jnp.bfloat16)
+    wb, wx = ((1 + 0.1 * jax.random.normal(kk, (k,))).astype(jnp.bfloat16) for kk in ks[2:4])
+    copies = max(2, -(-min_bytes // (n * k * 2)))
+    ws = [(jax.random.normal(jax.random.fold_in(ks[4], i), (n, k), jnp.float32)
+           * k ** -0.5).astype(jnp.bfloat16) for i in range(copies)]
+    return x, b, wb, wx, ws
+
+
+def benchmark_normed(names=tuple(BENCH_SHAPES), sweep=NORMED_SWEEP, min_bytes=200_000_000,
                      calls=200, eps=1e-6):
-    """us per call of the add_norm projections: XLA (the reference path), the engine's
-    gemv_stream_normed on STREAM_TUNING, and gemv_mgpu_normed at each tiling; rows as
+    """us per call of the engine's one-row projections: XLA (the reference path), the
+    engine's streaming GEMV on STREAM_TUNING (gemv_stream_normed for qkv and gate/up with the
+    add_norm prologue, gemv_stream for o and down) and the Mosaic kernel at each tiling
+    (normed: overlap off and on; k_splits > 1 includes the XLA sum of the partials); rows as
     gemv_mgpu.benchmark's, with the mismatches against XLA (bf16 elements that differ)."""
     import itertools
     import numpy as np
     from ouro_jax.projections import STREAM_TUNING
     from pallas_kernels.gemv_mgpu import _bench
-    from pallas_kernels.gemv_stream import gemv_stream_normed
+    from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
     rows = []
     for name in names:
-        n, k, gated = NORMED_SHAPES[name]
-        ks = jax.random.split(jax.random.PRNGKey(n + k), 5)
-        x = jax.random.normal(ks[0], (1, k), jnp.float32).astype(jnp.bfloat16)
-        b = (jax.random.normal(ks[1], (1, k)) * 3).astype(jnp.bfloat16)
-        wb, wx = ((1 + 0.1 * jax.random.normal(kk, (k,))).astype(jnp.bfloat16)
-                  for kk in ks[2:4])
+        n, k, gated, normed = BENCH_SHAPES[name]
         nbytes = n * k * 2
-        copies = max(2, -(-min_bytes // nbytes))
-        ws = [(jax.random.normal(jax.random.fold_in(ks[4], i), (n, k), jnp.float32)
-               * k ** -0.5).astype(jnp.bfloat16) for i in range(copies)]
-        reps = max(1, calls // copies)
-        args = dict(eps=eps, branch=b, branch_w=wb, gated=gated)
+        x, b, wb, wx, ws = _bench_inputs(n, k, min_bytes)
+        reps = max(1, calls // len(ws))
+        args = dict(eps=eps, branch=b, branch_w=wb, gated=gated) if normed else \
+            dict(eps=eps, gated=gated)
+        wx = wx if normed else None
         ref_y, ref_x = (np.asarray(a, np.float32)
                         for a in jax.jit(lambda w: reference(x, wx, w, **args))(ws[0]))
 
@@ -319,25 +336,37 @@ def benchmark_normed(names=tuple(NORMED_SHAPES), sweep=NORMED_SWEEP, min_bytes=2
                   f"elements differ from XLA", flush=True)
             rows.append(row)
 
-        print(f"{name}: N={n} K={k} gated={gated} {nbytes / 1e6:.1f} MB x{copies}", flush=True)
+        print(f"{name}: N={n} K={k} gated={gated} normed={normed} {nbytes / 1e6:.1f} MB "
+              f"x{len(ws)}", flush=True)
         record("xla", lambda w: reference(x, wx, w, **args))
         tuning = STREAM_TUNING[name]
-        record("gemv_stream_normed", lambda w: gemv_stream_normed(x, wx, w, **args, **tuning),
-               tiling=tuning)
-        for (bn, bk, ksp, st), ov in itertools.product(sweep[name], (False, True)):
+        if normed:
+            record("gemv_stream_normed",
+                   lambda w: gemv_stream_normed(x, wx, w, **args, **tuning), tiling=tuning)
+        else:
+            record("gemv_stream", lambda w: (gemv_stream(x, w, gated=gated, **tuning), x),
+                   tiling=tuning)
+        for (bn, bk, ksp, st), ov in itertools.product(sweep[name],
+                                                       (False, True) if normed else (False,)):
             tiling = dict(block_n=bn, block_k=bk, k_splits=ksp, stages=st, overlap=ov)
-            record("gemv_mgpu_normed",
+            record("gemv_mgpu_normed" if normed else "gemv_mgpu_plain",
                    lambda w, t=tiling: gemv_mgpu_normed(x, wx, w, **args, **t),
                    tiling=[bn, bk, ksp, st], overlap=ov)
     return rows
 
 
 if __name__ == "__main__":
-    # On the H200:  PYTHONPATH=. python -m pallas_kernels.gemv_mgpu_normed [out.json]
+    # On the H200:  PYTHONPATH=. python -m pallas_kernels.gemv_mgpu_normed [out.json [NAME...]]
     import json
     import sys
+    names = tuple(sys.argv[2:]) or tuple(BENCH_SHAPES)
+    bad = sorted(set(names) - set(BENCH_SHAPES))
+    if bad:
+        raise SystemExit(f"unknown projection(s) {bad}; choose from {tuple(BENCH_SHAPES)}")
     result = dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
-                  command="python -m pallas_kernels.gemv_mgpu_normed", rows=benchmark_normed())
+                  command="python -m " + " ".join(["pallas_kernels.gemv_mgpu_normed"]
+                                                  + sys.argv[1:]),
+                  rows=benchmark_normed(names))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f, indent=1)

@@ -135,7 +135,7 @@ def test_gpu_matches_reference_at_the_1p4b_shapes(n, k, block_n, block_k, k_spli
 
 # --- gemv_mgpu_normed: the norm / add_norm prologue and the gated (SiLU) epilogue ---------
 
-from pallas_kernels.gemv_mgpu_normed import (NORMED_SHAPES, gemv_mgpu_normed,  # noqa: E402
+from pallas_kernels.gemv_mgpu_normed import (BENCH_SHAPES, gemv_mgpu_normed,  # noqa: E402
                                              lower_for_h200 as lower_normed_for_h200,
                                              reference as normed_reference)
 
@@ -276,7 +276,7 @@ NORMED_LOWER_CASES = [c for c in NORMED_CASES if c[1] or (c[2] == NORMED_GPU_TIL
 
 @pytest.mark.parametrize("name,add_norm,tiling,overlap", NORMED_LOWER_CASES)
 def test_normed_lowers_for_cuda_at_the_1p4b_shapes(name, add_norm, tiling, overlap):
-    n, k, gated = NORMED_SHAPES[name]
+    n, k, gated, _ = BENCH_SHAPES[name]
     bf = jnp.bfloat16
     S = jax.ShapeDtypeStruct
     br = dict(branch=S((1, k), bf), branch_w=S((k,), bf)) if add_norm else {}
@@ -294,7 +294,7 @@ def test_normed_gpu_matches_the_xla_path(name, add_norm, tiling, overlap):
     """On the GPU: x' exact but for the fp32 statistic (rsqrt and the sum order may differ
     from XLA's in the last bit, which can flip a bf16 rounding: one bf16 ulp); y within one
     bf16 rounding plus the accumulation order (as gemv_stream's GPU test)."""
-    n, k, gated = NORMED_SHAPES[name]
+    n, k, gated, _ = BENCH_SHAPES[name]
     x, b, wb, wx, w = _normed_inputs(n, k, seed=n)
     w = (w.astype(jnp.float32) / (0.06 * k ** 0.5)).astype(jnp.bfloat16)
     br = dict(branch=b, branch_w=wb) if add_norm else {}
