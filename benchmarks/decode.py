@@ -312,6 +312,11 @@ def main(argv=None) -> int:
     p.add_argument("--stream-tiling", default="", metavar="NAME=VARIANT,...",
                    help="override the streaming GEMV's tiling per projection for this run, e.g. "
                         "qkv=st1_k512_p1_w4 (VARIANT: a benchmarks.gemv STREAM_VARIANTS key)")
+    p.add_argument("--mgpu-tiling", default="", metavar="NAME=bnN_bkN_ksN_stN[_ov],...",
+                   help="override the Mosaic GPU GEMV's tiling (projections '+mgpu') per "
+                        "projection for this run, e.g. down=bn64_bk64_ks8_st4 (block_n, "
+                        "block_k, k_splits, stages; _ov: prologue overlapped with the first "
+                        "weight tiles)")
     p.add_argument("--pdl", default="", metavar="NAME,...",
                    help="streaming projections whose GEMV lets the next kernel launch early "
                         "(programmatic dependent launch), e.g. qkv,o,gate_up; the decode "
@@ -323,7 +328,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     check_pdl_run(args)
     tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling,
-                                 args.pdl, args.pdl_at)
+                                 args.pdl, args.pdl_at, args.mgpu_tiling)
     try:
         return _run(args, argv, tuning)
     finally:  # the overrides are process-wide: leave none behind for other callers

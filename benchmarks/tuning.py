@@ -1,5 +1,5 @@
 """Process-wide kernel tuning overrides for benchmark runs (`benchmarks.decode --decode-kernel
-/ --ragged-kernel / --stream-tiling`): parsed, checked, set before anything compiles, and
+/ --ragged-kernel / --stream-tiling / --mgpu-tiling`): parsed, checked, set before anything compiles, and
 cleared again afterwards."""
 
 from __future__ import annotations
@@ -63,6 +63,52 @@ def parse_stream_tiling(spec: str) -> dict:
     return out
 
 
+_MGPU_DEFAULTS = None  # projections.MGPU_TUNING as shipped, for restoring
+
+
+def parse_mgpu_tiling(spec: str) -> dict:
+    """'down=bn64_bk64_ks8_st4,qkv=bn64_bk128_ks1_st4_ov' -> {projection: (block_n, block_k,
+    k_splits, stages, overlap)} for the Mosaic GPU GEMV ('+mgpu'). Checked against the
+    1.4B/2.6B projection shapes as the engine calls them (qkv and gate/up with the norm
+    prologue): a tiling the kernel would refuse, or one the engine would shrink
+    (projections.fit_mgpu_tuning), is an error naming it."""
+    import re
+
+    from benchmarks.gemv import SHAPES
+    from ouro_jax.projections import NAMES, fit_mgpu_tuning, mgpu_available
+    items = list(filter(None, (x.strip() for x in spec.split(","))))
+    if items and not mgpu_available():
+        raise SystemExit("--mgpu-tiling: the Mosaic GPU GEMV needs jax >= 0.11")
+    out = {}
+    for item in items:
+        name, sep, tiling = item.partition("=")
+        m = re.fullmatch(r"bn(\d+)_bk(\d+)_ks(\d+)_st(\d+)(_ov)?", tiling)
+        if not sep or name not in NAMES or not m:
+            raise SystemExit(f"--mgpu-tiling: {item!r} is not NAME=bnN_bkN_ksN_stN[_ov] with "
+                             f"NAME in {NAMES}")
+        t = tuple(int(v) for v in m.groups()[:4]) + (m.group(5) is not None,)
+        n, k, gated = SHAPES[name]
+        n_out, normed = (n // 2 if gated else n), name in ("qkv", "gate_up")
+        import jax
+        import jax.numpy as jnp
+        from pallas_kernels.gemv_mgpu import SMEM_LIMIT, _check
+        from pallas_kernels.gemv_mgpu_normed import smem_bytes
+        bf = jnp.bfloat16
+        try:
+            _check(jax.ShapeDtypeStruct((1, k), bf), jax.ShapeDtypeStruct((n_out, k), bf), *t[:4])
+            need = smem_bytes(k, *t[:4], gated, normed)
+            if need > SMEM_LIMIT:
+                raise ValueError(f"{need} B of shared memory exceeds {SMEM_LIMIT}")
+            fitted = fit_mgpu_tuning(name, t, n_out, k, bf, normed)
+            if tuple(fitted.values()) != t:
+                raise ValueError(f"the engine would run it as {fitted}")
+        except ValueError as e:
+            raise SystemExit(f"--mgpu-tiling: {tiling} does not fit the {name} projection "
+                             f"({n} x {k}): {e}") from None
+        out[name] = t
+    return out
+
+
 def parse_pdl(spec: str) -> tuple:
     """'qkv,o,gate_up' -> the streaming projections whose GEMV emits the PDL trigger
     (gemv_stream's pdl). 'down' is refused: after the last layer its next kernel can be an
@@ -79,16 +125,17 @@ def parse_pdl(spec: str) -> tuple:
 
 
 def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "",
-                        pdl_spec: str = "", pdl_at: str = "start") -> dict:
+                        pdl_spec: str = "", pdl_at: str = "start", mgpu_spec: str = "") -> dict:
     """Sets the kernels' process-wide tuning overrides (before anything is compiled). Every
     spec is parsed before anything is set, so a bad one changes nothing."""
     import importlib
 
     from ouro_jax import projections
-    global _STREAM_DEFAULTS
+    global _STREAM_DEFAULTS, _MGPU_DEFAULTS
     tuning = {"decode": parse_tuning(decode_spec, DECODE_TUNING_KEYS),
               "ragged": parse_tuning(ragged_spec, RAGGED_TUNING_KEYS),
-              "stream": parse_stream_tiling(stream_spec), "pdl": parse_pdl(pdl_spec)}
+              "stream": parse_stream_tiling(stream_spec), "pdl": parse_pdl(pdl_spec),
+              "mgpu": parse_mgpu_tiling(mgpu_spec)}
     if pdl_at not in ("start", "end"):
         raise SystemExit(f"--pdl-at is start or end, got {pdl_at!r}")
     if tuning["decode"].get("pdl") and not tuning["decode"].get("last_combine"):
@@ -105,4 +152,8 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
                                      **tuning["stream"])
     for name in tuning["pdl"]:
         projections.STREAM_TUNING[name]["pdl"] = pdl_at
+    if _MGPU_DEFAULTS is None:
+        _MGPU_DEFAULTS = dict(projections.MGPU_TUNING)
+    projections.MGPU_TUNING.clear()
+    projections.MGPU_TUNING.update(_MGPU_DEFAULTS, **tuning["mgpu"])
     return tuning

@@ -90,17 +90,19 @@ GEMM_TUNING = {
 GEMM_MAX_ROWS = 64
 GEMM_ROW_LIMIT = 512  # without split-K the kernel turns compute-bound well before this
 
-# '+mgpu': one-row calls through the Mosaic GPU GEMV (pallas_kernels/gemv_mgpu_normed.py: TMA
-# ring of weight tiles, wgmma; qkv and gate/up with the norm prologue, o and down plain), jax
-# >= 0.11. (block_n, block_k, k_splits, stages, overlap) per projection. FIRST GUESSES, NOT
-# MEASURED: the kernel has not yet run on a GPU. Chosen for >= 88 programs (132 SMs) and
-# 64-128 KB of weight tiles in flight per program; benchmarks.decode --mgpu-tiling overrides
-# them per run, and benchmarks/mgpu_pick.py turns a GPU sweep into that override.
+# '+mgpu[:NAME,...]': one-row calls of those projections (default all four) through the Mosaic
+# GPU GEMV (pallas_kernels/gemv_mgpu_normed.py: TMA ring of weight tiles, wgmma; qkv and
+# gate/up with the norm prologue, o and down plain), jax >= 0.11; with '+stream' the others
+# keep the streaming kernel. (block_n, block_k, k_splits, stages, overlap) per projection: the
+# fastest in the first H200 sweep (benchmarks/results/gemv_mgpu_session13_h200.json, us per
+# call with the XLA sum of split-K partials): qkv 15.03 (streaming GEMV 13.06), o 17.26
+# (10.67), gate/up 22.45 (18.01), down 17.09 (20.41; bit-identical to XLA there). Only down
+# beats the streaming kernel; benchmarks.decode --mgpu-tiling overrides these per run.
 MGPU_TUNING = {
-    "qkv": (64, 128, 2, 4, False),
-    "o": (64, 128, 4, 4, False),
+    "qkv": (64, 128, 1, 4, True),
+    "o": (64, 256, 4, 2, False),
     "gate_up": (64, 128, 1, 4, False),
-    "down": (64, 128, 4, 4, False),
+    "down": (64, 64, 8, 4, False),
 }
 
 
@@ -230,7 +232,7 @@ class PallasGemv(XLA):
     fuse_norms: bool = False
     prefetch: int | None = None  # '+pf<N>': every GEMV's prefetch depth instead of GEMV_TUNING's
     stream: bool = False  # '+stream': the streaming GEMV for calls of up to STREAM_MAX_ROWS rows
-    mgpu: bool = False  # '+mgpu': the Mosaic GPU GEMV for one-row calls (MGPU_TUNING)
+    mgpu_names: tuple = ()  # '+mgpu[:NAME,...]': the Mosaic GPU GEMV for their one-row calls
 
     @property
     def spec(self) -> str:
@@ -247,8 +249,9 @@ class PallasGemv(XLA):
             parts.append("norms")
         if self.stream:
             parts.append("stream")
-        if self.mgpu:
-            parts.append("mgpu")
+        if self.mgpu_names:
+            parts.append("mgpu" + ("" if self.mgpu_names == NAMES else
+                                   ":" + ",".join(self.mgpu_names)))
         if self.prefetch is not None:
             parts.append(f"pf{self.prefetch}")
         return "+".join(parts)
@@ -271,8 +274,8 @@ class PallasGemv(XLA):
     def _streams(self, x) -> bool:
         return self.stream and math.prod(x.shape[:-1]) <= STREAM_MAX_ROWS
 
-    def _mgpus(self, x) -> bool:
-        return self.mgpu and math.prod(x.shape[:-1]) == 1
+    def _mgpus(self, name, x) -> bool:
+        return name in self.mgpu_names and math.prod(x.shape[:-1]) == 1
 
     def _mgpu_tuning(self, name, n_out, k, dtype, normed):
         return fit_mgpu_tuning(name, MGPU_TUNING[name], n_out, k, dtype, normed)
@@ -283,7 +286,7 @@ class PallasGemv(XLA):
         lead, k = x.shape[:-1], x.shape[-1]
         interpret = jax.default_backend() != "gpu"
         n_out = w.shape[0] // 2 if gated else w.shape[0]
-        if self._mgpus(x):
+        if self._mgpus(name, x):
             from pallas_kernels.gemv_mgpu_normed import gemv_mgpu_plain
             y = gemv_mgpu_plain(x.reshape(1, k), w, gated=gated, interpret=interpret,
                                 **self._mgpu_tuning(name, n_out, k, w.dtype, False))
@@ -317,7 +320,7 @@ class PallasGemv(XLA):
         n_out = w.shape[0] // 2 if gated else w.shape[0]
         branch = dict(branch=x.branch.reshape(-1, k), branch_w=x.weight) \
             if isinstance(x, Residual) else {}
-        if self._mgpus(resid):
+        if self._mgpus(name, resid):
             from pallas_kernels.gemv_mgpu_normed import gemv_mgpu_normed
             fn = gemv_mgpu_normed
             tuning = self._mgpu_tuning(name, n_out, k, w.dtype, True)
@@ -396,9 +399,9 @@ def parse(spec: str):
     calls of 2..N rows (default GEMM_MAX_ROWS) through the skinny GEMM; 'gemv+gemm' -> both;
     '+norms' -> the norm prologue; '+pfN' -> every GEMV loads N chunks ahead (default: each
     projection's GEMV_TUNING); '+stream' -> the streaming GEMV kernel (STREAM_TUNING) for
-    GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'); '+mgpu' -> the Mosaic GPU
-    GEMV (MGPU_TUNING, jax >= 0.11, bf16/fp16) for one-row GEMV calls instead (not with
-    '+stream' or '+pfN'); 'auto' -> see resolve."""
+    GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'); '+mgpu[:NAME,...]' -> the
+    Mosaic GPU GEMV (MGPU_TUNING, jax >= 0.11, bf16/fp16) for those projections' one-row GEMV
+    calls instead (default all; e.g. 'gemv+norms+stream+mgpu:down'); 'auto' -> see resolve."""
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
@@ -406,7 +409,7 @@ def parse(spec: str):
     parts = spec.split("+")
     fuse_norms = "norms" in parts
     stream = "stream" in parts
-    mgpu = "mgpu" in parts
+    mgpu_parts = [p for p in parts if p.partition(":")[0].partition("@")[0] == "mgpu"]
     kinds = [p.partition(":")[0].partition("@")[0] for p in parts]
     if parts.count("norms") > 1 or (fuse_norms and "gemv" not in kinds):
         raise ValueError(f"projections {spec!r}: 'norms' (RMSNorms and residual adds in the GEMV "
@@ -427,15 +430,14 @@ def parse(spec: str):
             raise ValueError(f"projections {spec!r}: 'pfN' is the per-block GEMV's prefetch "
                              f"depth; with 'stream' one-row calls take the streaming kernel, "
                              f"which has none (give one of the two)")
-    if parts.count("mgpu") > 1 or (mgpu and ("gemv" not in kinds or stream or pf)):
-        raise ValueError(f"projections {spec!r}: 'mgpu' (the Mosaic GPU GEMV for one-row "
-                         f"calls) is given once, with a 'gemv' part, and without 'stream' or "
-                         f"'pfN' (they choose the Triton kernels it replaces)")
-    if mgpu and not mgpu_available():
+    if len(mgpu_parts) > 1 or (mgpu_parts and ("gemv" not in kinds or "@" in mgpu_parts[0])):
+        raise ValueError(f"projections {spec!r}: 'mgpu[:NAME,...]' (the Mosaic GPU GEMV for "
+                         f"one-row calls; no '@ROWS') is given once, with a 'gemv' part")
+    if mgpu_parts and not mgpu_available():
         raise ValueError(f"projections {spec!r}: 'mgpu' needs jax >= 0.11 with Mosaic GPU "
                          f"Pallas (jax.experimental.pallas.mosaic_gpu); this is jax "
                          f"{jax.__version__}")
-    for part in (p for p in parts if p not in ("norms", "stream", "mgpu")
+    for part in (p for p in parts if p not in ("norms", "stream") and p not in mgpu_parts
                  and not p.startswith("pf")):
         kind, names, rows = _parse_part(spec, part)
         if kind in kw:
@@ -443,5 +445,12 @@ def parse(spec: str):
         kw[kind] = (names, rows)
     gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
     gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
+    mgpu_names = ()
+    if mgpu_parts:
+        _, mgpu_names, _ = _parse_part(spec, mgpu_parts[0].replace("mgpu", "gemv", 1))
+        if set(mgpu_names) - set(gemv_names):
+            raise ValueError(f"projections {spec!r}: 'mgpu' names {mgpu_names} must be among "
+                             f"the 'gemv' part's {gemv_names} (it replaces their one-row "
+                             f"kernel)")
     return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream,
-                      mgpu)
+                      mgpu_names)

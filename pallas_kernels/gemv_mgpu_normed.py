@@ -269,6 +269,11 @@ NORMED_SWEEP = {  # (block_n, block_k, k_splits, stages); gated streams two W ti
     "down": [(64, 256, 1, 3), (64, 128, 2, 4), (64, 128, 4, 4), (64, 64, 8, 4),
              (128, 128, 4, 3), (64, 128, 1, 6)],
 }
+# Session 13's second sweep, down only (the one projection the kernel won, at 8 splits):
+# deeper rings, 11 and 22 splits (352 and 704 programs), 128-row blocks.
+DOWN_SWEEP2 = [(64, 64, 8, 6), (64, 64, 8, 8), (128, 64, 8, 4), (64, 128, 11, 4),
+               (64, 256, 11, 2), (64, 64, 11, 8), (64, 64, 22, 4), (64, 64, 4, 8),
+               (128, 64, 4, 8)]
 
 
 def reference(x, norm_w, w, *, eps, branch=None, branch_w=None, gated=False):
@@ -360,13 +365,16 @@ if __name__ == "__main__":
     import json
     import sys
     names = tuple(sys.argv[2:]) or tuple(BENCH_SHAPES)
+    sweep = NORMED_SWEEP
+    if names == ("down2",):  # session 13's second down sweep (with the first's best)
+        names, sweep = ("down",), {"down": [(64, 64, 8, 4)] + DOWN_SWEEP2}
     bad = sorted(set(names) - set(BENCH_SHAPES))
     if bad:
         raise SystemExit(f"unknown projection(s) {bad}; choose from {tuple(BENCH_SHAPES)}")
     result = dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
                   command="python -m " + " ".join(["pallas_kernels.gemv_mgpu_normed"]
                                                   + sys.argv[1:]),
-                  rows=benchmark_normed(names))
+                  rows=benchmark_normed(names, sweep))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f, indent=1)

@@ -110,7 +110,7 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
     try:
         assert apply_kernel_tuning("num_splits=3,num_warps=2,num_stages=3", "num_splits=1") == {
             "decode": {"num_splits": 3, "num_warps": 2, "num_stages": 3},
-            "ragged": {"num_splits": 1}, "stream": {}, "pdl": ()}
+            "ragged": {"num_splits": 1}, "stream": {}, "pdl": (), "mgpu": {}}
         assert call_params(decode) == ((2, 2, 3), 2, 3)
         assert call_params(decode, num_splits=2, num_warps=4) == ((2, 2, 2), 4, 3)
         assert call_params(ragged)[0][2] == 1
@@ -206,3 +206,37 @@ def test_pick_fastest_tiling_skips_errors_xla_and_disagreeing_rows(capsys):
                         "gemv_stream_add_norm_session9_h200.json")
     assert main(["--pick", path]) == 0
     assert capsys.readouterr().out.strip() == "gate_up=st2_k512_p8_w4,qkv=st4_k512_p4_w4"
+
+
+def test_mgpu_tiling_override_is_checked_applied_and_restored():
+    """--mgpu-tiling swaps one projection's Mosaic GEMV tiling for the run and the next call
+    restores the shipped table; a tiling the kernel refuses or the engine would shrink at
+    the 1.4B shape is refused, and a bad spec changes nothing."""
+    from benchmarks.tuning import apply_kernel_tuning
+    from ouro_jax import projections
+
+    if not projections.mgpu_available():
+        with pytest.raises(SystemExit, match="jax >= 0.11"):
+            apply_kernel_tuning("", "", mgpu_spec="down=bn64_bk64_ks8_st4")
+        return
+    shipped = dict(projections.MGPU_TUNING)
+    try:
+        t = apply_kernel_tuning("", "", mgpu_spec="down=bn128_bk128_ks4_st3,qkv=bn64_bk128_ks2_st4_ov")
+        assert t["mgpu"] == {"down": (128, 128, 4, 3, False), "qkv": (64, 128, 2, 4, True)}
+        assert projections.MGPU_TUNING["down"] == (128, 128, 4, 3, False)
+        assert projections.MGPU_TUNING["o"] == shipped["o"]
+        apply_kernel_tuning("", "")
+        assert projections.MGPU_TUNING == shipped
+        for bad in ("down", "mlp=bn64_bk64_ks8_st4", "down=bn64_bk64_ks8",
+                    "down=bn96_bk64_ks8_st4",  # block_n not a multiple of 64
+                    "down=bn64_bk128_ks8_st4",  # 704-column splits are not 128-multiples
+                    "gate_up=bn64_bk128_ks1_st6",  # shared memory
+                    "o=bn64_bk64_ks8_st1"):  # stages >= 2
+            with pytest.raises(SystemExit, match="--mgpu-tiling"):
+                apply_kernel_tuning("", "", mgpu_spec=bad)
+        with pytest.raises(SystemExit):
+            apply_kernel_tuning("", "", mgpu_spec="down=bn128_bk128_ks4_st3,o=bn64_bk64_ks8_st1")
+        assert projections.MGPU_TUNING == shipped
+    finally:
+        apply_kernel_tuning("", "")
+    assert projections.MGPU_TUNING == shipped
