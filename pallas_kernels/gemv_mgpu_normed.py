@@ -107,6 +107,14 @@ def _build(n_out, k, dtype, eps, add_norm, gated, block_n, block_k, k_splits, st
                 bf = plgpu.load(b_g.at[0]).astype(jnp.float32)
                 s_b = lax.rsqrt(jnp.sum(bf * bf) / k + eps)
                 nb = _normed(bf, s_b, plgpu.load(wb_g), dt)
+                # The normed branch is rounded to bf16 before the add (model.rms_norm's
+                # output dtype). On the H200 the Mosaic GPU lowering dropped that rounding
+                # when nb went straight into the fp32 add (574 of 2048 elements of x' then
+                # differed from XLA and the host's exact rounding,
+                # benchmarks/results/mgpu_add_norm_probe_session13_h200.json); a store to
+                # and load from SMEM makes it physical.
+                xn_smem[...] = nb
+                nb = xn_smem[...]
                 xn = (xf + nb.astype(jnp.float32)).astype(dt)
                 xn_smem[...] = xn
 

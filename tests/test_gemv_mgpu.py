@@ -306,9 +306,13 @@ def test_normed_gpu_matches_the_xla_path(name, add_norm, tiling, overlap):
     np.testing.assert_allclose(_f32(x_new), _f32(ref_x), rtol=2 ** -7, atol=1e-2)
     err = np.max(np.abs(_f32(y) - _f32(ref_y))) / np.max(np.abs(_f32(ref_y)))
     mism = int((_f32(y) != _f32(ref_y)).sum())
+    x_mism = int((_f32(x_new) != _f32(ref_x)).sum())
     print(f"{name} add_norm={add_norm} {tiling} overlap={overlap}: rel err {err:.3g}, "
-          f"{mism} of {y.size} differ")
+          f"{mism} of {y.size} differ; x' {x_mism} of {x.size}")
     assert err <= 8e-3, err
+    # A last-bit difference in the fp32 statistic flips a bf16 rounding rarely; session 13's
+    # dropped rounding of the normed branch (fixed) made 574 of 2048 differ.
+    assert x_mism <= x.size // 100, x_mism
 
 
 # --- gemv_mgpu_plain: the same kernel with no norm (the engine's o and down projections) ---
