@@ -308,16 +308,19 @@ def _bench_inputs(n, k, min_bytes):
 
 
 def benchmark_normed(names=tuple(BENCH_SHAPES), sweep=NORMED_SWEEP, min_bytes=200_000_000,
-                     calls=200, eps=1e-6):
+                     calls=200, eps=1e-6, device_time=False):
     """us per call of the engine's one-row projections: XLA (the reference path), the
     engine's streaming GEMV on STREAM_TUNING (gemv_stream_normed for qkv and gate/up with the
     add_norm prologue, gemv_stream for o and down) and the Mosaic kernel at each tiling
     (normed: overlap off and on; k_splits > 1 includes the XLA sum of the partials); rows as
-    gemv_mgpu.benchmark's, with the mismatches against XLA (bf16 elements that differ)."""
+    gemv_mgpu.benchmark's, with the mismatches against XLA (bf16 elements that differ).
+    device_time: also the kernels' own time per call from a profiler trace (device_us, all
+    kernels of the call including split-K's XLA sum; span_us, first start to last end),
+    which _bench's wall clock does not give for short kernels (see _device_us)."""
     import itertools
     import numpy as np
     from ouro_jax.projections import STREAM_TUNING
-    from pallas_kernels.gemv_mgpu import _bench
+    from pallas_kernels.gemv_mgpu import _bench, _device_us
     from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
     rows = []
     for name in names:
@@ -335,6 +338,7 @@ def benchmark_normed(names=tuple(BENCH_SHAPES), sweep=NORMED_SWEEP, min_bytes=20
             try:
                 y, xn = (np.asarray(a, np.float32) for a in jax.jit(fn)(ws[0]))
                 us = _bench(fn, ws, reps)
+                dev_us, span_us = _device_us(fn, ws) if device_time else (None, None)
             except Exception as e:  # noqa: BLE001 - report it and go on
                 msg = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"  {kernel} {extra}: FAILED {msg}", flush=True)
@@ -344,6 +348,10 @@ def benchmark_normed(names=tuple(BENCH_SHAPES), sweep=NORMED_SWEEP, min_bytes=20
                        max_err=float(np.abs(y - ref_y).max()),
                        y_mismatches=int((y != ref_y).sum()),
                        x_mismatches=int((xn != ref_x).sum()))
+            if device_time:
+                row.update(device_us=dev_us, span_us=span_us)
+                print(f"  {kernel} {extra}: device {dev_us:6.2f} us/call "
+                      f"({nbytes / dev_us / 1e6:.2f} TB/s), span {span_us:6.2f}", flush=True)
             print(f"  {kernel} {extra}: {us:7.2f} us {nbytes / us / 1e6:.2f} TB/s | max err "
                   f"{row['max_err']:.3g}, {row['y_mismatches']} y / {row['x_mismatches']} x' "
                   f"elements differ from XLA", flush=True)
@@ -369,10 +377,13 @@ def benchmark_normed(names=tuple(BENCH_SHAPES), sweep=NORMED_SWEEP, min_bytes=20
 
 
 if __name__ == "__main__":
-    # On the H200:  PYTHONPATH=. python -m pallas_kernels.gemv_mgpu_normed [out.json [NAME...]]
+    # On the H200:  PYTHONPATH=. python -m pallas_kernels.gemv_mgpu_normed [out.json [NAME...]
+    #               [--device-time]]
     import json
     import sys
-    names = tuple(sys.argv[2:]) or tuple(BENCH_SHAPES)
+    args = [a for a in sys.argv[2:] if a != "--device-time"]
+    device_time = "--device-time" in sys.argv[2:]
+    names = tuple(args) or tuple(BENCH_SHAPES)
     sweep = NORMED_SWEEP
     if names == ("down2",):  # session 13's second down sweep (with the first's best)
         names, sweep = ("down",), {"down": [(64, 64, 8, 4)] + DOWN_SWEEP2}
@@ -382,7 +393,7 @@ if __name__ == "__main__":
     result = dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
                   command="python -m " + " ".join(["pallas_kernels.gemv_mgpu_normed"]
                                                   + sys.argv[1:]),
-                  rows=benchmark_normed(names, sweep))
+                  rows=benchmark_normed(names, sweep, device_time=device_time))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f, indent=1)
