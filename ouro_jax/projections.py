@@ -94,12 +94,14 @@ GEMM_ROW_LIMIT = 512  # without split-K the kernel turns compute-bound well befo
 # GPU GEMV (pallas_kernels/gemv_mgpu_normed.py: TMA ring of weight tiles, wgmma; qkv and
 # gate/up with the norm prologue, o and down plain), jax >= 0.11; with '+stream' the others
 # keep the streaming kernel. (block_n, block_k, k_splits, stages, overlap) per projection: the
-# fastest in the first H200 sweep (benchmarks/results/gemv_mgpu_session13_h200.json, us per
-# call with the XLA sum of split-K partials): qkv 15.03 (streaming GEMV 13.06), o 17.26
-# (10.67), gate/up 22.45 (18.01), down 17.09 (20.41; bit-identical to XLA there). Only down
-# beats the streaming kernel; benchmarks.decode --mgpu-tiling overrides these per run.
+# fastest by device time on the H200 (benchmarks/results/gemv_mgpu_device_session13_h200.json,
+# us per call including split-K's XLA sum, against the streaming GEMV): qkv 9.94 (9.69),
+# o 5.29 (4.85), gate/up 19.08 (15.57), down 10.22 (8.51). The kernel wins nowhere yet:
+# batch-1 native decode ran 177.7 tok/s with all four on it and 220 with down alone, against
+# 240 for 'auto' (ab2_b1_*_session13_h200.json). benchmarks.decode --mgpu-tiling overrides
+# these per run.
 MGPU_TUNING = {
-    "qkv": (64, 128, 1, 4, True),
+    "qkv": (64, 256, 1, 4, False),
     "o": (64, 256, 4, 2, False),
     "gate_up": (64, 128, 1, 4, False),
     "down": (64, 64, 8, 4, False),
