@@ -264,7 +264,8 @@ PROJECTIONS_HELP = ("'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'),
                     "one), 'gemv[@N]:qkv,o,gate_up,down', '+gemm[@N][:names]' (2..N-row calls "
                     "through the skinny Pallas GEMM), '+norms' (RMSNorms and residual adds in "
                     "the GEMV prologues), '+pfN' (the GEMV loads N K-chunks ahead, 0..4), '+stream' "
-                    "(the streaming GEMV kernel)")
+                    "(the streaming GEMV kernel), '+mgpu[:names]' (the Mosaic GPU GEMV for "
+                    "those projections' one-row calls; jax >= 0.11, slower so far)")
 
 
 def main(argv=None) -> int:

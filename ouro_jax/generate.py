@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'+gemm[@N][:names]' adds the skinny Pallas GEMM for 2..N-row calls, "
                         "'+norms' the RMSNorms and residual adds in the GEMV prologues, '+pfN' "
                         "the GEMV's prefetch depth (K chunks loaded ahead, 0..4), '+stream' the "
-                        "streaming GEMV kernel; measured on the H200 in docs/performance.md")
+                        "streaming GEMV kernel, '+mgpu[:names]' the Mosaic GPU GEMV for those "
+                        "projections (jax >= 0.11); measured on the H200 in "
+                        "docs/performance.md")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
     r.add_argument("--kv-pool-tokens", type=int, default=None,
