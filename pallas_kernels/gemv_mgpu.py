@@ -46,13 +46,26 @@ def smem_bytes(block_n, block_k, stages, out_itemsize=4):
     return stages * (block_n + XROWS) * block_k * 2 + block_n * XROWS * out_itemsize
 
 
-def _check(x, w, block_n, block_k, k_splits, stages):
+def check_row_operands(x, w):
+    """x one bf16/fp16 row [1, K], w [N, K] of the same dtype (every Mosaic GEMV here)."""
     if x.ndim != 2 or x.shape[0] != 1:
         raise ValueError(f"x must be one row [1, K], got {x.shape}")
     if w.ndim != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"w must be [N, K] with K = {x.shape[1]}, got {w.shape}")
     if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"x and w must both be bf16 or fp16, got {x.dtype}, {w.dtype}")
+
+
+def w_tile_transforms(block_k, dtype):
+    """SMEM transforms of a [rows, block_k] weight tile for wgmma: 8-row tiles of one swizzle
+    atom, the widest swizzle (128 bytes) a row of the tile allows: bank-conflict-free reads."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(block_k * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _check(x, w, block_n, block_k, k_splits, stages):
+    check_row_operands(x, w)
     n, k = w.shape
     if block_n % 64 or n % block_n:  # wgmma M: multiples of 64 per warpgroup
         raise ValueError(f"block_n={block_n} must be a multiple of 64 dividing N={n}")
@@ -73,11 +86,7 @@ def _check(x, w, block_n, block_k, k_splits, stages):
 def _build(n, k, dtype, block_n, block_k, k_splits, stages, interpret):
     k_part = k // k_splits
     out_dtype = jnp.float32 if k_splits > 1 else dtype  # partials stay fp32 until summed
-    # 128-byte swizzle (the widest) when a row of the tile is >= 128 bytes: bank-conflict
-    # free reads for wgmma; tiles of 8 rows x one swizzle atom are the layout wgmma expects.
-    swizzle = plgpu.find_swizzle(block_k * jnp.dtype(dtype).itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                  plgpu.SwizzleTransform(swizzle))
+    transforms = w_tile_transforms(block_k, dtype)
 
     def body(x_gmem, w_gmem, o_gmem, o_smem):
         ni = lax.axis_index("n")

@@ -31,7 +31,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.gemv import _silu_mul
-from pallas_kernels.gemv_mgpu import SMEM_LIMIT
+from pallas_kernels.gemv_mgpu import SMEM_LIMIT, check_row_operands, w_tile_transforms
 
 AROWS = 64  # wgmma's M: x broadcast to 64 rows
 
@@ -43,12 +43,7 @@ def smem_bytes(k, block_n, block_k, k_splits, stages, gated):
 
 
 def check(x, w, block_n, block_k, k_splits, stages, gated):
-    if x.ndim != 2 or x.shape[0] != 1:
-        raise ValueError(f"x must be one row [1, K], got {x.shape}")
-    if w.ndim != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"w must be [N, K] with K = {x.shape[1]}, got {w.shape}")
-    if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"x and w must both be bf16 or fp16, got {x.dtype}, {w.dtype}")
+    check_row_operands(x, w)
     if gated and w.shape[0] % 2:
         raise ValueError(f"gated needs w = [gate; up] with an even row count, got {w.shape}")
     n = w.shape[0] // 2 if gated else w.shape[0]
@@ -74,9 +69,7 @@ def _build(n, k, dtype, gated, block_n, block_k, k_splits, stages, interpret):
     k_part = k // k_splits
     nk = k_part // block_k
     out_dtype = jnp.float32 if k_splits > 1 else dt
-    swizzle = plgpu.find_swizzle(block_k * dt.itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // dt.itemsize)),
-                  plgpu.SwizzleTransform(swizzle))
+    transforms = w_tile_transforms(block_k, dt)
     # WGMMA's register layout spelled as a TILED layout: its .reduce(0) (the columns each
     # thread's A fragment needs, replicated over rows) lowers where Layout.WGMMA.reduce(0)
     # trips Mosaic's layout inference (jax 0.11.2).

@@ -56,7 +56,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 # gemv's rounding helpers, used in the kernel as they are: (x * scale) rounded to the model
 # dtype, times the weight, rounded; silu(g) * u rounded as model.silu and the product.
 from pallas_kernels.gemv import _normed, _silu_mul, check_norm_operands
-from pallas_kernels.gemv_mgpu import SMEM_LIMIT, XROWS, _check
+from pallas_kernels.gemv_mgpu import SMEM_LIMIT, XROWS, _check, w_tile_transforms
 
 H_TILE = 64  # columns per (8, 64) tile: one 128-byte swizzle atom of bf16 per row
 
@@ -83,9 +83,7 @@ def _build(n_out, k, dtype, eps, add_norm, gated, block_n, block_k, k_splits, st
     k_part = k // k_splits
     nk = k_part // block_k
     out_dtype = jnp.float32 if k_splits > 1 else dt
-    swizzle = plgpu.find_swizzle(block_k * dt.itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // dt.itemsize)),
-                  plgpu.SwizzleTransform(swizzle))
+    transforms = w_tile_transforms(block_k, dt)
     h_layout = _h_layout()
     col_layout = h_layout.reduce(0)
 
