@@ -188,29 +188,12 @@ def _bench(fn, ws, reps):
 
 
 def _device_us(fn, ws, reps=4):
-    """(kernel us per call, span us per call) from the GPU's own clock: the program of
-    _bench run `reps` times under jax.profiler.trace, its device kernel durations summed
-    (kernel) and first-start to last-end (span), per call of fn. Session 13 found _bench's
-    wall clock host-bound for short kernels (the streaming GEMV at down: 18-20 us per call
-    there, 7.7 us in the engine's trace), so the device times are the ones to rank by."""
-    import glob
-    import tempfile
-    from benchmarks.kernel_trace import device_events
+    """(kernel us, span us) per call of fn over the weight copies, from the GPU's clock
+    (benchmarks.timing.device_seconds): the figures to rank tilings by."""
+    from benchmarks.timing import device_seconds
     run = jax.jit(lambda ws: [fn(w) for w in ws])
-    jax.block_until_ready(run(ws))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(reps):
-                out = run(ws)
-            jax.block_until_ready(out)
-        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        events = [e for e in device_events(files[0]) if not e[0].startswith("Memcpy")]
-    calls = reps * len(ws)
-    if not events:
-        return float("nan"), float("nan")
-    kernel = sum(e[2] for e in events) / calls / 1e3
-    span = (max(e[1] + e[2] for e in events) - min(e[1] for e in events)) / calls / 1e3
-    return kernel, span
+    kernel, span = device_seconds(run, ws, calls=reps, units=len(ws))
+    return kernel * 1e6, span * 1e6
 
 
 def benchmark(shapes=SHAPES, sweep=SWEEP, interpret=False, min_bytes=200_000_000, calls=200):

@@ -202,6 +202,14 @@ def test_pick_fastest_tiling_skips_errors_xla_and_disagreeing_rows(capsys):
             dict(shape="o", impl="xla", us=3.0)]
     assert pick_fastest(rows) == "qkv=st1_k512_p4_w4"
     assert pick_fastest(rows[:1]) == ""
+    # with --device-time the GPU's kernel time ranks, not the (host-bound) wall clock
+    timed = [dict(shape="qkv", impl="st1_k512_p4_w4", us=12.0, device_us=9.0,
+                  rel_err_vs_xla=0.001),
+             dict(shape="qkv", impl="st4_k512_p4_w4", us=11.0, device_us=9.5,
+                  rel_err_vs_xla=0.001)]
+    assert pick_fastest(timed) == "qkv=st1_k512_p4_w4"
+    assert pick_fastest([{k: v for k, v in r.items() if k != "device_us"} for r in timed]) \
+        == "qkv=st4_k512_p4_w4"
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
                         "gemv_stream_add_norm_session9_h200.json")
     assert main(["--pick", path]) == 0
@@ -240,3 +248,21 @@ def test_mgpu_tiling_override_is_checked_applied_and_restored():
     finally:
         apply_kernel_tuning("", "")
     assert projections.MGPU_TUNING == shipped
+
+
+def test_device_seconds_reads_the_gpu_clock_or_says_it_cannot():
+    """benchmarks.timing.device_seconds: NaN without GPU kernels in the trace (a CPU); on a
+    GPU, kernel time per unit is positive and within the span (kernels of one stream)."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from benchmarks.timing import device_seconds
+    from engine_helpers import has_gpu
+
+    fn = jax.jit(lambda a: [a @ a.T for _ in range(3)])
+    kernel, span = device_seconds(fn, jnp.ones((256, 256)), calls=2, units=3)
+    if not has_gpu():
+        assert math.isnan(kernel) and math.isnan(span)
+    else:
+        assert 0 < kernel <= span
