@@ -129,6 +129,8 @@ class Ouro:
         from ouro_jax.model import unstack_layers
 
         proj = parse_projections(projections)  # validated before anything is built
+        if getattr(proj, "mgpu_names", ()):  # the Mosaic GEMV's shape and dtype rules
+            proj.check_model(cfg, params.dtype, fuse_projections)
         if not isinstance(fused_kv_write, bool):
             raise ValueError(f"fused_kv_write must be True or False, got {fused_kv_write!r}")
 

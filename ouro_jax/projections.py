@@ -282,6 +282,23 @@ class PallasGemv(XLA):
     def _mgpu_tuning(self, name, n_out, k, dtype, normed):
         return fit_mgpu_tuning(name, MGPU_TUNING[name], n_out, k, dtype, normed)
 
+    def check_model(self, cfg, dtype, fused: bool) -> None:
+        """Raises the error a '+mgpu' projection would raise at its first trace, now (the
+        engine calls this before building anything): each named projection's one-row call
+        as model.decoder_layer makes it (fused: qkv and gate/up as one weight each)."""
+        hd, hidden = cfg.head_dim, cfg.hidden_size
+        normed = self.fuse_norms
+        calls = {"qkv": [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd,
+                          hidden, normed)] if fused else
+                 [(cfg.num_attention_heads * hd, hidden, False),
+                  (cfg.num_key_value_heads * hd, hidden, False)],
+                 "o": [(hidden, cfg.num_attention_heads * hd, False)],
+                 "gate_up": [(cfg.intermediate_size, hidden, normed)] if fused else [],
+                 "down": [(hidden, cfg.intermediate_size, False)]}
+        for name in self.mgpu_names:
+            for n_out, k, is_normed in calls[name]:
+                self._mgpu_tuning(name, n_out, k, dtype, is_normed)
+
     def _gemv(self, name, x, w, gated=False):
         from pallas_kernels.gemv import gemv
         from pallas_kernels.gemv_stream import gemv_stream

@@ -66,6 +66,28 @@ def test_mgpu_tuning_fits_the_1p4b_shapes_unchanged_and_shrinks_for_small_models
             fit_mgpu_tuning(*args)
 
 
+def test_engine_refuses_a_model_the_mosaic_kernel_cannot_take_before_building(monkeypatch):
+    """'+mgpu' on a model whose shapes or dtype the kernel cannot take is refused when the
+    engine is constructed, naming the projection and the rule, not at the first compile."""
+    from ouro_jax.api import Ouro
+    from ouro_jax.config import PRESETS
+    from ouro_jax.params import random_params
+    monkeypatch.setattr(projections, "mgpu_available", lambda: True)
+    cfg = PRESETS["tiny-mha"]  # hidden 32: no projection output is a multiple of 64
+    with pytest.raises(ValueError, match=r"'\+mgpu' \(down\).*32 output features"):
+        Ouro(cfg, random_params(cfg, 0, jnp.bfloat16), None, attention="xla",
+             projections="gemv+mgpu:down")
+    cfg64, params = _model()
+    with pytest.raises(ValueError, match=r"\(o\).*bf16 or fp16 weights, not float32"):
+        Ouro(cfg64, random_params(cfg64, 0, jnp.float32), None, attention="xla",
+             projections="gemv+mgpu:o")
+    with pytest.raises(ValueError, match=r"\(qkv\).*K=64 to be a multiple of 256"):
+        Ouro(cfg64, params, None, attention="xla", projections="gemv+norms+mgpu:qkv")
+    # unfused q/k/v (the engine's --no-fuse) go through the plain kernel: no norm rule
+    Ouro(cfg64, params, None, attention="xla", projections="gemv+norms+mgpu:qkv,down",
+         fuse_projections=False)
+
+
 def _model():
     """A bf16 model whose down projection the Mosaic kernel takes (hidden 64 = N, K = 128)."""
     from ouro_jax.config import PRESETS
