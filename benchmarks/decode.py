@@ -328,6 +328,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
     check_pdl_run(args)
+    if args.mgpu_tiling and "mgpu" not in args.projections:
+        raise SystemExit("--mgpu-tiling sets the Mosaic GPU GEMV's tiling: give --projections "
+                         "with an 'mgpu' part (e.g. gemv+norms+stream+mgpu:down), or leave it "
+                         "out")
     tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling,
                                  args.pdl, args.pdl_at, args.mgpu_tiling)
     try:

@@ -82,10 +82,12 @@ def parse_mgpu_tiling(spec: str) -> dict:
     out = {}
     for item in items:
         name, sep, tiling = item.partition("=")
-        m = re.fullmatch(r"bn(\d+)_bk(\d+)_ks(\d+)_st(\d+)(_ov)?", tiling)
+        m = re.fullmatch(r"bn([1-9]\d*)_bk([1-9]\d*)_ks([1-9]\d*)_st([1-9]\d*)(_ov)?", tiling)
         if not sep or name not in NAMES or not m:
             raise SystemExit(f"--mgpu-tiling: {item!r} is not NAME=bnN_bkN_ksN_stN[_ov] with "
-                             f"NAME in {NAMES}")
+                             f"NAME in {NAMES} and positive integers N")
+        if name in out:
+            raise SystemExit(f"--mgpu-tiling: {name} is given twice")
         t = tuple(int(v) for v in m.groups()[:4]) + (m.group(5) is not None,)
         n, k, gated = SHAPES[name]
         n_out, normed = (n // 2 if gated else n), name in ("qkv", "gate_up")

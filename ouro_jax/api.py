@@ -129,14 +129,15 @@ class Ouro:
         from ouro_jax.model import unstack_layers
 
         proj = parse_projections(projections)  # validated before anything is built
-        if getattr(proj, "mgpu_names", ()):  # the Mosaic GEMV's shape and dtype rules
-            proj.check_model(cfg, params.dtype, fuse_projections)
         if not isinstance(fused_kv_write, bool):
             raise ValueError(f"fused_kv_write must be True or False, got {fused_kv_write!r}")
 
         # Per-layer weights (no in-loop slicing copies), q/k/v and gate/up fused.
         self.cfg, self.tokenizer = cfg, tokenizer
         self.params = unstack_layers(params, fuse=fuse_projections)
+        if getattr(proj, "mgpu_names", ()):  # the Mosaic GEMV's shape and dtype rules, on
+            # the weights as the layers will use them (already unstacked params keep theirs)
+            proj.check_model(cfg, params.dtype, self.params.layers[0].qkv_proj is not None)
         self.page_size = page_size
         # "+unroll": loops unrolled in the program rather than a device while loop;
         # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in

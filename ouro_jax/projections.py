@@ -96,7 +96,8 @@ GEMM_ROW_LIMIT = 512  # without split-K the kernel turns compute-bound well befo
 # keep the streaming kernel. (block_n, block_k, k_splits, stages, overlap) per projection: the
 # fastest by device time on the H200 (benchmarks/results/gemv_mgpu_device_session13_h200.json,
 # us per call including split-K's XLA sum, against the streaming GEMV): qkv 9.94 (9.69),
-# o 5.29 (4.85), gate/up 19.08 (15.57), down 10.22 (8.51). The kernel wins nowhere yet:
+# o 5.29 (4.85), gate/up 19.08 (15.57); down 10.22 (8.51) at 8 splits, bit-identical to XLA
+# there, against 10.21 at bn64 bk128 with 4 splits. The kernel wins nowhere yet:
 # batch-1 native decode ran 177.7 tok/s with all four on it and 220 with down alone, against
 # 240 for 'auto' (ab2_b1_*_session13_h200.json). benchmarks.decode --mgpu-tiling overrides
 # these per run.
@@ -283,9 +284,11 @@ class PallasGemv(XLA):
         return fit_mgpu_tuning(name, MGPU_TUNING[name], n_out, k, dtype, normed)
 
     def check_model(self, cfg, dtype, fused: bool) -> None:
-        """Raises the error a '+mgpu' projection would raise at its first trace, now (the
-        engine calls this before building anything): each named projection's one-row call
-        as model.decoder_layer makes it (fused: qkv and gate/up as one weight each)."""
+        """Raises, now, fit_mgpu_tuning's error for a shape or dtype the Mosaic GEMV cannot
+        take at all (the engine calls this before compiling anything): each named
+        projection's one-row call as model.decoder_layer makes it (fused: qkv and gate/up as
+        one weight each). The kernel's own limits for a tiling (shared memory, stages) are
+        checked when it is traced."""
         hd, hidden = cfg.head_dim, cfg.hidden_size
         normed = self.fuse_norms
         calls = {"qkv": [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd,
@@ -420,7 +423,8 @@ def parse(spec: str):
     projection's GEMV_TUNING); '+stream' -> the streaming GEMV kernel (STREAM_TUNING) for
     GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'); '+mgpu[:NAME,...]' -> the
     Mosaic GPU GEMV (MGPU_TUNING, jax >= 0.11, bf16/fp16) for those projections' one-row GEMV
-    calls instead (default all; e.g. 'gemv+norms+stream+mgpu:down'); 'auto' -> see resolve."""
+    calls instead (default: the 'gemv' part's; e.g. 'gemv+norms+stream+mgpu:down');
+    'auto' -> see resolve."""
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
@@ -465,7 +469,9 @@ def parse(spec: str):
     gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
     gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
     mgpu_names = ()
-    if mgpu_parts:
+    if mgpu_parts == ["mgpu"]:  # no names: the gemv part's
+        mgpu_names = gemv_names
+    elif mgpu_parts:
         _, mgpu_names, _ = _parse_part(spec, mgpu_parts[0].replace("mgpu", "gemv", 1))
         if set(mgpu_names) - set(gemv_names):
             raise ValueError(f"projections {spec!r}: 'mgpu' names {mgpu_names} must be among "

@@ -50,9 +50,12 @@ def check(x, w, block_n, block_k, k_splits, stages, gated):
     k = x.shape[1]
     if block_n % 8 or not 8 <= block_n <= 256 or n % block_n:
         raise ValueError(f"block_n={block_n} must be a multiple of 8 in 8..256 dividing N={n}")
-    if block_k % 64 or k_splits < 1 or k % k_splits or (k // k_splits) % block_k:
+    if block_k < 64 or block_k % 64 or k_splits < 1 or k % k_splits or (k // k_splits) % block_k:
         raise ValueError(f"K={k} must split into k_splits={k_splits} parts divisible by "
                          f"block_k={block_k}, a multiple of 64")
+    if (k // k_splits) % 128:  # x's part is loaded in one warpgroup-strided load
+        raise ValueError(f"K={k} / k_splits={k_splits} = {k // k_splits} must be a multiple "
+                         f"of 128")
     if gated and k_splits > 1:
         raise ValueError("gated takes k_splits=1 (the SiLU needs whole sums)")
     if stages < 2:

@@ -223,6 +223,9 @@ def test_mgpu_tiling_override_is_checked_applied_and_restored():
     from benchmarks.tuning import apply_kernel_tuning
     from ouro_jax import projections
 
+    from benchmarks.decode import main as decode_main
+    with pytest.raises(SystemExit, match="--mgpu-tiling sets"):  # before anything runs
+        decode_main(["--mgpu-tiling", "down=bn64_bk64_ks8_st4", "--batch", "1"])
     if not projections.mgpu_available():
         with pytest.raises(SystemExit, match="jax >= 0.11"):
             apply_kernel_tuning("", "", mgpu_spec="down=bn64_bk64_ks8_st4")
@@ -236,6 +239,8 @@ def test_mgpu_tiling_override_is_checked_applied_and_restored():
         apply_kernel_tuning("", "")
         assert projections.MGPU_TUNING == shipped
         for bad in ("down", "mlp=bn64_bk64_ks8_st4", "down=bn64_bk64_ks8",
+                    "down=bn0_bk64_ks8_st4", "down=bn64_bk0_ks8_st4",
+                    "down=bn64_bk64_ks8_st4,down=bn64_bk128_ks4_st4",
                     "down=bn96_bk64_ks8_st4",  # block_n not a multiple of 64
                     "down=bn64_bk128_ks8_st4",  # 704-column splits are not 128-multiples
                     "gate_up=bn64_bk128_ks1_st6",  # shared memory

@@ -59,7 +59,8 @@ def test_interpret_split_k_and_fp16():
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(block_n=12), "multiple of 8"), (dict(block_n=512), "multiple of 8"),
-    (dict(block_k=96), "multiple of 64"), (dict(k_splits=3), "k_splits=3"),
+    (dict(block_k=96), "multiple of 64"), (dict(block_k=0), "multiple of 64"),
+    (dict(k_splits=3), "k_splits=3"), (dict(k_splits=16, block_k=64), "multiple of 128"),
     (dict(stages=1), "stages=1"), (dict(gated=True, k_splits=2), "k_splits=1"),
     (dict(block_n=256, block_k=1024, stages=8), "shared memory")])
 def test_rejects_bad_tilings(kw, msg):

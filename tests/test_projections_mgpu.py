@@ -30,6 +30,8 @@ def test_mgpu_spec_parses_round_trips_and_composes_with_stream(monkeypatch):
         assert parse(parse(spec).spec) == parse(spec)
     assert parse("gemv+mgpu:down,qkv").mgpu_names == ("qkv", "down")  # canonical order
     assert parse("gemv+norms+stream").mgpu_names == ()
+    assert parse("gemv:o,down+mgpu").mgpu_names == ("o", "down")  # the gemv part's names
+    assert parse(parse("gemv:o,down+mgpu").spec) == parse("gemv:o,down+mgpu")
     for bad, msg in (("mgpu", "given once, with a 'gemv' part"),
                      ("gemm+mgpu", "given once, with a 'gemv' part"),
                      ("gemv+mgpu+mgpu:o", "given once"),
