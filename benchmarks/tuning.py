@@ -77,8 +77,14 @@ def parse_mgpu_tiling(spec: str) -> dict:
     from benchmarks.gemv import SHAPES
     from ouro_jax.projections import NAMES, fit_mgpu_tuning, mgpu_available
     items = list(filter(None, (x.strip() for x in spec.split(","))))
-    if items and not mgpu_available():
+    if not items:
+        return {}
+    if not mgpu_available():
         raise SystemExit("--mgpu-tiling: the Mosaic GPU GEMV needs jax >= 0.11")
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.gemv_mgpu_normed import check_tiling
+    bf = jnp.bfloat16
     out = {}
     for item in items:
         name, sep, tiling = item.partition("=")
@@ -91,16 +97,9 @@ def parse_mgpu_tiling(spec: str) -> dict:
         t = tuple(int(v) for v in m.groups()[:4]) + (m.group(5) is not None,)
         n, k, gated = SHAPES[name]
         n_out, normed = (n // 2 if gated else n), name in ("qkv", "gate_up")
-        import jax
-        import jax.numpy as jnp
-        from pallas_kernels.gemv_mgpu import SMEM_LIMIT, _check
-        from pallas_kernels.gemv_mgpu_normed import smem_bytes
-        bf = jnp.bfloat16
-        try:
-            _check(jax.ShapeDtypeStruct((1, k), bf), jax.ShapeDtypeStruct((n_out, k), bf), *t[:4])
-            need = smem_bytes(k, *t[:4], gated, normed)
-            if need > SMEM_LIMIT:
-                raise ValueError(f"{need} B of shared memory exceeds {SMEM_LIMIT}")
+        try:  # the engine's normed calls take the add_norm prologue (x' in SMEM too)
+            check_tiling(jax.ShapeDtypeStruct((1, k), bf), jax.ShapeDtypeStruct((n_out, k), bf),
+                         *t[:4], gated, normed, normed)
             fitted = fit_mgpu_tuning(name, t, n_out, k, bf, normed)
             if tuple(fitted.values()) != t:
                 raise ValueError(f"the engine would run it as {fitted}")

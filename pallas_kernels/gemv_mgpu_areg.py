@@ -180,16 +180,14 @@ def benchmark(names=tuple(SHAPES), sweep=SWEEP, min_bytes=200_000_000, calls=200
     from ouro_jax.projections import STREAM_TUNING
     from pallas_kernels.gemv import gemv_reference
     from pallas_kernels.gemv_mgpu import _bench, _device_us
+    from pallas_kernels.gemv_mgpu_normed import _bench_inputs
     from pallas_kernels.gemv_stream import gemv_stream
     rows = []
     for name in names:
         n, k, gated = SHAPES[name]
         nbytes = n * k * 2
-        kx, kw = jax.random.split(jax.random.PRNGKey(n + k))
-        x = jax.random.normal(kx, (1, k), jnp.float32).astype(jnp.bfloat16)
-        copies = max(2, -(-min_bytes // nbytes))
-        ws = [(jax.random.normal(jax.random.fold_in(kw, i), (n, k), jnp.float32)
-               * k ** -0.5).astype(jnp.bfloat16) for i in range(copies)]
+        x, _, _, _, ws = _bench_inputs(n, k, min_bytes)
+        copies = len(ws)
         reps = max(1, calls // copies)
         ref = np.asarray(jax.jit(lambda w: gemv_reference(x, w, gated=gated))(ws[0]), np.float32)
         print(f"{name}: N={n} K={k} gated={gated} {nbytes / 1e6:.1f} MB x{copies}", flush=True)

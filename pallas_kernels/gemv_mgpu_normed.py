@@ -197,6 +197,19 @@ def _build(n_out, k, dtype, eps, add_norm, gated, block_n, block_k, k_splits, st
         grid=(n_out // block_n, k_splits), grid_names=("n", "k"), interpret=interpret)
 
 
+def check_tiling(x, w_out, block_n, block_k, k_splits, stages, gated, add_norm, norm):
+    """The kernel's rules for a tiling, on x [1, K] and the [n_out, K] weight rows one
+    accumulator streams (arrays or ShapeDtypeStructs): gemv_mgpu's shape and tiling rules,
+    K % 256 with the norm prologue, and the shared-memory budget."""
+    _check(x, w_out, block_n, block_k, k_splits, stages)
+    k = x.shape[1]
+    if norm and k % 256:  # the statistics' whole-row WG_STRIDED loads: 128 threads x >= 2
+        raise ValueError(f"K={k} must be a multiple of 256 (the norm prologue)")
+    need = smem_bytes(k, block_n, block_k, k_splits, stages, gated, add_norm)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"{need} B of shared memory exceeds {SMEM_LIMIT}")
+
+
 def gemv_mgpu_normed(x, norm_w, w, *, eps, branch=None, branch_w=None, gated=False,
                      block_n=64, block_k=256, k_splits=1, stages=4, overlap=False,
                      interpret=False):
@@ -215,14 +228,9 @@ def gemv_mgpu_normed(x, norm_w, w, *, eps, branch=None, branch_w=None, gated=Fal
     if gated and w.shape[0] % 2:
         raise ValueError(f"gated needs w = [gate; up] with an even row count, got {w.shape}")
     n_out = w.shape[0] // 2 if gated else w.shape[0]
-    _check(x, w[:n_out], block_n, block_k, k_splits, stages)
-    k = x.shape[1]
-    if norm and k % 256:  # the statistics' whole-row WG_STRIDED loads: 128 threads x >= 2
-        raise ValueError(f"K={k} must be a multiple of 256 (the norm prologue)")
     add_norm = branch is not None
-    need = smem_bytes(k, block_n, block_k, k_splits, stages, gated, add_norm)
-    if need > SMEM_LIMIT:
-        raise ValueError(f"{need} B of shared memory exceeds {SMEM_LIMIT}")
+    check_tiling(x, w[:n_out], block_n, block_k, k_splits, stages, gated, add_norm, norm)
+    k = x.shape[1]
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     dt = x.dtype
