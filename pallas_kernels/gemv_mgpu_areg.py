@@ -180,7 +180,7 @@ def benchmark(names=tuple(SHAPES), sweep=SWEEP, min_bytes=200_000_000, calls=200
     from ouro_jax.projections import STREAM_TUNING
     from pallas_kernels.gemv import gemv_reference
     from pallas_kernels.gemv_mgpu import _bench, _device_us
-    from pallas_kernels.gemv_mgpu_normed import _bench_inputs
+    from pallas_kernels.gemv_mgpu_sweep import _bench_inputs
     from pallas_kernels.gemv_stream import gemv_stream
     rows = []
     for name in names:

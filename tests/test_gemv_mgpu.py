@@ -135,9 +135,10 @@ def test_gpu_matches_reference_at_the_1p4b_shapes(n, k, block_n, block_k, k_spli
 
 # --- gemv_mgpu_normed: the norm / add_norm prologue and the gated (SiLU) epilogue ---------
 
-from pallas_kernels.gemv_mgpu_normed import (BENCH_SHAPES, gemv_mgpu_normed,  # noqa: E402
+from pallas_kernels.gemv_mgpu_normed import (gemv_mgpu_normed,  # noqa: E402
                                              lower_for_h200 as lower_normed_for_h200,
                                              reference as normed_reference)
+from pallas_kernels.gemv_mgpu_sweep import BENCH_SHAPES  # noqa: E402
 
 
 def _normed_inputs(n, k, seed=0, dtype=jnp.bfloat16):
