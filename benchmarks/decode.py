@@ -325,6 +325,17 @@ def main(argv=None) -> int:
     p.add_argument("--pdl-at", default="start", choices=["start", "end"],
                    help="where --pdl's GEMVs trigger: at their start, or once their last "
                         "weight block has arrived")
+    p.add_argument("--l2-prefetch", default="", metavar="NAME=N,...",
+                   help="streaming projections whose GEMV programs prefetch N of their later "
+                        "weight blocks into L2 at their start ('all': every one), e.g. "
+                        "qkv=all,gate_up=all")
+    p.add_argument("--l2-next", default="", metavar="NAME=ROWS,...",
+                   help="streaming projections whose GEMV programs prefetch ROWS rows each of "
+                        "the next projection's weight into L2 (qkv->o, o->gate/up, "
+                        "gate/up->down, down->next layer's qkv), e.g. o=2,down=3")
+    p.add_argument("--l2-next-at", default="end", choices=["start", "end"],
+                   help="when --l2-next's prefetch is issued: at the program's start, or once "
+                        "its last weight block is requested")
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
     check_pdl_run(args)
@@ -333,7 +344,8 @@ def main(argv=None) -> int:
                          "with an 'mgpu' part (e.g. gemv+norms+stream+mgpu:down), or leave it "
                          "out")
     tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling,
-                                 args.pdl, args.pdl_at, args.mgpu_tiling)
+                                 args.pdl, args.pdl_at, args.mgpu_tiling, args.l2_prefetch,
+                                 args.l2_next, args.l2_next_at)
     try:
         return _run(args, argv, tuning)
     finally:  # the overrides are process-wide: leave none behind for other callers

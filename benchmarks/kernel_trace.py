@@ -178,8 +178,23 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--unroll-loops", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--l2-prefetch", default="", help="as benchmarks.decode's")
+    ap.add_argument("--l2-next", default="", help="as benchmarks.decode's")
+    ap.add_argument("--l2-next-at", default="end", choices=["start", "end"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    from benchmarks.tuning import apply_kernel_tuning
+    apply_kernel_tuning("", "", l2_spec=args.l2_prefetch, l2_next_spec=args.l2_next,
+                        l2_next_at=args.l2_next_at)
+    try:
+        return _main(args, argv)
+    finally:
+        apply_kernel_tuning("", "")
+
+
+def _main(args, argv) -> int:
+    from benchmarks.decode import engine_for, save_record
+
     llm = engine_for(args, args.new_tokens, args.unroll_loops)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:

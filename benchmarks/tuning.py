@@ -125,8 +125,32 @@ def parse_pdl(spec: str) -> tuple:
     return names
 
 
+def parse_l2(spec: str, option: str, allow_all: bool) -> dict:
+    """'qkv=3,gate_up=all' -> {projection: int} for --l2-prefetch (the streaming GEMV's own
+    later blocks, 'all' = every one: per_program - 1) or --l2-next (rows per program of the
+    next projection's weight). Unknown names, repeats and negative or non-integer counts are
+    errors."""
+    from ouro_jax.projections import NAMES
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in NAMES or name in out:
+            raise SystemExit(f"{option}: {item!r} is not NAME=COUNT with NAME one of {NAMES} "
+                             "(each at most once)")
+        if allow_all and value == "all":
+            out[name] = -1
+            continue
+        if not value.isdigit():
+            raise SystemExit(f"{option}: {name} needs a count >= 0"
+                             + (" or 'all'" if allow_all else "") + f", got {value!r}")
+        out[name] = int(value)
+    return out
+
+
 def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "",
-                        pdl_spec: str = "", pdl_at: str = "start", mgpu_spec: str = "") -> dict:
+                        pdl_spec: str = "", pdl_at: str = "start", mgpu_spec: str = "",
+                        l2_spec: str = "", l2_next_spec: str = "",
+                        l2_next_at: str = "end") -> dict:
     """Sets the kernels' process-wide tuning overrides (before anything is compiled). Every
     spec is parsed before anything is set, so a bad one changes nothing."""
     import importlib
@@ -136,7 +160,11 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     tuning = {"decode": parse_tuning(decode_spec, DECODE_TUNING_KEYS),
               "ragged": parse_tuning(ragged_spec, RAGGED_TUNING_KEYS),
               "stream": parse_stream_tiling(stream_spec), "pdl": parse_pdl(pdl_spec),
-              "mgpu": parse_mgpu_tiling(mgpu_spec)}
+              "mgpu": parse_mgpu_tiling(mgpu_spec),
+              "l2_prefetch": parse_l2(l2_spec, "--l2-prefetch", True),
+              "l2_next": parse_l2(l2_next_spec, "--l2-next", False)}
+    if l2_next_at not in ("start", "end"):
+        raise SystemExit(f"--l2-next-at is start or end, got {l2_next_at!r}")
     if pdl_at not in ("start", "end"):
         raise SystemExit(f"--pdl-at is start or end, got {pdl_at!r}")
     if tuning["decode"].get("pdl") and not tuning["decode"].get("last_combine"):
@@ -153,6 +181,11 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
                                      **tuning["stream"])
     for name in tuning["pdl"]:
         projections.STREAM_TUNING[name]["pdl"] = pdl_at
+    for name, blocks in tuning["l2_prefetch"].items():
+        t = projections.STREAM_TUNING[name]
+        t["l2_prefetch"] = t["per_program"] - 1 if blocks < 0 else blocks
+    for name, rows in tuning["l2_next"].items():
+        projections.STREAM_TUNING[name].update(next_rows=rows, next_at=l2_next_at)
     if _MGPU_DEFAULTS is None:
         _MGPU_DEFAULTS = dict(projections.MGPU_TUNING)
     projections.MGPU_TUNING.clear()

@@ -115,7 +115,8 @@ def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, 
     eps = cfg.rms_norm_eps
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if lp.qkv_proj is not None:
-        qkv, x = proj.normed("qkv", x, lp.input_layernorm, lp.qkv_proj, eps)
+        qkv, x = proj.normed("qkv", x, lp.input_layernorm, lp.qkv_proj, eps,
+                             prefetch=(lp.o_proj, 1))
         if hasattr(attend, "qkv"):
             packed = qkv.reshape(*x.shape[:-1], nh + 2 * nkv, hd)
             attn, state = attend.qkv(packed, cos, sin, state, loop, layer)
@@ -135,26 +136,31 @@ def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, 
 
 
 def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, state,
-                  loop, layer, proj=None):
+                  loop, layer, proj=None, next_qkv=None):
     """One sandwich-norm decoder layer. lp holds a single layer's weights (no [L] axis);
     `proj` (ouro_jax.projections) computes the projections, XLA's einsums by default. `x` and
     the result are the residual stream: an array, or with proj 'norms' a deferred
-    projections.Residual that the next projection's prologue adds up (proj.materialize)."""
+    projections.Residual that the next projection's prologue adds up (proj.materialize).
+    Each projection is told the weight the next one reads (`prefetch`; next_qkv: the next
+    layer's fused qkv), which the streaming GEMV may prefetch into L2; results never depend
+    on it."""
     proj = proj or XLA_PROJECTIONS
     eps = cfg.rms_norm_eps
     attn, x, state = _attention(lp, x, cos, sin, cfg, attend, state, loop, layer, proj)
     lead = x.shape[:-1]
     attn = proj.project("o", attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim),
-                        lp.o_proj)
+                        lp.o_proj, prefetch=None if lp.gate_up_proj is None else
+                        (lp.gate_up_proj, 2))
     h = Residual(x, attn, lp.input_layernorm_2)  # h = x + rms_norm(attn, input_layernorm_2)
     if lp.gate_up_proj is not None:
         m, h = proj.normed("gate_up", h, lp.post_attention_layernorm, lp.gate_up_proj, eps,
-                           gated=True)
+                           gated=True, prefetch=(lp.down_proj, 1))
     else:
         h = proj.materialize(h, eps)
         m = rms_norm(h, lp.post_attention_layernorm, eps)
         m = silu(linear(m, lp.gate_proj)) * linear(m, lp.up_proj)
-    m = proj.project("down", m, lp.down_proj)
+    m = proj.project("down", m, lp.down_proj,
+                     prefetch=None if next_qkv is None else (next_qkv, 1))
     return proj.residual(h, m, lp.post_attention_layernorm_2, eps), state
 
 
@@ -167,8 +173,11 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
     engine uses) is unrolled, so every GEMM reads its weight in place; slicing a stacked
     weight inside a loop makes XLA copy it first, tripling the weight traffic of decode."""
     if isinstance(params.layers, (tuple, list)):
+        n = len(params.layers)
         for layer, lp in enumerate(params.layers):
-            h, state = decoder_layer(lp, h, cos, sin, cfg, attend, state, loop, layer, proj)
+            # after the last layer the next loop's first (or, last loop, nothing useful)
+            h, state = decoder_layer(lp, h, cos, sin, cfg, attend, state, loop, layer, proj,
+                                     next_qkv=params.layers[(layer + 1) % n].qkv_proj)
         h = (proj or XLA_PROJECTIONS).materialize(h, cfg.rms_norm_eps)
         return rms_norm(h, params.norm, cfg.rms_norm_eps), state
 

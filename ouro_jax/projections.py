@@ -59,11 +59,22 @@ def _linear(x, w):
     return linear(x, w)
 
 
+def _next_operand(name: str, prefetch) -> dict:
+    """The streaming GEMV's next_w / next_split for `prefetch` = (weight, segments), when this
+    projection's STREAM_TUNING asks for a prefetch of the next one (next_rows > 0)."""
+    if prefetch is None or not STREAM_TUNING[name].get("next_rows", 0):
+        return {}
+    w, segments = prefetch
+    return {"next_w": w, "next_split": segments}
+
+
 @dataclasses.dataclass(frozen=True)
 class XLA:
     """einsum projections (model.linear); the gated MLP input rounds like the reference."""
 
-    def project(self, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    def project(self, name: str, x: jax.Array, w: jax.Array, prefetch=None) -> jax.Array:
+        """x @ w^T. prefetch: (weight, segments) a later projection reads; only the
+        streaming GEMV uses it (an L2 prefetch, STREAM_TUNING's next_rows), never the result."""
         return _linear(x, w)
 
     def gated(self, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -78,8 +89,10 @@ class XLA:
             return x.resid + _rms_norm(x.branch, x.weight, eps)
         return x
 
-    def normed(self, name: str, x, norm_w, w, eps: float, gated: bool = False):
-        """(projection of rms_norm(x, norm_w), x as an array); gated: the gated MLP input."""
+    def normed(self, name: str, x, norm_w, w, eps: float, gated: bool = False,
+               prefetch=None):
+        """(projection of rms_norm(x, norm_w), x as an array); gated: the gated MLP input;
+        prefetch as in project."""
         x = self.materialize(x, eps)
         hx = _rms_norm(x, norm_w, eps)
         return (self.gated(hx, w) if gated else self.project(name, hx, w)), x
@@ -168,7 +181,7 @@ class PallasGemv(XLA):
             for n_out, k, is_normed in calls[name]:
                 self._mgpu_tuning(name, n_out, k, dtype, is_normed)
 
-    def _gemv(self, name, x, w, gated=False):
+    def _gemv(self, name, x, w, gated=False, prefetch=None):
         from pallas_kernels.gemv import gemv
         from pallas_kernels.gemv_stream import gemv_stream
         lead, k = x.shape[:-1], x.shape[-1]
@@ -180,6 +193,7 @@ class PallasGemv(XLA):
                                 **self._mgpu_tuning(name, n_out, k, w.dtype, False))
         elif self._streams(x):
             y = gemv_stream(x.reshape(-1, k), w, gated=gated, interpret=interpret,
+                            **_next_operand(name, prefetch),
                             **fit_stream_tuning(STREAM_TUNING[name], n_out, k))
         else:
             y = gemv(x.reshape(-1, k), w, gated=gated, interpret=interpret,
@@ -198,7 +212,7 @@ class PallasGemv(XLA):
     def _fuses(self, name, x) -> bool:
         return self.fuse_norms and self._route(name, x) == "gemv"
 
-    def normed(self, name, x, norm_w, w, eps, gated=False):
+    def normed(self, name, x, norm_w, w, eps, gated=False, prefetch=None):
         from pallas_kernels.gemv import gemv_normed
         from pallas_kernels.gemv_stream import gemv_stream_normed
         resid = x.resid if isinstance(x, Residual) else x
@@ -214,6 +228,7 @@ class PallasGemv(XLA):
             tuning = self._mgpu_tuning(name, n_out, k, w.dtype, True)
         elif self._streams(resid):
             fn, tuning = gemv_stream_normed, fit_stream_tuning(STREAM_TUNING[name], n_out, k)
+            tuning.update(_next_operand(name, prefetch))
         else:
             fn, tuning = gemv_normed, self.tuning(name, n_out, k)
         y, x_new = fn(resid.reshape(-1, k), norm_w, w, eps=eps, gated=gated,
@@ -225,10 +240,10 @@ class PallasGemv(XLA):
         # materializes what is left after the last layer.
         return Residual(h, m, w) if self._fuses("qkv", h) else super().residual(h, m, w, eps)
 
-    def project(self, name, x, w):
+    def project(self, name, x, w, prefetch=None):
         route = self._route(name, x)
         if route == "gemv":
-            return self._gemv(name, x, w)
+            return self._gemv(name, x, w, prefetch=prefetch)
         return self._gemm(name, x, w) if route == "gemm" else _linear(x, w)
 
     def gated(self, x, w):

@@ -34,6 +34,7 @@ from jax import lax
 
 from pallas_kernels._common import (compiler_params, pdl_token, pdl_trigger, pdl_trigger_on,
                                     pdl_wait, pl)
+from pallas_kernels.l2_prefetch import MAX_BYTES, l2_prefetch
 from pallas_kernels.gemv import (_normed, _silu_mul, check_norm_operands, check_operands,
                                   pow2_divisor)
 
@@ -49,7 +50,17 @@ MAX_WARPS = 16
 # weight block has arrived (_common.pdl_trigger_on); either orders the reads of x and the
 # branch after _common.pdl_wait, with the first weight block requested before it. False: none.
 PDL_MODES = (False, "start", "end")
-DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False)
+# l2_prefetch: how many of the program's later blocks (p + P, p + 2P, ...) it asks the memory
+# system for at its start with one bulk L2 prefetch each (pallas_kernels/l2_prefetch.py),
+# before the prologue; the loop's own loads stay one block ahead and then hit L2. 0: none.
+# next_rows / next_at: with a `next_w` operand (the weight a later kernel reads, e.g. gate/up
+# after o), each program also prefetches next_rows rows of every segment of next_w into L2
+# (segments: next_w split in next_split equal parts, e.g. gate and up), program p rows
+# [p * next_rows, (p + 1) * next_rows), at its start or once its last block's loads are out
+# ("end"); the later kernel's first blocks then come from L2. Without next_w: nothing.
+NEXT_AT = ("start", "end")
+DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False,
+                l2_prefetch=0, next_rows=0, next_at="end")
 
 
 def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=0):
@@ -99,11 +110,12 @@ def _rows(j, block_n, offset=0):
 
 
 def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, block_n: int,
-                  block_k: int, nk: int, gated: bool, last_hook=None):
+                  block_k: int, nk: int, gated: bool, last_hook=None, tail=None):
     """Blocks p, p + programs, ... (per_program of them) of y = x @ W^T into y_ref, each
     block's loads requested before the math on the one before; `first` holds block p's
     (requested by the caller, ahead of its prologue). xs: per row, nk [1, block_k] fp32
-    chunks. last_hook(tiles) -> tiles runs on the last block's loads (the late PDL trigger)."""
+    chunks. last_hook(tiles) -> tiles runs on the last block's loads (the late PDL trigger);
+    tail() -> int32 zero runs once they are requested (the late L2 prefetch of next_w)."""
     m, dt = len(xs), y_ref.dtype
 
     def compute_store(j, tiles):
@@ -127,7 +139,8 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
     last = lax.fori_loop(0, per_program - 1, body, first)
     if last_hook is not None:
         last = last_hook(last)
-    compute_store(p + (per_program - 1) * programs, last)
+    j = p + (per_program - 1) * programs
+    compute_store(j if tail is None else j + tail(), last)
 
 
 def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=None):
@@ -139,8 +152,34 @@ def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row
     return xs if row2d else [[xc[None, :] for xc in xr] for xr in xs]
 
 
+def prefetch_blocks(w_ref, p, programs, count, *, k, block_n, gated, up_offset, interpret):
+    """L2 prefetches of blocks p + programs, ..., p + count * programs of w_ref (each block's
+    block_n rows of K are contiguous; gated: and its up rows); returns their int32 zero."""
+    nbytes = block_n * k * w_ref.dtype.itemsize
+    zero = jnp.int32(0)
+    for i in range(1, count + 1):
+        row = (p + i * programs) * block_n
+        for off in (0, up_offset) if gated else (0,):
+            zero = zero + l2_prefetch(w_ref, (off + row) * k, nbytes, interpret=interpret)
+    return zero
+
+
+def prefetch_next(next_ref, p, rows: int, split: int, *, interpret):
+    """L2 prefetches of rows [p * rows, (p + 1) * rows) of each of next_ref's `split` equal
+    row segments; returns their int32 zero."""
+    seg, kn = next_ref.shape[0] // split, next_ref.shape[1]
+    nbytes = rows * kn * next_ref.dtype.itemsize
+    zero = jnp.int32(0)
+    for s in range(split):
+        zero = zero + l2_prefetch(next_ref, (s * seg + p * rows) * kn, nbytes,
+                                  interpret=interpret)
+    return zero
+
+
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
-            row2d, interpret, pdl):
+            row2d, interpret, pdl, l2_prefetch, next_rows, next_split, next_at):
+    refs = list(refs)
+    next_ref = refs.pop(-3 if prologue == "add_norm" else -2) if next_rows else None
     if prologue == "add_norm":
         x_ref, b_ref, wb_ref, wx_ref, w_ref, y_ref, xo_ref = refs
     elif prologue == "norm":
@@ -148,6 +187,8 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
     else:
         (x_ref, w_ref, y_ref), b_ref, wb_ref, wx_ref, xo_ref = refs, None, None, None, None
     p = pl.program_id(0)
+    nxt = functools.partial(prefetch_next, next_ref, p, next_rows, next_split,
+                            interpret=interpret) if next_rows else None
     nk = k // block_k
     load = block_loader(w_ref, block_n=block_n, block_k=block_k, nk=nk, gated=gated,
                         up_offset=up_offset)
@@ -155,7 +196,12 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
     token = (pdl_trigger(p, interpret=pdl_off) if pdl == "start"
              else pdl_token(interpret=pdl_off))
     first = load(p)  # in flight while the prologue runs (and, with PDL, the previous kernel)
-    after = pdl_wait(token)
+    ahead = prefetch_blocks(w_ref, p, pl.num_programs(0), min(l2_prefetch, per_program - 1),
+                            k=k, block_n=block_n, gated=gated, up_offset=up_offset,
+                            interpret=interpret)
+    if nxt is not None and next_at == "start":
+        ahead = ahead + nxt()
+    after = pdl_wait(token) + ahead
     xs = row_inputs((x_ref, b_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=block_k, k=k,
                     dt=y_ref.dtype, prologue=prologue, eps=eps, first_program=p == 0,
                     row2d=row2d, after=after)
@@ -164,7 +210,8 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
         hook = lambda last: (pdl_trigger_on(last[0], interpret=pdl_off), *last[1:])
     stream_blocks(load, first, xs, y_ref, p=p, programs=pl.num_programs(0),
                   per_program=per_program, block_n=block_n, block_k=block_k, nk=nk,
-                  gated=gated, last_hook=hook)
+                  gated=gated, last_hook=hook,
+                  tail=nxt if nxt is not None and next_at == "end" else None)
 
 
 def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,
@@ -196,6 +243,15 @@ def _config(tuning: dict, k: int) -> dict:
         raise ValueError(f"unknown gemv_stream tuning keys {sorted(unknown)}; valid: "
                          f"{sorted(DEFAULTS)}")
     cfg = dict(DEFAULTS, **tuning)
+    if type(cfg["l2_prefetch"]) is not int or cfg["l2_prefetch"] < 0:
+        raise ValueError(f"gemv_stream l2_prefetch must be an int >= 0 (blocks), got "
+                         f"{cfg['l2_prefetch']!r}")
+    if type(cfg["next_rows"]) is not int or cfg["next_rows"] < 0:
+        raise ValueError(f"gemv_stream next_rows must be an int >= 0 (rows per program), got "
+                         f"{cfg['next_rows']!r}")
+    if cfg["next_at"] not in NEXT_AT:
+        raise ValueError(f"gemv_stream next_at must be one of {NEXT_AT}, got "
+                         f"{cfg['next_at']!r}")
     if cfg["pdl"] not in PDL_MODES:
         raise ValueError(f"gemv_stream pdl must be one of {PDL_MODES}, got {cfg['pdl']!r}")
     if "block_k" not in tuning:
@@ -203,21 +259,44 @@ def _config(tuning: dict, k: int) -> dict:
     return cfg
 
 
-def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_out=()):
+def next_rows_for(next_w, next_split: int, rows: int, programs: int) -> int:
+    """Rows per program of next_w to prefetch: `rows`, lowered so that every program's range
+    lies inside its segment (small test models) and one instruction's size limit holds."""
+    if next_w is None or rows == 0:
+        return 0
+    if next_w.ndim != 2 or type(next_split) is not int or next_split < 1 \
+            or next_w.shape[0] % next_split:
+        raise ValueError(f"gemv_stream next_w must be 2-D with rows divisible by next_split="
+                         f"{next_split!r}, got {next_w.shape}")
+    row_bytes = next_w.shape[1] * jnp.dtype(next_w.dtype).itemsize
+    if row_bytes % 16:
+        raise ValueError(f"gemv_stream next_w rows must be multiples of 16 bytes for the bulk "
+                         f"prefetch, got {row_bytes}")
+    return min(rows, next_w.shape[0] // next_split // programs, MAX_BYTES // row_bytes)
+
+
+def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_out=(),
+          next_w=None, next_split=1):
     check_supported(m, k, n_out, block_n=cfg["block_n"], block_k=cfg["block_k"],
                     per_program=cfg["per_program"], num_warps=cfg["num_warps"],
                     row2d=cfg["row2d"])
+    programs = n_out // cfg["block_n"] // cfg["per_program"]
+    next_rows = next_rows_for(next_w, next_split, cfg["next_rows"], programs)
+    if next_rows:
+        operands = (*operands, next_w)
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
                                block_k=cfg["block_k"], per_program=cfg["per_program"],
                                gated=gated, up_offset=n_out, prologue=prologue, eps=eps,
-                               row2d=cfg["row2d"], interpret=interpret, pdl=cfg["pdl"])
+                               row2d=cfg["row2d"], interpret=interpret, pdl=cfg["pdl"],
+                               l2_prefetch=cfg["l2_prefetch"], next_rows=next_rows,
+                               next_split=next_split, next_at=cfg["next_at"])
     if cfg["row2d"]:  # the norm weights as [1, K] rows
         operands = tuple(o.reshape(1, -1) if o.ndim == 1 else o for o in operands)
     dt = operands[0].dtype
     y = jax.ShapeDtypeStruct((m, n_out), dt)
     return pl.pallas_call(
         kernel, out_shape=(y, *extra_out) if extra_out else y,
-        grid=(n_out // cfg["block_n"] // cfg["per_program"],),
+        grid=(programs,),
         compiler_params=compiler_params(cfg["num_warps"], 1), interpret=interpret,
         name="gemv_stream" + ("_silu" if gated else "") + (f"_{prologue}" if prologue else ""),
     )(*operands)
@@ -230,29 +309,32 @@ def _check_xw(x, w, gated):
 
 
 def gemv_stream(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = False,
-                **tuning) -> jax.Array:
+                next_w: jax.Array | None = None, next_split: int = 1, **tuning) -> jax.Array:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation); gated: w = [gate; up]
     [2I, K] -> silu(x @ gate^T) * (x @ up^T) [M, I], rounded as the model rounds it.
-    tuning: DEFAULTS' keys."""
+    tuning: DEFAULTS' keys. next_w: a weight a later kernel reads, prefetched into L2 per
+    next_rows / next_split / next_at (DEFAULTS); it does not change the result."""
     n_out = _check_xw(x, w, gated)
     m, k = x.shape
     cfg = _config(tuning, k)
     return _call((x, w.astype(x.dtype)), m=m, k=k, n_out=n_out, gated=gated, prologue="",
-                 eps=0.0, interpret=interpret, cfg=cfg)
+                 eps=0.0, interpret=interpret, cfg=cfg, next_w=next_w, next_split=next_split)
 
 
 def gemv_stream_normed(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: float,
                        branch: jax.Array | None = None, branch_w: jax.Array | None = None,
-                       gated: bool = False, interpret: bool = False, **tuning):
+                       gated: bool = False, interpret: bool = False,
+                       next_w: jax.Array | None = None, next_split: int = 1, **tuning):
     """gemv.gemv_normed's contract (the projection of rms_norm(x', norm_w), x' = x or
-    x + rms_norm(branch, branch_w); returns (y, x')) with the streaming kernel."""
+    x + rms_norm(branch, branch_w); returns (y, x')) with the streaming kernel; next_w and
+    next_split as in gemv_stream."""
     n_out = _check_xw(x, w, gated)
     m, k = x.shape
     cfg = _config(tuning, k)
     check_norm_operands("gemv_stream_normed", x, norm_w, branch, branch_w)
     dt = x.dtype
     common = dict(m=m, k=k, n_out=n_out, gated=gated, eps=float(eps), interpret=interpret,
-                  cfg=cfg)
+                  cfg=cfg, next_w=next_w, next_split=next_split)
     if branch is None:
         y = _call((x, norm_w.astype(dt), w.astype(dt)), prologue="norm", **common)
         return y, x
