@@ -272,3 +272,17 @@ def test_device_seconds_reads_the_gpu_clock_or_says_it_cannot():
         assert math.isnan(kernel) and math.isnan(span)
     else:
         assert 0 < kernel <= span
+
+
+def test_gemv_scaling_fit_and_cpu_refusal():
+    """benchmarks.gemv_scaling's line fit recovers a known fixed cost and bandwidth; on a
+    machine without a GPU it says so instead of timing nothing."""
+    from benchmarks import gemv_scaling as gsc
+    pts = [dict(bytes=b, device_us=1.5 + b / 1e6 / 3.5) for b in (25e6, 50e6, 100e6)]
+    fixed, bw = gsc.fit(pts)
+    assert abs(fixed - 1.5) < 1e-6 and abs(bw - 3.5) < 1e-6
+    if jax.default_backend() != "gpu":
+        with pytest.raises(SystemExit, match="GPU"):
+            gsc.main(["--shapes", "o"])
+    with pytest.raises(SystemExit, match="unknown"):
+        gsc.main(["--shapes", "mlp"])
