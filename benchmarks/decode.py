@@ -336,6 +336,9 @@ def main(argv=None) -> int:
     p.add_argument("--l2-next-at", default="end", choices=["start", "end"],
                    help="when --l2-next's prefetch is issued: at the program's start, or once "
                         "its last weight block is requested")
+    p.add_argument("--stream-set", default="", metavar="NAME.KEY=0|1,...",
+                   help="streaming GEMV switches per projection, e.g. qkv.x_first=1 (x and "
+                        "the branch read before the first weight block)")
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
     check_pdl_run(args)
@@ -345,7 +348,7 @@ def main(argv=None) -> int:
                          "out")
     tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling,
                                  args.pdl, args.pdl_at, args.mgpu_tiling, args.l2_prefetch,
-                                 args.l2_next, args.l2_next_at)
+                                 args.l2_next, args.l2_next_at, args.stream_set)
     try:
         return _run(args, argv, tuning)
     finally:  # the overrides are process-wide: leave none behind for other callers

@@ -181,11 +181,12 @@ def main(argv=None) -> int:
     ap.add_argument("--l2-prefetch", default="", help="as benchmarks.decode's")
     ap.add_argument("--l2-next", default="", help="as benchmarks.decode's")
     ap.add_argument("--l2-next-at", default="end", choices=["start", "end"])
+    ap.add_argument("--stream-set", default="", help="as benchmarks.decode's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from benchmarks.tuning import apply_kernel_tuning
     apply_kernel_tuning("", "", l2_spec=args.l2_prefetch, l2_next_spec=args.l2_next,
-                        l2_next_at=args.l2_next_at)
+                        l2_next_at=args.l2_next_at, stream_set=args.stream_set)
     try:
         return _main(args, argv)
     finally:

@@ -147,10 +147,28 @@ def parse_l2(spec: str, option: str, allow_all: bool) -> dict:
     return out
 
 
+STREAM_SWITCHES = ("x_first",)  # gemv_stream's boolean tuning keys settable per projection
+
+
+def parse_stream_set(spec: str) -> dict:
+    """'qkv.x_first=1,gate_up.x_first=0' -> {projection: {key: bool}} for --stream-set."""
+    from ouro_jax.projections import NAMES
+    out: dict = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        lhs, sep, value = item.partition("=")
+        name, dot, key = lhs.partition(".")
+        if not (sep and dot) or name not in NAMES or key not in STREAM_SWITCHES \
+                or value not in ("0", "1") or key in out.get(name, {}):
+            raise SystemExit(f"--stream-set: {item!r} is not NAME.KEY=0|1 with NAME in {NAMES} "
+                             f"and KEY in {STREAM_SWITCHES} (each at most once)")
+        out.setdefault(name, {})[key] = value == "1"
+    return out
+
+
 def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "",
                         pdl_spec: str = "", pdl_at: str = "start", mgpu_spec: str = "",
                         l2_spec: str = "", l2_next_spec: str = "",
-                        l2_next_at: str = "end") -> dict:
+                        l2_next_at: str = "end", stream_set: str = "") -> dict:
     """Sets the kernels' process-wide tuning overrides (before anything is compiled). Every
     spec is parsed before anything is set, so a bad one changes nothing."""
     import importlib
@@ -162,7 +180,8 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
               "stream": parse_stream_tiling(stream_spec), "pdl": parse_pdl(pdl_spec),
               "mgpu": parse_mgpu_tiling(mgpu_spec),
               "l2_prefetch": parse_l2(l2_spec, "--l2-prefetch", True),
-              "l2_next": parse_l2(l2_next_spec, "--l2-next", False)}
+              "l2_next": parse_l2(l2_next_spec, "--l2-next", False),
+              "stream_set": parse_stream_set(stream_set)}
     if l2_next_at not in ("start", "end"):
         raise SystemExit(f"--l2-next-at is start or end, got {l2_next_at!r}")
     if pdl_at not in ("start", "end"):
@@ -186,6 +205,8 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
         t["l2_prefetch"] = t["per_program"] - 1 if blocks < 0 else blocks
     for name, rows in tuning["l2_next"].items():
         projections.STREAM_TUNING[name].update(next_rows=rows, next_at=l2_next_at)
+    for name, switches in tuning["stream_set"].items():
+        projections.STREAM_TUNING[name].update(switches)
     if _MGPU_DEFAULTS is None:
         _MGPU_DEFAULTS = dict(projections.MGPU_TUNING)
     projections.MGPU_TUNING.clear()

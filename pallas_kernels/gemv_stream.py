@@ -58,12 +58,30 @@ PDL_MODES = (False, "start", "end")
 # (segments: next_w split in next_split equal parts, e.g. gate and up), program p rows
 # [p * next_rows, (p + 1) * next_rows), at its start or once its last block's loads are out
 # ("end"); the later kernel's first blocks then come from L2. Without next_w: nothing.
+# x_first: the reads of x and the branch are issued before the first weight block's (same
+# math; see raw_rows).
 NEXT_AT = ("start", "end")
 DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False,
-                l2_prefetch=0, next_rows=0, next_at="end")
+                l2_prefetch=0, next_rows=0, next_at="end", x_first=False)
 
 
-def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=0):
+def raw_rows(refs, m, nk, block_k, prologue, row2d, after):
+    """Every row's raw x (and, for add_norm, branch) chunks as loaded, no math: issued ahead
+    of the first weight block with x_first, so that these small reads (an earlier kernel's
+    output, in L2) are not queued behind the weight stream."""
+    x_ref, b_ref = refs[0], refs[1]
+    late = [pl.ds(pl.multiple_of(after + c * block_k, block_k), block_k) for c in range(nk)]
+    out = []
+    for r in range(m):
+        row = pl.ds(r, 1) if row2d else r
+        xs = [x_ref[row, late[c]] for c in range(nk)]
+        bs = [b_ref[row, late[c]] for c in range(nk)] if prologue == "add_norm" else None
+        out.append((xs, bs))
+    return out
+
+
+def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=0,
+                raw=None):
     """Row r's GEMV input as nk fp32 chunks ([1, block_k] with row2d, else [block_k]), after
     the prologue (stores x' for add_norm). The row statistics are summed chunk by chunk
     (gemv._rms_scale sums the whole row at once); otherwise the rounding is gemv.py's,
@@ -75,11 +93,13 @@ def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d
     late = [pl.ds(pl.multiple_of(after + c * block_k, block_k), block_k) for c in range(nk)]
     row = pl.ds(r, 1) if row2d else r
     vec = (lambda ref, c: ref[pl.ds(0, 1), cols[c]]) if row2d else (lambda ref, c: ref[cols[c]])
-    xs = [x_ref[row, late[c]].astype(jnp.float32) for c in range(nk)]
+    raw_x, raw_b = raw if raw is not None else (None, None)
+    xs = [(raw_x[c] if raw_x else x_ref[row, late[c]]).astype(jnp.float32) for c in range(nk)]
     if not prologue:
         return xs
     if prologue == "add_norm":
-        bs = [b_ref[row, late[c]].astype(jnp.float32) for c in range(nk)]
+        bs = [(raw_b[c] if raw_b else b_ref[row, late[c]]).astype(jnp.float32)
+              for c in range(nk)]
         s_b = lax.rsqrt(sum(jnp.sum(b * b) for b in bs) / k + eps)
         xs = [(xs[c] + _normed(bs[c], s_b, vec(wb_ref, c), dt).astype(jnp.float32)).astype(dt)
               .astype(jnp.float32) for c in range(nk)]
@@ -143,11 +163,14 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
     compute_store(j if tail is None else j + tail(), last)
 
 
-def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=None):
+def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=None,
+               raw=None):
     """Every row's GEMV input chunks (_row_chunks), as [1, block_k] arrays. after: pdl_wait's
-    zero (default: an int32 0, which the Triton lowering's multiple_of hint needs as a value)."""
+    zero (default: an int32 0, which the Triton lowering's multiple_of hint needs as a value).
+    raw: raw_rows' loads, when they were issued earlier."""
     after = jnp.int32(0) if after is None else after
-    xs = [_row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, after)
+    xs = [_row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, after,
+                      None if raw is None else raw[r])
           for r in range(m)]
     return xs if row2d else [[xc[None, :] for xc in xr] for xr in xs]
 
@@ -177,7 +200,7 @@ def prefetch_next(next_ref, p, rows: int, split: int, *, interpret):
 
 
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
-            row2d, interpret, pdl, l2_prefetch, next_rows, next_split, next_at):
+            row2d, interpret, pdl, l2_prefetch, next_rows, next_split, next_at, x_first):
     refs = list(refs)
     next_ref = refs.pop(-3 if prologue == "add_norm" else -2) if next_rows else None
     if prologue == "add_norm":
@@ -195,16 +218,20 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
     pdl_off = interpret or not pdl
     token = (pdl_trigger(p, interpret=pdl_off) if pdl == "start"
              else pdl_token(interpret=pdl_off))
+    raw = None
+    if x_first:  # x (and the branch) requested before the weights; PDL's wait comes first
+        after0 = pdl_wait(token)
+        raw = raw_rows((x_ref, b_ref), m, nk, block_k, prologue, row2d, after0)
     first = load(p)  # in flight while the prologue runs (and, with PDL, the previous kernel)
     ahead = prefetch_blocks(w_ref, p, pl.num_programs(0), min(l2_prefetch, per_program - 1),
                             k=k, block_n=block_n, gated=gated, up_offset=up_offset,
                             interpret=interpret)
     if nxt is not None and next_at == "start":
         ahead = ahead + nxt()
-    after = pdl_wait(token) + ahead
+    after = (after0 if x_first else pdl_wait(token)) + ahead
     xs = row_inputs((x_ref, b_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=block_k, k=k,
                     dt=y_ref.dtype, prologue=prologue, eps=eps, first_program=p == 0,
-                    row2d=row2d, after=after)
+                    row2d=row2d, after=after, raw=raw)
     hook = None
     if pdl == "end":  # once the last block's first tile has arrived
         hook = lambda last: (pdl_trigger_on(last[0], interpret=pdl_off), *last[1:])
@@ -243,6 +270,8 @@ def _config(tuning: dict, k: int) -> dict:
         raise ValueError(f"unknown gemv_stream tuning keys {sorted(unknown)}; valid: "
                          f"{sorted(DEFAULTS)}")
     cfg = dict(DEFAULTS, **tuning)
+    if not isinstance(cfg["x_first"], bool):
+        raise ValueError(f"gemv_stream x_first must be a bool, got {cfg['x_first']!r}")
     if type(cfg["l2_prefetch"]) is not int or cfg["l2_prefetch"] < 0:
         raise ValueError(f"gemv_stream l2_prefetch must be an int >= 0 (blocks), got "
                          f"{cfg['l2_prefetch']!r}")
@@ -289,7 +318,8 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
                                gated=gated, up_offset=n_out, prologue=prologue, eps=eps,
                                row2d=cfg["row2d"], interpret=interpret, pdl=cfg["pdl"],
                                l2_prefetch=cfg["l2_prefetch"], next_rows=next_rows,
-                               next_split=next_split, next_at=cfg["next_at"])
+                               next_split=next_split, next_at=cfg["next_at"],
+                               x_first=cfg["x_first"])
     if cfg["row2d"]:  # the norm weights as [1, K] rows
         operands = tuple(o.reshape(1, -1) if o.ndim == 1 else o for o in operands)
     dt = operands[0].dtype

@@ -111,7 +111,7 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
         assert apply_kernel_tuning("num_splits=3,num_warps=2,num_stages=3", "num_splits=1") == {
             "decode": {"num_splits": 3, "num_warps": 2, "num_stages": 3},
             "ragged": {"num_splits": 1}, "stream": {}, "pdl": (), "mgpu": {},
-            "l2_prefetch": {}, "l2_next": {}}
+            "l2_prefetch": {}, "l2_next": {}, "stream_set": {}}
         assert call_params(decode) == ((2, 2, 3), 2, 3)
         assert call_params(decode, num_splits=2, num_warps=4) == ((2, 2, 2), 4, 3)
         assert call_params(ragged)[0][2] == 1

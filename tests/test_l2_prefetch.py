@@ -214,5 +214,65 @@ def test_prefetch_is_bit_identical_on_the_gpu(name):
         got = gemv_stream(x, w, gated=gated, next_w=nxt, next_split=2, **dict(
             t, l2_prefetch=t["per_program"] - 1, next_rows=2, next_at=at))
         np.testing.assert_array_equal(base, np.asarray(got, np.float32))
+    got = gemv_stream(x, w, gated=gated, **dict(t, x_first=True))
+    np.testing.assert_array_equal(base, np.asarray(got, np.float32))
+    if name in ("qkv", "gate_up"):  # the engine's add_norm call, x' included
+        nw = jnp.full((k,), 0.7, BF)
+        normed = lambda **o: [np.asarray(v, np.float32) for v in gemv_stream_normed(
+            x, nw, w, eps=1e-6, branch=x[:, ::-1], branch_w=nw, gated=gated, **t, **o)]
+        for a, g in zip(normed(), normed(x_first=True)):
+            np.testing.assert_array_equal(a, g)
     ref = np.asarray(gemv_reference(x, w, gated=gated), np.float32)
     assert np.max(np.abs(base - ref)) <= 8e-3 * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("prologue", ["", "norm", "add_norm"])
+def test_x_first_reads_the_input_before_the_weights_same_result(prologue):
+    """x_first: in the lowered IR the loads of x (and the branch) precede the first weight
+    load; in interpret mode the result is bit-identical to the default order."""
+    k, n = 256, 64
+    key = jax.random.split(jax.random.PRNGKey(3), 3)
+    x = jax.random.normal(key[0], (1, k)).astype(BF)
+    w = jax.random.normal(key[1], (n, k)).astype(BF)
+    b = jax.random.normal(key[2], (1, k)).astype(BF)
+    nw = jnp.full((k,), 0.7, BF)
+    kw = dict(block_n=2, block_k=128, per_program=4)
+
+    def f(x, w, b, nw, **t):
+        if not prologue:
+            return (gemv_stream(x, w, **kw, **t),)
+        return gemv_stream_normed(x, nw, w, eps=1e-6, gated=False, **kw, **t,
+                                  **(dict(branch=b, branch_w=nw) if prologue == "add_norm"
+                                     else {}))
+    base = f(x, w, b, nw, interpret=True)
+    got = f(x, w, b, nw, interpret=True, x_first=True)
+    for a, g in zip(base, got):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(g, np.float32))
+
+    def first_load_shapes(**t):
+        [ir] = triton_ir(lambda *a: f(*a, **t), S((1, k), BF), S((n, k), BF), S((1, k), BF),
+                         S((k,), BF))
+        loads = re.findall(r"tt\.load %\S+ : tensor<([0-9x]+)x!tt\.ptr<bf16>>", ir)
+        return loads[0]
+    assert first_load_shapes() == "2x128"  # the weight block first, as before
+    assert first_load_shapes(x_first=True) == "128"  # an x chunk first
+    with pytest.raises(ValueError, match="x_first"):
+        gemv_stream(x, w, interpret=True, x_first=1)
+
+
+def test_stream_set_option():
+    from benchmarks.tuning import apply_kernel_tuning
+    from ouro_jax import projections
+    shipped = {k: dict(v) for k, v in projections.STREAM_TUNING.items()}
+    try:
+        t = apply_kernel_tuning("", "", stream_set="qkv.x_first=1,gate_up.x_first=0")
+        assert t["stream_set"] == {"qkv": {"x_first": True}, "gate_up": {"x_first": False}}
+        assert projections.STREAM_TUNING["qkv"]["x_first"] is True
+        for bad in ("qkv.x_first=2", "qkv=1", "mlp.x_first=1", "qkv.block_n=1",
+                    "qkv.x_first=1,qkv.x_first=0"):
+            with pytest.raises(SystemExit):
+                apply_kernel_tuning("", "", stream_set=bad)
+        apply_kernel_tuning("", "")
+        assert projections.STREAM_TUNING == shipped
+    finally:
+        apply_kernel_tuning("", "")
