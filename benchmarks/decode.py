@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import pipelined_rate
-from benchmarks.tuning import DECODE_TUNING_KEYS, RAGGED_TUNING_KEYS, apply_kernel_tuning
+from benchmarks.tuning import (DECODE_TUNING_KEYS, RAGGED_TUNING_KEYS, add_stream_args,
+                               apply_kernel_tuning)
 
 
 def copy_bandwidth(gbytes: float = 2.0) -> float:
@@ -325,20 +326,7 @@ def main(argv=None) -> int:
     p.add_argument("--pdl-at", default="start", choices=["start", "end"],
                    help="where --pdl's GEMVs trigger: at their start, or once their last "
                         "weight block has arrived")
-    p.add_argument("--l2-prefetch", default="", metavar="NAME=N,...",
-                   help="streaming projections whose GEMV programs prefetch N of their later "
-                        "weight blocks into L2 at their start ('all': every one), e.g. "
-                        "qkv=all,gate_up=all")
-    p.add_argument("--l2-next", default="", metavar="NAME=ROWS,...",
-                   help="streaming projections whose GEMV programs prefetch ROWS rows each of "
-                        "the next projection's weight into L2 (qkv->o, o->gate/up, "
-                        "gate/up->down, down->next layer's qkv), e.g. o=2,down=3")
-    p.add_argument("--l2-next-at", default="end", choices=["start", "end"],
-                   help="when --l2-next's prefetch is issued: at the program's start, or once "
-                        "its last weight block is requested")
-    p.add_argument("--stream-set", default="", metavar="NAME.KEY=0|1,...",
-                   help="streaming GEMV switches per projection, e.g. qkv.x_first=1 (x and "
-                        "the branch read before the first weight block)")
+    add_stream_args(p)
     p.add_argument("--out", help="JSON result path")
     args = p.parse_args(argv)
     check_pdl_run(args)

@@ -47,14 +47,32 @@ def separate(ws, attn, h, tiling):
     return y, h
 
 
-def fused(ws, attn, h, state, programs):
+def fused(ws, attn, h, state, programs, l2_ahead=0):
     """o_gate_up per layer, the barrier state threaded through."""
     from pallas_kernels.gemv_chain import o_gate_up
     for lw in ws:
         y, h, _, state = o_gate_up(attn, lw["w_o"], h, lw["w_post"], lw["w_pre"], lw["w_gu"],
-                                   state, eps=1e-6, programs=programs)
+                                   state, eps=1e-6, programs=programs, l2_ahead=l2_ahead)
         attn = y[:, :K_O]
     return y, h, state
+
+
+def _time_fused(ws, attn, h, ref, programs, ahead, args, time_threaded) -> dict:
+    """The fused kernel's us per layer, its largest difference from the separate kernels
+    (expected 0) and the barrier state, keyed by l2_ahead (no suffix for 0, as before)."""
+    fus = jax.jit(fused, static_argnums=(4, 5), donate_argnums=3)
+    state = jnp.zeros((3,), jnp.int32)
+    y, h2, state = fus(ws, attn, h, state, programs, ahead)
+    err = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+              for g, r in zip((y, h2), ref))
+    sfx = f"_l2_ahead{ahead}" if ahead else ""
+    out = {f"max_abs_diff_vs_separate{sfx}": err,
+           f"barrier_state{sfx}": jax.device_get(state).tolist()}
+    step = lambda st: (lambda r: (r[0], r[2]))(fus(ws, attn, h, st, programs, ahead))
+    best, state = time_threaded(step, state, args.calls, args.trials)  # state donated
+    out[f"fused_us_per_layer{sfx}"] = 1e6 * best / args.layers
+    out[f"barrier_state_after{sfx}"] = jax.device_get(state).tolist()
+    return out
 
 
 def main(argv=None) -> int:
@@ -68,6 +86,11 @@ def main(argv=None) -> int:
     ap.add_argument("--programs", default=str(PROGRAMS),
                     help="persistent grid sizes, comma-separated (each must divide the o and "
                          "gate/up block counts: 128 and 256 do)")
+    ap.add_argument("--l2-ahead", default="0",
+                    help="fused kernel: blocks each program keeps requested into L2 ahead of "
+                         "the one in registers, comma-separated (session 14)")
+    ap.add_argument("--separate", default="engine,chain,grid",
+                    help="which separate-kernel baselines to time (engine,chain,grid)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out")
@@ -90,21 +113,13 @@ def main(argv=None) -> int:
         grid = {n: dict(TILING[n], per_program=blocks // programs)
                 for n, blocks in (("o", K // TILING["o"]["block_n"]),
                                   ("gate_up", INTER // TILING["gate_up"]["block_n"]))}
-        fus = jax.jit(fused, static_argnums=4, donate_argnums=3)
-        state = jnp.zeros((3,), jnp.int32)
-        y, h2, state = fus(ws, attn, h, state, programs)
-        err = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
-                  for g, r in zip((y, h2), ref))
-        row = dict(layers=args.layers, programs=programs, max_abs_diff_vs_separate=err,
-                   barrier_state=jax.device_get(state).tolist())
-        for name, t in (("separate_engine_tiling", engine), ("separate_chain_tiling", chain),
-                        ("separate_same_grid", grid)):
-            row[f"{name}_us_per_layer"] = 1e6 * time_calls(run_sep(freeze(t)), (attn, h),
-                                                           args.calls, args.trials) / args.layers
-        step = lambda st: (lambda r: (r[0], r[2]))(fus(ws, attn, h, st, programs))
-        best, state = time_threaded(step, state, args.calls, args.trials)  # state donated
-        row["fused_us_per_layer"] = 1e6 * best / args.layers
-        row["barrier_state_after"] = jax.device_get(state).tolist()
+        row = dict(layers=args.layers, programs=programs)
+        for name, t in (("engine", engine), ("chain", chain), ("grid", grid)):
+            if name in args.separate.split(","):
+                row[f"separate_{name}_us_per_layer"] = 1e6 * time_calls(
+                    run_sep(freeze(t)), (attn, h), args.calls, args.trials) / args.layers
+        for ahead in [int(x) for x in args.l2_ahead.split(",")]:
+            row.update(_time_fused(ws, attn, h, ref, programs, ahead, args, time_threaded))
         rows.append(row)
         print(json.dumps(row), flush=True)
     save_record("benchmarks.gemv_chain", argv, args.out, rows=rows, tiling_engine=engine,

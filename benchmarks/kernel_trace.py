@@ -168,7 +168,8 @@ def trace_generate(llm, batch, k, args) -> dict:
 
 
 def main(argv=None) -> int:
-    from benchmarks.decode import add_model_args, engine_for, save_record
+    from benchmarks.decode import add_model_args
+    from benchmarks.tuning import add_stream_args, apply_kernel_tuning
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernel_trace", description=__doc__)
     add_model_args(ap)
@@ -178,13 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--unroll-loops", action="store_true")
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--l2-prefetch", default="", help="as benchmarks.decode's")
-    ap.add_argument("--l2-next", default="", help="as benchmarks.decode's")
-    ap.add_argument("--l2-next-at", default="end", choices=["start", "end"])
-    ap.add_argument("--stream-set", default="", help="as benchmarks.decode's")
+    add_stream_args(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from benchmarks.tuning import apply_kernel_tuning
     apply_kernel_tuning("", "", l2_spec=args.l2_prefetch, l2_next_spec=args.l2_next,
                         l2_next_at=args.l2_next_at, stream_set=args.stream_set)
     try:

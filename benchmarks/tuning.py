@@ -140,11 +140,30 @@ def parse_l2(spec: str, option: str, allow_all: bool) -> dict:
         if allow_all and value == "all":
             out[name] = -1
             continue
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):
             raise SystemExit(f"{option}: {name} needs a count >= 0"
                              + (" or 'all'" if allow_all else "") + f", got {value!r}")
         out[name] = int(value)
     return out
+
+
+def add_stream_args(p) -> None:
+    """The streaming GEMV's experimental switches, shared by benchmarks.decode and
+    benchmarks.kernel_trace (applied by apply_kernel_tuning)."""
+    p.add_argument("--l2-prefetch", default="", metavar="NAME=N,...",
+                   help="streaming projections whose GEMV programs prefetch N of their later "
+                        "weight blocks into L2 at their start ('all': every one), e.g. "
+                        "qkv=all,gate_up=all")
+    p.add_argument("--l2-next", default="", metavar="NAME=ROWS,...",
+                   help="streaming projections whose GEMV programs prefetch ROWS rows each of "
+                        "the next projection's weight into L2 (qkv->o, o->gate/up, "
+                        "gate/up->down, down->next layer's qkv), e.g. o=2,down=3")
+    p.add_argument("--l2-next-at", default="end", choices=["start", "end"],
+                   help="when --l2-next's prefetch is issued: at the program's start, or once "
+                        "its last weight block is requested")
+    p.add_argument("--stream-set", default="", metavar="NAME.KEY=0|1,...",
+                   help="streaming GEMV switches per projection, e.g. qkv.x_first=1 (x and "
+                        "the branch read before the first weight block)")
 
 
 STREAM_SWITCHES = ("x_first",)  # gemv_stream's boolean tuning keys settable per projection

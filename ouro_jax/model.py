@@ -116,7 +116,7 @@ def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, 
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if lp.qkv_proj is not None:
         qkv, x = proj.normed("qkv", x, lp.input_layernorm, lp.qkv_proj, eps,
-                             prefetch=(lp.o_proj, 1))
+                             next_weight=(lp.o_proj, 1))
         if hasattr(attend, "qkv"):
             packed = qkv.reshape(*x.shape[:-1], nh + 2 * nkv, hd)
             attn, state = attend.qkv(packed, cos, sin, state, loop, layer)
@@ -141,7 +141,7 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     `proj` (ouro_jax.projections) computes the projections, XLA's einsums by default. `x` and
     the result are the residual stream: an array, or with proj 'norms' a deferred
     projections.Residual that the next projection's prologue adds up (proj.materialize).
-    Each projection is told the weight the next one reads (`prefetch`; next_qkv: the next
+    Each projection is told the weight the next one reads (`next_weight`; next_qkv: the next
     layer's fused qkv), which the streaming GEMV may prefetch into L2; results never depend
     on it."""
     proj = proj or XLA_PROJECTIONS
@@ -149,18 +149,18 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     attn, x, state = _attention(lp, x, cos, sin, cfg, attend, state, loop, layer, proj)
     lead = x.shape[:-1]
     attn = proj.project("o", attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim),
-                        lp.o_proj, prefetch=None if lp.gate_up_proj is None else
+                        lp.o_proj, next_weight=None if lp.gate_up_proj is None else
                         (lp.gate_up_proj, 2))
     h = Residual(x, attn, lp.input_layernorm_2)  # h = x + rms_norm(attn, input_layernorm_2)
     if lp.gate_up_proj is not None:
         m, h = proj.normed("gate_up", h, lp.post_attention_layernorm, lp.gate_up_proj, eps,
-                           gated=True, prefetch=(lp.down_proj, 1))
+                           gated=True, next_weight=(lp.down_proj, 1))
     else:
         h = proj.materialize(h, eps)
         m = rms_norm(h, lp.post_attention_layernorm, eps)
         m = silu(linear(m, lp.gate_proj)) * linear(m, lp.up_proj)
     m = proj.project("down", m, lp.down_proj,
-                     prefetch=None if next_qkv is None else (next_qkv, 1))
+                     next_weight=None if next_qkv is None else (next_qkv, 1))
     return proj.residual(h, m, lp.post_attention_layernorm_2, eps), state
 
 
@@ -175,7 +175,8 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
     if isinstance(params.layers, (tuple, list)):
         n = len(params.layers)
         for layer, lp in enumerate(params.layers):
-            # after the last layer the next loop's first (or, last loop, nothing useful)
+            # after the last layer the next loop's first (after the last loop the prefetch,
+            # when STREAM_TUNING asks for one, reads ~3 MB nobody uses: `loop` is traced)
             h, state = decoder_layer(lp, h, cos, sin, cfg, attend, state, loop, layer, proj,
                                      next_qkv=params.layers[(layer + 1) % n].qkv_proj)
         h = (proj or XLA_PROJECTIONS).materialize(h, cfg.rms_norm_eps)

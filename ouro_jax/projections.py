@@ -59,12 +59,12 @@ def _linear(x, w):
     return linear(x, w)
 
 
-def _next_operand(name: str, prefetch) -> dict:
-    """The streaming GEMV's next_w / next_split for `prefetch` = (weight, segments), when this
-    projection's STREAM_TUNING asks for a prefetch of the next one (next_rows > 0)."""
-    if prefetch is None or not STREAM_TUNING[name].get("next_rows", 0):
+def _next_operand(name: str, next_weight) -> dict:
+    """The streaming GEMV's next_w / next_split for `next_weight` = (weight, segments), when
+    this projection's STREAM_TUNING asks for an L2 prefetch of it (next_rows > 0)."""
+    if next_weight is None or not STREAM_TUNING[name].get("next_rows", 0):
         return {}
-    w, segments = prefetch
+    w, segments = next_weight
     return {"next_w": w, "next_split": segments}
 
 
@@ -72,12 +72,12 @@ def _next_operand(name: str, prefetch) -> dict:
 class XLA:
     """einsum projections (model.linear); the gated MLP input rounds like the reference."""
 
-    def project(self, name: str, x: jax.Array, w: jax.Array, prefetch=None) -> jax.Array:
-        """x @ w^T. prefetch: (weight, segments) a later projection reads; only the
+    def project(self, name: str, x: jax.Array, w: jax.Array, next_weight=None) -> jax.Array:
+        """x @ w^T. next_weight: (weight, segments) a later projection reads; only the
         streaming GEMV uses it (an L2 prefetch, STREAM_TUNING's next_rows), never the result."""
         return _linear(x, w)
 
-    def gated(self, x: jax.Array, w: jax.Array) -> jax.Array:
+    def gated(self, x: jax.Array, w: jax.Array, next_weight=None) -> jax.Array:
         from ouro_jax.model import silu
         i = w.shape[0] // 2
         gu = _linear(x, w)
@@ -90,12 +90,13 @@ class XLA:
         return x
 
     def normed(self, name: str, x, norm_w, w, eps: float, gated: bool = False,
-               prefetch=None):
+               next_weight=None):
         """(projection of rms_norm(x, norm_w), x as an array); gated: the gated MLP input;
-        prefetch as in project."""
+        next_weight as in project."""
         x = self.materialize(x, eps)
         hx = _rms_norm(x, norm_w, eps)
-        return (self.gated(hx, w) if gated else self.project(name, hx, w)), x
+        return (self.gated(hx, w, next_weight=next_weight) if gated else
+                self.project(name, hx, w, next_weight=next_weight)), x
 
     def residual(self, h, m, w, eps: float):
         """The layer output h + rms_norm(m, w), now (XLA) or deferred (see Residual)."""
@@ -181,7 +182,7 @@ class PallasGemv(XLA):
             for n_out, k, is_normed in calls[name]:
                 self._mgpu_tuning(name, n_out, k, dtype, is_normed)
 
-    def _gemv(self, name, x, w, gated=False, prefetch=None):
+    def _gemv(self, name, x, w, gated=False, next_weight=None):
         from pallas_kernels.gemv import gemv
         from pallas_kernels.gemv_stream import gemv_stream
         lead, k = x.shape[:-1], x.shape[-1]
@@ -193,7 +194,7 @@ class PallasGemv(XLA):
                                 **self._mgpu_tuning(name, n_out, k, w.dtype, False))
         elif self._streams(x):
             y = gemv_stream(x.reshape(-1, k), w, gated=gated, interpret=interpret,
-                            **_next_operand(name, prefetch),
+                            **_next_operand(name, next_weight),
                             **fit_stream_tuning(STREAM_TUNING[name], n_out, k))
         else:
             y = gemv(x.reshape(-1, k), w, gated=gated, interpret=interpret,
@@ -212,12 +213,12 @@ class PallasGemv(XLA):
     def _fuses(self, name, x) -> bool:
         return self.fuse_norms and self._route(name, x) == "gemv"
 
-    def normed(self, name, x, norm_w, w, eps, gated=False, prefetch=None):
+    def normed(self, name, x, norm_w, w, eps, gated=False, next_weight=None):
         from pallas_kernels.gemv import gemv_normed
         from pallas_kernels.gemv_stream import gemv_stream_normed
         resid = x.resid if isinstance(x, Residual) else x
         if not self._fuses(name, resid):
-            return super().normed(name, x, norm_w, w, eps, gated)
+            return super().normed(name, x, norm_w, w, eps, gated, next_weight)
         lead, k = resid.shape[:-1], resid.shape[-1]
         n_out = w.shape[0] // 2 if gated else w.shape[0]
         branch = dict(branch=x.branch.reshape(-1, k), branch_w=x.weight) \
@@ -228,7 +229,7 @@ class PallasGemv(XLA):
             tuning = self._mgpu_tuning(name, n_out, k, w.dtype, True)
         elif self._streams(resid):
             fn, tuning = gemv_stream_normed, fit_stream_tuning(STREAM_TUNING[name], n_out, k)
-            tuning.update(_next_operand(name, prefetch))
+            tuning.update(_next_operand(name, next_weight))
         else:
             fn, tuning = gemv_normed, self.tuning(name, n_out, k)
         y, x_new = fn(resid.reshape(-1, k), norm_w, w, eps=eps, gated=gated,
@@ -240,16 +241,16 @@ class PallasGemv(XLA):
         # materializes what is left after the last layer.
         return Residual(h, m, w) if self._fuses("qkv", h) else super().residual(h, m, w, eps)
 
-    def project(self, name, x, w, prefetch=None):
+    def project(self, name, x, w, next_weight=None):
         route = self._route(name, x)
         if route == "gemv":
-            return self._gemv(name, x, w, prefetch=prefetch)
+            return self._gemv(name, x, w, next_weight=next_weight)
         return self._gemm(name, x, w) if route == "gemm" else _linear(x, w)
 
-    def gated(self, x, w):
+    def gated(self, x, w, next_weight=None):
         route = self._route("gate_up", x)
         if route == "gemv":
-            return self._gemv("gate_up", x, w, gated=True)
+            return self._gemv("gate_up", x, w, gated=True, next_weight=next_weight)
         return self._gemm("gate_up", x, w, gated=True) if route == "gemm" else \
             super().gated(x, w)
 

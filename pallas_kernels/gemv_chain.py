@@ -28,13 +28,14 @@ import jax.numpy as jnp
 from pallas_kernels._common import compiler_params, grid_barrier, pl
 from pallas_kernels.gemv import check_norm_operands, check_operands
 from pallas_kernels.gemv_stream import block_loader, row_inputs, stream_blocks
+from pallas_kernels.l2_prefetch import l2_prefetch
 
 PROGRAMS = 128
 TILING = dict(o=dict(block_n=2, block_k=512), gate_up=dict(block_n=2, block_k=512))
 
 
 def _kernel(a_ref, wo_ref, h_ref, wb_ref, wx_ref, wgu_ref, state_ref, o_ref, y_ref, xo_ref,
-            state_out_ref, *, m, k_o, k, inter, tiling, per_program, eps, gpu_sync):
+            state_out_ref, *, m, k_o, k, inter, tiling, per_program, eps, gpu_sync, l2_ahead):
     del state_ref  # aliased with state_out_ref: the barrier's atomics go through the output
     p, programs, dt = pl.program_id(0), pl.num_programs(0), y_ref.dtype
 
@@ -43,19 +44,44 @@ def _kernel(a_ref, wo_ref, h_ref, wb_ref, wx_ref, wgu_ref, state_ref, o_ref, y_r
         nk = k_in // t["block_k"]
         load = block_loader(w_ref, block_n=t["block_n"], block_k=t["block_k"], nk=nk,
                             gated=gated, up_offset=inter)
-        kw = dict(p=p, programs=programs, per_program=per_program[name], block_n=t["block_n"],
-                  block_k=t["block_k"], nk=nk, gated=gated)
-        return load, load(p), t, nk, kw
+        n = per_program[name]
+        pf = functools.partial(_prefetch_block, w_ref, p, programs, n, k=k_in,
+                               block_n=t["block_n"], gated=gated, up_offset=inter,
+                               interpret=not gpu_sync)
+        # l2_ahead: blocks 1..l2_ahead requested into L2 up front, then block i + 1 + l2_ahead
+        # in iteration i: a deeper pipeline than the registers' one block, without registers
+        ahead = (lambda i: pf(i + 1 + l2_ahead)) if l2_ahead else None
+        kw = dict(p=p, programs=programs, per_program=n, block_n=t["block_n"],
+                  block_k=t["block_k"], nk=nk, gated=gated, ahead=ahead)
+        first = load(p)
+        zero = jnp.int32(0)
+        for i in range(1, min(l2_ahead, n - 1) + 1):
+            zero = zero + pf(i)
+        return load, first, t, nk, kw, zero
 
-    load, first, t, nk, kw = phase("o", wo_ref, k_o, False)
+    load, first, t, nk, kw, zero = phase("o", wo_ref, k_o, False)
     xs = row_inputs((a_ref, None, None, None, None), m=m, nk=nk, block_k=t["block_k"], k=k_o,
-                    dt=dt, prologue="", eps=eps, first_program=p == 0, row2d=False)
+                    dt=dt, prologue="", eps=eps, first_program=p == 0, row2d=False, after=zero)
     stream_blocks(load, first, xs, o_ref, **kw)
-    load, first, t, nk, kw = phase("gate_up", wgu_ref, k, True)  # requested before the barrier
+    # gate/up's first block (and with l2_ahead its next ones) requested before the barrier
+    load, first, t, nk, kw, zero = phase("gate_up", wgu_ref, k, True)
     grid_barrier(state_out_ref, programs, gpu_sync=gpu_sync)
     xs = row_inputs((h_ref, o_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=t["block_k"],
-                    k=k, dt=dt, prologue="add_norm", eps=eps, first_program=p == 0, row2d=False)
+                    k=k, dt=dt, prologue="add_norm", eps=eps, first_program=p == 0, row2d=False,
+                    after=zero)
     stream_blocks(load, first, xs, y_ref, **kw)
+
+
+def _prefetch_block(w_ref, p, programs, n, i, *, k, block_n, gated, up_offset, interpret):
+    """L2 prefetch of the program's block i (clamped to its last, n - 1: a repeat is
+    harmless); returns the prefetch's int32 zero."""
+    i = jnp.minimum(jnp.asarray(i, jnp.int32), n - 1)
+    row = (p + i * programs) * block_n
+    nbytes = block_n * k * w_ref.dtype.itemsize
+    zero = jnp.int32(0)
+    for off in (0, up_offset) if gated else (0,):
+        zero = zero + l2_prefetch(w_ref, (off + row) * k, nbytes, interpret=interpret)
+    return zero
 
 
 def _per_program(name: str, n_out: int, k_in: int, tiling: dict, programs: int) -> int:
@@ -68,11 +94,15 @@ def _per_program(name: str, n_out: int, k_in: int, tiling: dict, programs: int) 
 
 def o_gate_up(attn, w_o, h, w_post_attn, w_pre_mlp, w_gate_up, state, *, eps: float,
               programs: int = PROGRAMS, tiling: dict | None = None, num_warps: int = 4,
-              interpret: bool = False):
+              interpret: bool = False, l2_ahead: int = 0):
     """attn [M, K_o] (the attention output), w_o [K, K_o], h [M, K] (the residual stream),
     the two norm weights [K], w_gate_up [2I, K], state int32 [3] (the barrier's; donate it; its last word counts programs that gave up waiting, 0 when the barrier held).
     Returns (y [M, I], x' [M, K], o [M, K], state): gemv_stream's results for the o
-    projection and the gated, add_norm gate/up projection, in one kernel."""
+    projection and the gated, add_norm gate/up projection, in one kernel. l2_ahead: how many
+    blocks each program keeps requested into L2 ahead of the one in registers (session 14;
+    0: none)."""
+    if type(l2_ahead) is not int or l2_ahead < 0:
+        raise ValueError(f"o_gate_up l2_ahead must be an int >= 0, got {l2_ahead!r}")
     tiling = dict(TILING, **(tiling or {}))
     k = check_operands(attn, w_o, False)
     if h.shape != (attn.shape[0], k):
@@ -91,7 +121,8 @@ def o_gate_up(attn, w_o, h, w_post_attn, w_pre_mlp, w_gate_up, state, *, eps: fl
                        gate_up=_per_program("gate_up", inter, k, tiling["gate_up"], programs))
     dt = h.dtype
     kernel = functools.partial(_kernel, m=m, k_o=k_o, k=k, inter=inter, tiling=tiling,
-                               per_program=per_program, eps=float(eps), gpu_sync=not interpret)
+                               per_program=per_program, eps=float(eps), gpu_sync=not interpret,
+                               l2_ahead=l2_ahead)
     sd = jax.ShapeDtypeStruct
     o, y, x_new, state = pl.pallas_call(
         kernel, grid=(programs,), input_output_aliases={6: 3},

@@ -130,12 +130,15 @@ def _rows(j, block_n, offset=0):
 
 
 def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, block_n: int,
-                  block_k: int, nk: int, gated: bool, last_hook=None, tail=None):
+                  block_k: int, nk: int, gated: bool, last_hook=None, tail=None,
+                  ahead=None):
     """Blocks p, p + programs, ... (per_program of them) of y = x @ W^T into y_ref, each
     block's loads requested before the math on the one before; `first` holds block p's
     (requested by the caller, ahead of its prologue). xs: per row, nk [1, block_k] fp32
     chunks. last_hook(tiles) -> tiles runs on the last block's loads (the late PDL trigger);
-    tail() -> int32 zero runs once they are requested (the late L2 prefetch of next_w)."""
+    tail() -> int32 zero runs once they are requested (the late L2 prefetch of next_w);
+    ahead(i) -> int32 zero runs in iteration i, before block i + 1's loads (a rolling L2
+    prefetch of a later block, gemv_chain's)."""
     m, dt = len(xs), y_ref.dtype
 
     def compute_store(j, tiles):
@@ -152,6 +155,8 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
 
     def body(i, cur):
         j = p + i * programs
+        if ahead is not None:
+            j = j + ahead(i)
         nxt = load(j + programs)  # requested before the math on block j
         compute_store(j, cur)
         return nxt
@@ -232,13 +237,16 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
     xs = row_inputs((x_ref, b_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=block_k, k=k,
                     dt=y_ref.dtype, prologue=prologue, eps=eps, first_program=p == 0,
                     row2d=row2d, after=after, raw=raw)
+    late = [nxt] if nxt is not None and next_at == "end" else []
+    if x_first:  # the reads of x no longer take `after`: keep the prefetches alive here
+        late.append(lambda: ahead)
+    tail = (lambda: sum(f() for f in late)) if late else None
     hook = None
     if pdl == "end":  # once the last block's first tile has arrived
         hook = lambda last: (pdl_trigger_on(last[0], interpret=pdl_off), *last[1:])
     stream_blocks(load, first, xs, y_ref, p=p, programs=pl.num_programs(0),
                   per_program=per_program, block_n=block_n, block_k=block_k, nk=nk,
-                  gated=gated, last_hook=hook,
-                  tail=nxt if nxt is not None and next_at == "end" else None)
+                  gated=gated, last_hook=hook, tail=tail)
 
 
 def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,
@@ -272,6 +280,9 @@ def _config(tuning: dict, k: int) -> dict:
     cfg = dict(DEFAULTS, **tuning)
     if not isinstance(cfg["x_first"], bool):
         raise ValueError(f"gemv_stream x_first must be a bool, got {cfg['x_first']!r}")
+    if cfg["x_first"] and cfg.get("pdl"):
+        raise ValueError("gemv_stream x_first with pdl would put PDL's wait ahead of the first "
+                         "weight block's request (which pdl requests before it): use one")
     if type(cfg["l2_prefetch"]) is not int or cfg["l2_prefetch"] < 0:
         raise ValueError(f"gemv_stream l2_prefetch must be an int >= 0 (blocks), got "
                          f"{cfg['l2_prefetch']!r}")
@@ -288,10 +299,13 @@ def _config(tuning: dict, k: int) -> dict:
     return cfg
 
 
-def next_rows_for(next_w, next_split: int, rows: int, programs: int) -> int:
+def next_rows_for(next_w, next_split: int, rows: int, programs: int, dtype) -> int:
     """Rows per program of next_w to prefetch: `rows`, lowered so that every program's range
-    lies inside its segment (small test models) and one instruction's size limit holds."""
+    lies inside its segment (small test models) and one instruction's size limit holds; 0
+    when next_w is not in the activation dtype (its kernel will read a cast copy)."""
     if next_w is None or rows == 0:
+        return 0
+    if next_w.dtype != dtype:  # the later kernel reads a converted copy, not next_w
         return 0
     if next_w.ndim != 2 or type(next_split) is not int or next_split < 1 \
             or next_w.shape[0] % next_split:
@@ -310,7 +324,8 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
                     per_program=cfg["per_program"], num_warps=cfg["num_warps"],
                     row2d=cfg["row2d"])
     programs = n_out // cfg["block_n"] // cfg["per_program"]
-    next_rows = next_rows_for(next_w, next_split, cfg["next_rows"], programs)
+    next_rows = next_rows_for(next_w, next_split, cfg["next_rows"], programs,
+                              operands[0].dtype)
     if next_rows:
         operands = (*operands, next_w)
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],

@@ -42,6 +42,33 @@ def test_one_program_matches_the_two_kernels(dtype):
     assert state.tolist() == [0, 1, 0]  # one barrier passed, the state ready for the next
 
 
+def test_l2_ahead_same_results_and_its_prefetches():
+    """l2_ahead=N (session 14): in interpret mode (no prefetch emitted) the same bits; lowered
+    for 'cuda', N up-front prefetches per phase (gated: two each) and one rolling prefetch in
+    each phase's loop body."""
+    import re
+    from test_pdl import triton_ir
+    args = _case(1, 128, 128, 192, jnp.float32)
+    state = jnp.zeros((3,), jnp.int32)
+    run = lambda **kw: o_gate_up(*args, state, eps=1e-6, programs=1, tiling=TILING,
+                                 interpret=True, **kw)[:3]
+    for got, want in zip(run(l2_ahead=2), run()):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="l2_ahead"):
+        run(l2_ahead=-1)
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    shapes = (s((1, 2048), bf), s((2048, 2048), bf), s((1, 2048), bf), s((2048,), bf),
+              s((2048,), bf), s((2 * 5632, 2048), bf), s((3,), jnp.int32))
+
+    def count(n):
+        [ir] = triton_ir(lambda *a: o_gate_up(*a, eps=1e-6, programs=128, l2_ahead=n), *shapes)
+        return len(re.findall(r"cp\.async\.bulk\.prefetch\.L2", ir))
+    # o: 8 blocks per program, gate/up 22: up-front min(n, blocks - 1), +1 in each loop body
+    assert count(0) == 0
+    assert count(2) == (2 + 1) + 2 * (2 + 1)
+
+
 def test_bad_inputs_are_refused():
     args = _case(1, 128, 128, 192, jnp.float32)
     state = jnp.zeros((3,), jnp.int32)
@@ -67,10 +94,12 @@ def test_persistent_grid_matches_the_two_kernels_on_the_gpu():
     args = list(_case(1, 2048, 2048, 5632, jnp.bfloat16, seed=1))
     tiling = dict(o=dict(block_n=2, block_k=512), gate_up=dict(block_n=2, block_k=512))
     f = jax.jit(lambda *a: o_gate_up(*a, eps=1e-6), donate_argnums=6)
+    f4 = jax.jit(lambda *a: o_gate_up(*a, eps=1e-6, l2_ahead=4), donate_argnums=6)
     separate = jax.jit(lambda *a: _separate(*a, tiling))
     state = jnp.zeros((3,), jnp.int32)
     rng = np.random.default_rng(7)
     for call in range(10):
+        f = f4 if call == 5 else f  # the second half with L2 prefetch ahead
         args[0] = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)
         want = separate(*args)
         y, x_new, o, state = f(*args, state)

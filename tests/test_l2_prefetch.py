@@ -276,3 +276,49 @@ def test_stream_set_option():
         assert projections.STREAM_TUNING == shipped
     finally:
         apply_kernel_tuning("", "")
+
+
+def test_prefetches_survive_x_first_and_pdl_is_refused_with_it():
+    """With x_first the reads of x no longer carry the prefetches' zero; it goes into the last
+    store's index instead, so every prefetch is still emitted (a review found them dropped).
+    x_first with pdl is refused; a next_w in another dtype than x is not prefetched (its
+    kernel would read a cast copy)."""
+    k, n = 256, 64
+    nxt = S((2 * 96, 128), BF)
+
+    def sizes(next_dtype=BF, **kw):
+        def f(x, w, nw):
+            return gemv_stream(x, w, block_n=2, block_k=128, per_program=4, next_w=nw,
+                               next_split=2, **kw)
+        [ir] = triton_ir(f, S((1, k), BF), S((n, k), BF), S(nxt.shape, next_dtype))
+        return prefetch_sizes(ir)
+    block, rows2 = 2 * k * 2, 2 * 128 * 2
+    assert sizes(x_first=True, l2_prefetch=3) == [block] * 3
+    assert sorted(sizes(x_first=True, l2_prefetch=1, next_rows=2, next_at="start")) == \
+        sorted([block] + [rows2] * 2)
+    assert sizes(x_first=True, next_rows=2, next_at="end") == [rows2] * 2
+    assert sizes(next_dtype=jnp.float32, next_rows=2) == []
+    with pytest.raises(ValueError, match="x_first with pdl"):
+        gemv_stream(jnp.zeros((1, k), BF), jnp.zeros((n, k), BF), interpret=True,
+                    x_first=True, pdl="end")
+
+
+def test_next_weight_reaches_the_kernels_without_the_norms_part():
+    """'gemv+stream' (norms outside the kernels): the gate/up and qkv calls made through
+    XLA.normed still pass the next weight on."""
+    from ouro_jax import projections
+    from ouro_jax.projections import parse
+    proj = parse("gemv+stream")
+    x = jnp.zeros((1, 256), jnp.float32)
+    nw, w = jnp.ones((256,), jnp.float32), jnp.zeros((2 * 128, 256), jnp.float32)
+    nxt = jnp.zeros((256, 128), jnp.float32)
+    shipped = dict(projections.STREAM_TUNING["gate_up"])
+    try:
+        projections.STREAM_TUNING["gate_up"]["next_rows"] = 1
+        jax.clear_caches()
+        [eqn] = pallas_call_eqns(lambda a: proj.normed("gate_up", a, nw, w, 1e-6, gated=True,
+                                                       next_weight=(nxt, 1))[0], x)
+    finally:
+        projections.STREAM_TUNING["gate_up"] = shipped
+        jax.clear_caches()
+    assert [v.aval.shape for v in eqn.invars][-1] == nxt.shape
