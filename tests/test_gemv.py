@@ -167,9 +167,9 @@ def test_gemv_rows_mode_routes_decode_draft_and_verification(monkeypatch):
     rows_seen = set()
     real = projections.PallasGemv._gemv
 
-    def spy(self, name, x, w, gated=False):
+    def spy(self, name, x, w, gated=False, **kw):
         rows_seen.add((name, x.size // x.shape[-1]))
-        return real(self, name, x, w, gated)
+        return real(self, name, x, w, gated, **kw)
     monkeypatch.setattr(projections.PallasGemv, "_gemv", spy)
     sp = [SamplingParams(max_tokens=12, ignore_eos=True)]
     native = llm.generate([[5, 9, 2, 7]], sp).outputs[0].token_ids
