@@ -47,28 +47,30 @@ def separate(ws, attn, h, tiling):
     return y, h
 
 
-def fused(ws, attn, h, state, programs, l2_ahead=0):
+def fused(ws, attn, h, state, programs, l2_ahead=0, num_warps=4):
     """o_gate_up per layer, the barrier state threaded through."""
     from pallas_kernels.gemv_chain import o_gate_up
     for lw in ws:
         y, h, _, state = o_gate_up(attn, lw["w_o"], h, lw["w_post"], lw["w_pre"], lw["w_gu"],
-                                   state, eps=1e-6, programs=programs, l2_ahead=l2_ahead)
+                                   state, eps=1e-6, programs=programs, l2_ahead=l2_ahead,
+                                   num_warps=num_warps)
         attn = y[:, :K_O]
     return y, h, state
 
 
-def _time_fused(ws, attn, h, ref, programs, ahead, args, time_threaded) -> dict:
+def _time_fused(ws, attn, h, ref, programs, ahead, args, time_threaded, warps=4) -> dict:
     """The fused kernel's us per layer, its largest difference from the separate kernels
-    (expected 0) and the barrier state, keyed by l2_ahead (no suffix for 0, as before)."""
-    fus = jax.jit(fused, static_argnums=(4, 5), donate_argnums=3)
+    (expected 0 at 4 warps: the same register layout) and the barrier state, keyed by
+    l2_ahead and warps (no suffix for 0 and 4, as before)."""
+    fus = jax.jit(fused, static_argnums=(4, 5, 6), donate_argnums=3)
     state = jnp.zeros((3,), jnp.int32)
-    y, h2, state = fus(ws, attn, h, state, programs, ahead)
+    y, h2, state = fus(ws, attn, h, state, programs, ahead, warps)
     err = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
               for g, r in zip((y, h2), ref))
-    sfx = f"_l2_ahead{ahead}" if ahead else ""
+    sfx = (f"_l2_ahead{ahead}" if ahead else "") + (f"_w{warps}" if warps != 4 else "")
     out = {f"max_abs_diff_vs_separate{sfx}": err,
            f"barrier_state{sfx}": jax.device_get(state).tolist()}
-    step = lambda st: (lambda r: (r[0], r[2]))(fus(ws, attn, h, st, programs, ahead))
+    step = lambda st: (lambda r: (r[0], r[2]))(fus(ws, attn, h, st, programs, ahead, warps))
     best, state = time_threaded(step, state, args.calls, args.trials)  # state donated
     out[f"fused_us_per_layer{sfx}"] = 1e6 * best / args.layers
     out[f"barrier_state_after{sfx}"] = jax.device_get(state).tolist()
@@ -89,6 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("--l2-ahead", default="0",
                     help="fused kernel: blocks each program keeps requested into L2 ahead of "
                          "the one in registers, comma-separated (session 14)")
+    ap.add_argument("--num-warps", default="4",
+                    help="fused kernel: warps per program, comma-separated")
     ap.add_argument("--separate", default="engine,chain,grid",
                     help="which separate-kernel baselines to time (engine,chain,grid)")
     ap.add_argument("--calls", type=int, default=20)
@@ -118,8 +122,10 @@ def main(argv=None) -> int:
             if name in args.separate.split(","):
                 row[f"separate_{name}_us_per_layer"] = 1e6 * time_calls(
                     run_sep(freeze(t)), (attn, h), args.calls, args.trials) / args.layers
-        for ahead in [int(x) for x in args.l2_ahead.split(",")]:
-            row.update(_time_fused(ws, attn, h, ref, programs, ahead, args, time_threaded))
+        for warps in [int(x) for x in args.num_warps.split(",")]:
+            for ahead in [int(x) for x in args.l2_ahead.split(",")]:
+                row.update(_time_fused(ws, attn, h, ref, programs, ahead, args,
+                                       time_threaded, warps))
         rows.append(row)
         print(json.dumps(row), flush=True)
     save_record("benchmarks.gemv_chain", argv, args.out, rows=rows, tiling_engine=engine,
