@@ -78,10 +78,8 @@ def _time_fused(ws, attn, h, ref, programs, ahead, args, time_threaded, warps=4)
 
 
 def main(argv=None) -> int:
-    from benchmarks.decode import save_record
-    from benchmarks.grid_barrier import require_gpu, time_calls, time_threaded
-    from ouro_jax.projections import STREAM_TUNING
-    from pallas_kernels.gemv_chain import PROGRAMS, TILING
+    from benchmarks.grid_barrier import require_gpu
+    from pallas_kernels.gemv_chain import PROGRAMS
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gemv_chain", description=__doc__)
     ap.add_argument("--layers", type=int, default=8)
@@ -93,6 +91,9 @@ def main(argv=None) -> int:
                          "the one in registers, comma-separated (session 14)")
     ap.add_argument("--num-warps", default="4",
                     help="fused kernel: warps per program, comma-separated")
+    ap.add_argument("--spin", default="atomic", choices=["atomic", "load"],
+                    help="how the barrier's waiting programs re-read its generation "
+                         "(_common.BARRIER)")
     ap.add_argument("--separate", default="engine,chain,grid",
                     help="which separate-kernel baselines to time (engine,chain,grid)")
     ap.add_argument("--calls", type=int, default=20)
@@ -101,6 +102,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     require_gpu("gemv_chain", "the fused kernel's barrier spins on programs running at the "
                 "same time")
+    from pallas_kernels._common import BARRIER
+    BARRIER["spin"] = args.spin
+    try:
+        return _main(args, argv)
+    finally:
+        BARRIER["spin"] = "atomic"
+
+
+def _main(args, argv) -> int:
+    from benchmarks.decode import save_record
+    from benchmarks.grid_barrier import time_calls, time_threaded
+    from ouro_jax.projections import STREAM_TUNING
+    from pallas_kernels.gemv_chain import TILING
+
     ws = _weights(args.layers)
     rng = np.random.default_rng(1)
     attn = jnp.asarray(rng.standard_normal((1, K_O)), jnp.bfloat16)
@@ -129,7 +144,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     save_record("benchmarks.gemv_chain", argv, args.out, rows=rows, tiling_engine=engine,
-                tiling_chain=TILING)
+                tiling_chain=TILING, barrier_spin=args.spin)
     return 0
 
 

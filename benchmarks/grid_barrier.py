@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import compiler_params, grid_barrier, pl
+from pallas_kernels._common import BARRIER, SPIN_MODES, compiler_params, grid_barrier, pl
 
 
 def _barrier_kernel(state_ref, out_ref, buf_ref, state_out_ref, *, phases, programs, gpu_sync):
@@ -142,17 +142,30 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.grid_barrier", description=__doc__)
     ap.add_argument("--programs", default="132", help="grid sizes, comma-separated")
     ap.add_argument("--barriers", default="0,64", help="barrier (and kernel) counts")
+    ap.add_argument("--spin", default="atomic",
+                    help="how waiting programs re-read the barrier's generation, comma-"
+                         "separated: atomic (add of 0) and/or load (ld.acquire.gpu)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    spins = [x for x in args.spin.split(",") if x]
+    bad = set(spins) - set(SPIN_MODES)
+    if bad or not spins:
+        raise SystemExit(f"--spin: {sorted(bad) or args.spin!r}; valid: {SPIN_MODES}")
     require_gpu("grid_barrier", "the barrier spins on programs running at the same time; "
                 "interpret mode runs them in turn")
     counts = sorted({int(x) for x in args.barriers.split(",")})
     rows = []
-    for programs in [int(x) for x in args.programs.split(",")]:
-        rows.append(measure(programs, counts, args.calls, args.trials))
-        print(json.dumps(rows[-1]), flush=True)
+    try:
+        for spin in spins:
+            BARRIER["spin"] = spin  # read when each barrier kernel is traced
+            for programs in [int(x) for x in args.programs.split(",")]:
+                rows.append(dict(spin=spin, **measure(programs, counts, args.calls,
+                                                       args.trials)))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        BARRIER["spin"] = "atomic"
     save_record("benchmarks.grid_barrier", argv, args.out, rows=rows)
     return 0
 

@@ -101,6 +101,12 @@ def pdl_trigger_on(tile, *, interpret: bool):
 
 
 GEN_MASK = (1 << 30) - 1  # the barrier's generation stays in [0, 2**30)
+# How a waiting program re-reads the generation: "atomic" (an atomic add of 0, acquire; the
+# session-11 barrier, 2.84 us) or "load" (ld.acquire.gpu through pallas_kernels.ref_ptx: a
+# plain read, which does not queue read-modify-writes on the line the arrivals update; session
+# 14, not yet measured). Read at trace time, like PDL.
+BARRIER = {"spin": "atomic"}
+SPIN_MODES = ("atomic", "load")
 SPIN_LIMIT = 1 << 22  # re-reads before a waiting program gives up (seconds, not a hang)
 
 
@@ -115,8 +121,9 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True):
     Each program reads the generation, then arrives; the last to arrive takes the arrivals
     back to 0 and then advances the generation (release: every program's stores, and the
     reset, are visible GPU-wide first; nobody else changes either in between); the others
-    re-read the generation by atomic adds of 0 (acquire) until it moves, and a second CTA
-    barrier holds their other warps until then. A program that re-reads SPIN_LIMIT times
+    re-read the generation by atomic adds of 0 (acquire), or with BARRIER["spin"] = "load"
+    by ld.acquire.gpu loads, until it moves, and a second CTA barrier holds their other warps
+    until then. A program that re-reads SPIN_LIMIT times
     without seeing it move (some program never arrived: the grid was not all resident) counts
     itself in the third word and goes on, so a broken barrier shows as a nonzero count and
     wrong results, not as a hung GPU. Returns the generation this barrier passed.
@@ -138,9 +145,17 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True):
         plt.atomic_add(state_ref, (one,), jnp.where(gen == GEN_MASK, jnp.int32(-GEN_MASK), one))
 
     if gpu_sync:
+        if BARRIER["spin"] not in SPIN_MODES:
+            raise ValueError(f"_common.BARRIER['spin'] must be one of {SPIN_MODES}, got "
+                             f"{BARRIER['spin']!r}")
+        if BARRIER["spin"] == "load":
+            from pallas_kernels.ref_ptx import acquire_load
+            reread = lambda: acquire_load(state_ref, 1)
+        else:
+            reread = lambda: plt.atomic_add(state_ref, (one,), zero)
         seen, _ = lax.while_loop(
             lambda c: (c[0] == gen) & (c[1] < SPIN_LIMIT),
-            lambda c: (plt.atomic_add(state_ref, (one,), zero), c[1] + 1), (gen, zero))
+            lambda c: (reread(), c[1] + 1), (gen, zero))
 
         @pl.when(seen == gen)
         def _():

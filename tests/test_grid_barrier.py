@@ -55,13 +55,19 @@ def test_the_benchmark_refuses_a_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 @pytest.mark.parametrize("programs", [8, 132])
-def test_grid_barrier_orders_every_phase_on_the_gpu(programs):
-    f = jax.jit(barrier_call(programs, 16))
-    state = jnp.zeros((3,), jnp.int32)
-    for call in range(5):  # the state carries over from call to call
-        out, state = f(state)
-        assert state.tolist() == [0, 16 * (call + 1), 0], "a program gave up waiting"
-        assert out.tolist() == expected(programs, 16)
+@pytest.mark.parametrize("spin", ["atomic", "load"])
+def test_grid_barrier_orders_every_phase_on_the_gpu(programs, spin):
+    from pallas_kernels import _common
+    _common.BARRIER["spin"] = spin
+    try:
+        f = jax.jit(barrier_call(programs, 16))
+        state = jnp.zeros((3,), jnp.int32)
+        for call in range(5):  # the state carries over from call to call
+            out, state = f(state)
+            assert state.tolist() == [0, 16 * (call + 1), 0], "a program gave up waiting"
+            assert out.tolist() == expected(programs, 16)
+    finally:
+        _common.BARRIER["spin"] = "atomic"
 
 
 def test_the_gpu_kernel_spins_on_an_acq_rel_counter_between_cta_barriers():
@@ -89,3 +95,26 @@ def test_the_timing_helpers_thread_the_state():
     assert time_calls(lambda x: x + 1, (jnp.ones(3),), 2, 2) > 0
     seconds, state = time_threaded(lambda s: (s * 2, s + 1), jnp.int32(0), 3, 2)
     assert seconds > 0 and int(state) == 6  # 3 calls x 2 trials, the state carried through
+
+
+def test_load_spin_reads_the_generation_with_ld_acquire():
+    """_common.BARRIER['spin'] = 'load' (session 14): the barrier's spin loop re-reads the
+    generation with ld.acquire.gpu instead of an atomic add of 0 (checked in the Triton IR
+    lowered for 'cuda'); an unknown mode is refused when the kernel is traced."""
+    from pallas_kernels import _common
+    from test_pdl import triton_ir
+    state = jax.ShapeDtypeStruct((3,), jnp.int32)
+
+    def ir():
+        return triton_ir(barrier_call(8, 2), state)[0]
+    try:
+        atomic = ir()
+        _common.BARRIER["spin"] = "load"
+        load = ir()
+        _common.BARRIER["spin"] = "sleep"
+        with pytest.raises(ValueError, match="BARRIER"):
+            ir()
+    finally:
+        _common.BARRIER["spin"] = "atomic"
+    assert "ld.acquire.gpu" in load and "ld.acquire.gpu" not in atomic
+    assert atomic.count("tt.atomic_rmw") > load.count("tt.atomic_rmw")

@@ -1,0 +1,63 @@
+"""PTX on the address of a Pallas (Triton) kernel ref: what Pallas cannot express itself.
+
+Pallas refs have no address, and `plt.elementwise_inline_asm` takes values only. This module
+adds one primitive, `ref_asm_p`: a whole-array kernel ref plus an int32 element offset, lowered
+for Triton to the ref's base pointer plus the offset (`tt.addptr`), which an impure inline-PTX
+block receives as `$1` (a 64-bit register); the block writes an int32 to `$0`. Impure: MLIR
+and ptxas neither drop it nor hoist it out of a loop. JAX's dead-code elimination of the kernel
+jaxpr does drop it when its result is unused, so every caller consumes the result (the L2
+prefetch adds its zero into a later index; an acquire load is the value read).
+
+Users: `l2_prefetch` (pallas_kernels/l2_prefetch.py, a bulk prefetch into L2) and
+`acquire_load` (below: `ld.acquire.gpu`, the grid barrier's spin read in
+_common.BARRIER["spin"] = "load"). It uses jax-internal Pallas-Triton lowering helpers
+(`register_lowering`, `_add`, `_ensure_ir_value`) that jax 0.10.2 and 0.11.2 both have; tests lower kernels with
+it for 'cuda' on the CPU under both. There is no interpret-mode rule: callers emit nothing (or
+a plain read) in interpret mode.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax._src import core as jax_core
+from jax._src import state
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
+from jax._src.pallas.triton import lowering as _lowering
+
+ref_asm_p = jax_core.Primitive("ouro_ref_asm")
+
+
+def ref_asm(ref, offset, asm: str):
+    """Runs `asm` ($1: the address of element `offset` of `ref`, flat row-major; $0: an int32
+    result) in every thread of the program; returns the int32 result."""
+    if "$1" not in asm or "$0" not in asm:
+        raise ValueError("ref_asm's PTX must read the address as $1 and write an int32 to $0")
+    return ref_asm_p.bind(ref, jnp.asarray(offset, jnp.int32), asm=asm)
+
+
+@ref_asm_p.def_effectful_abstract_eval
+def _abstract_eval(ref_aval, offset_aval, *, asm):
+    del offset_aval, asm
+    if not isinstance(ref_aval, state.AbstractRef):
+        raise ValueError(f"ref_asm takes a kernel ref, got {ref_aval}")
+    return jax_core.ShapedArray((), jnp.int32), {state.ReadEffect(0)}
+
+
+@_lowering.register_lowering(ref_asm_p)
+def _lower(ctx, ptr, offset, *, asm):
+    offset = _lowering._ensure_ir_value(offset, ctx.avals_in[1])  # a literal offset too
+    if "ptr" not in str(ptr.type) or "tensor" in str(ptr.type):
+        raise NotImplementedError(f"ref_asm needs a whole-array ref (a scalar pointer), got "
+                                  f"{ptr.type}")
+    addr = _lowering._add(ptr, offset)  # tt.addptr: offset in elements
+    i32 = ir.IntegerType.get_signless(32)
+    return tt_dialect.elementwise_inline_asm([i32], asm, constraints="=r,l", pure=False,
+                                             packed_element=1, args=[addr])
+
+
+def acquire_load(ref, offset):
+    """ld.acquire.gpu of the int32 at element `offset` of `ref` (GPU only): a plain load with
+    acquire order, for spinning on a flag without the read-modify-write of an atomic."""
+    if jnp.dtype(ref.dtype) != jnp.int32:
+        raise ValueError(f"acquire_load reads int32 refs, got {ref.dtype}")
+    return ref_asm(ref, offset, "ld.acquire.gpu.global.b32 $0, [$1];")
