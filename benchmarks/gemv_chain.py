@@ -47,13 +47,13 @@ def separate(ws, attn, h, tiling):
     return y, h
 
 
-def fused(ws, attn, h, state, programs, l2_ahead=0, num_warps=4):
+def fused(ws, attn, h, state, programs, l2_ahead=0, num_warps=4, spin="atomic"):
     """o_gate_up per layer, the barrier state threaded through."""
     from pallas_kernels.gemv_chain import o_gate_up
     for lw in ws:
         y, h, _, state = o_gate_up(attn, lw["w_o"], h, lw["w_post"], lw["w_pre"], lw["w_gu"],
                                    state, eps=1e-6, programs=programs, l2_ahead=l2_ahead,
-                                   num_warps=num_warps)
+                                   num_warps=num_warps, spin=spin)
         attn = y[:, :K_O]
     return y, h, state
 
@@ -62,15 +62,16 @@ def _time_fused(ws, attn, h, ref, programs, ahead, args, time_threaded, warps=4)
     """The fused kernel's us per layer, its largest difference from the separate kernels
     (expected 0 at 4 warps: the same register layout) and the barrier state, keyed by
     l2_ahead and warps (no suffix for 0 and 4, as before)."""
-    fus = jax.jit(fused, static_argnums=(4, 5, 6), donate_argnums=3)
+    fus = jax.jit(fused, static_argnums=(4, 5, 6, 7), donate_argnums=3)
     state = jnp.zeros((3,), jnp.int32)
-    y, h2, state = fus(ws, attn, h, state, programs, ahead, warps)
+    y, h2, state = fus(ws, attn, h, state, programs, ahead, warps, args.spin)
     err = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
               for g, r in zip((y, h2), ref))
     sfx = (f"_l2_ahead{ahead}" if ahead else "") + (f"_w{warps}" if warps != 4 else "")
     out = {f"max_abs_diff_vs_separate{sfx}": err,
            f"barrier_state{sfx}": jax.device_get(state).tolist()}
-    step = lambda st: (lambda r: (r[0], r[2]))(fus(ws, attn, h, st, programs, ahead, warps))
+    step = lambda st: (lambda r: (r[0], r[2]))(fus(ws, attn, h, st, programs, ahead, warps,
+                                                    args.spin))
     best, state = time_threaded(step, state, args.calls, args.trials)  # state donated
     out[f"fused_us_per_layer{sfx}"] = 1e6 * best / args.layers
     out[f"barrier_state_after{sfx}"] = jax.device_get(state).tolist()
@@ -102,12 +103,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     require_gpu("gemv_chain", "the fused kernel's barrier spins on programs running at the "
                 "same time")
-    from pallas_kernels._common import BARRIER
-    BARRIER["spin"] = args.spin
-    try:
-        return _main(args, argv)
-    finally:
-        BARRIER["spin"] = "atomic"
+    return _main(args, argv)  # the spin mode goes to the kernel as an argument
 
 
 def _main(args, argv) -> int:

@@ -6,8 +6,8 @@
 #      1), against 21.7 for the engine's two kernels. Grid sizes 128 and 256, 4 and 8 warps,
 #      l2_ahead 0-2 (8 warps: other register layouts, so max_abs_diff may be non-zero).
 #      Both barrier spins: session 14 added _common.BARRIER["spin"] = "load" (waiting
-#      programs re-read the generation with ld.acquire.gpu, LDG.E.STRONG.GPU in the SASS,
-#      instead of an atomic add of 0 on the line the arrivals update); first the barrier
+#      programs re-read the generation with ld.relaxed.gpu, LDG.E.STRONG.GPU in the SASS,
+#      instead of atomic adds of 0 on the line the arrivals update; one atomic re-read after); first the barrier
 #      alone against a kernel boundary (session 11: 2.84 us against 0.85).
 #   2. The default table at today's code, a subset (batch 1, 8, 64; native and k=4 d=2,
 #      greedy), to confirm session 11's figures still hold.

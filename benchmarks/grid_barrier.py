@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--barriers", default="0,64", help="barrier (and kernel) counts")
     ap.add_argument("--spin", default="atomic",
                     help="how waiting programs re-read the barrier's generation, comma-"
-                         "separated: atomic (add of 0) and/or load (ld.acquire.gpu)")
+                         "separated: atomic (add of 0) and/or load (ld.relaxed.gpu)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out")
@@ -157,15 +157,16 @@ def main(argv=None) -> int:
                 "interpret mode runs them in turn")
     counts = sorted({int(x) for x in args.barriers.split(",")})
     rows = []
+    before = BARRIER["spin"]
     try:
         for spin in spins:
-            BARRIER["spin"] = spin  # read when each barrier kernel is traced
+            BARRIER["spin"] = spin  # read when each (new) barrier kernel is traced
             for programs in [int(x) for x in args.programs.split(",")]:
                 rows.append(dict(spin=spin, **measure(programs, counts, args.calls,
                                                        args.trials)))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
-        BARRIER["spin"] = "atomic"
+        BARRIER["spin"] = before
     save_record("benchmarks.grid_barrier", argv, args.out, rows=rows)
     return 0
 

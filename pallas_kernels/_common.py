@@ -102,15 +102,15 @@ def pdl_trigger_on(tile, *, interpret: bool):
 
 GEN_MASK = (1 << 30) - 1  # the barrier's generation stays in [0, 2**30)
 # How a waiting program re-reads the generation: "atomic" (an atomic add of 0, acquire; the
-# session-11 barrier, 2.84 us) or "load" (ld.acquire.gpu through pallas_kernels.ref_ptx: a
+# session-11 barrier, 2.84 us) or "load" (ld.relaxed.gpu through pallas_kernels.ref_ptx: a
 # plain read, which does not queue read-modify-writes on the line the arrivals update; session
-# 14, not yet measured). Read at trace time, like PDL.
+# 14, not yet measured). Read at trace time, like PDL; grid_barrier's spin= overrides it.
 BARRIER = {"spin": "atomic"}
 SPIN_MODES = ("atomic", "load")
 SPIN_LIMIT = 1 << 22  # re-reads before a waiting program gives up (seconds, not a hang)
 
 
-def grid_barrier(state_ref, programs, *, gpu_sync: bool = True):
+def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None = None):
     """Every program of the grid waits here until all `programs` have arrived. state_ref:
     int32 [3] (arrivals, generation, give-ups), zeros when first used; each barrier leaves
     the arrivals at 0 and advances the generation, so the state is reused across barriers
@@ -122,8 +122,9 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True):
     back to 0 and then advances the generation (release: every program's stores, and the
     reset, are visible GPU-wide first; nobody else changes either in between); the others
     re-read the generation by atomic adds of 0 (acquire), or with BARRIER["spin"] = "load"
-    by ld.acquire.gpu loads, until it moves, and a second CTA barrier holds their other warps
-    until then. A program that re-reads SPIN_LIMIT times
+    by relaxed GPU-scope loads in every thread (then one atomic re-read: the acquire, and a
+    give-up decision that is the program's, not each thread's), until it moves, and a second CTA barrier
+    holds their other warps until then. spin: "atomic" or "load"; None reads BARRIER. A program that re-reads SPIN_LIMIT times
     without seeing it move (some program never arrived: the grid was not all resident) counts
     itself in the third word and goes on, so a broken barrier shows as a nonzero count and
     wrong results, not as a hung GPU. Returns the generation this barrier passed.
@@ -145,17 +146,26 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True):
         plt.atomic_add(state_ref, (one,), jnp.where(gen == GEN_MASK, jnp.int32(-GEN_MASK), one))
 
     if gpu_sync:
-        if BARRIER["spin"] not in SPIN_MODES:
-            raise ValueError(f"_common.BARRIER['spin'] must be one of {SPIN_MODES}, got "
-                             f"{BARRIER['spin']!r}")
-        if BARRIER["spin"] == "load":
-            from pallas_kernels.ref_ptx import acquire_load
-            reread = lambda: acquire_load(state_ref, 1)
+        spin = BARRIER["spin"] if spin is None else spin
+        if spin not in SPIN_MODES:
+            raise ValueError(f"grid_barrier spin (_common.BARRIER['spin']) must be one of "
+                             f"{SPIN_MODES}, got {spin!r}")
+        reread = lambda: plt.atomic_add(state_ref, (one,), zero)  # one value per program
+        if spin == "load":
+            from pallas_kernels.ref_ptx import gpu_load
+            looked, _ = lax.while_loop(  # every thread spins on its own relaxed GPU loads
+                lambda c: (c[0] == gen) & (c[1] < SPIN_LIMIT),
+                lambda c: (gpu_load(state_ref, 1), c[1] + 1), (gen, zero))
+            # Then one atomic re-read (acq_rel, as the atomic spin's reads are): the acquire
+            # for the program, as in the atomic spin, and the give-up decided on one value
+            # for the whole program (threads may disagree at SPIN_LIMIT) before the CTA
+            # barriers below. Its index uses the loop's result (times 0): JAX's dead-code
+            # elimination would otherwise drop the loop, whose loads it treats as removable.
+            seen = plt.atomic_add(state_ref, (one + 0 * looked,), zero)
         else:
-            reread = lambda: plt.atomic_add(state_ref, (one,), zero)
-        seen, _ = lax.while_loop(
-            lambda c: (c[0] == gen) & (c[1] < SPIN_LIMIT),
-            lambda c: (reread(), c[1] + 1), (gen, zero))
+            seen, _ = lax.while_loop(
+                lambda c: (c[0] == gen) & (c[1] < SPIN_LIMIT),
+                lambda c: (reread(), c[1] + 1), (gen, zero))
 
         @pl.when(seen == gen)
         def _():

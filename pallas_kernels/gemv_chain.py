@@ -35,7 +35,8 @@ TILING = dict(o=dict(block_n=2, block_k=512), gate_up=dict(block_n=2, block_k=51
 
 
 def _kernel(a_ref, wo_ref, h_ref, wb_ref, wx_ref, wgu_ref, state_ref, o_ref, y_ref, xo_ref,
-            state_out_ref, *, m, k_o, k, inter, tiling, per_program, eps, gpu_sync, l2_ahead):
+            state_out_ref, *, m, k_o, k, inter, tiling, per_program, eps, gpu_sync, l2_ahead,
+            spin):
     del state_ref  # aliased with state_out_ref: the barrier's atomics go through the output
     p, programs, dt = pl.program_id(0), pl.num_programs(0), y_ref.dtype
 
@@ -65,7 +66,7 @@ def _kernel(a_ref, wo_ref, h_ref, wb_ref, wx_ref, wgu_ref, state_ref, o_ref, y_r
     stream_blocks(load, first, xs, o_ref, **kw)
     # gate/up's first block (and with l2_ahead its next ones) requested before the barrier
     load, first, t, nk, kw, zero = phase("gate_up", wgu_ref, k, True)
-    grid_barrier(state_out_ref, programs, gpu_sync=gpu_sync)
+    grid_barrier(state_out_ref, programs, gpu_sync=gpu_sync, spin=spin)
     xs = row_inputs((h_ref, o_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=t["block_k"],
                     k=k, dt=dt, prologue="add_norm", eps=eps, first_program=p == 0, row2d=False,
                     after=zero)
@@ -94,13 +95,13 @@ def _per_program(name: str, n_out: int, k_in: int, tiling: dict, programs: int) 
 
 def o_gate_up(attn, w_o, h, w_post_attn, w_pre_mlp, w_gate_up, state, *, eps: float,
               programs: int = PROGRAMS, tiling: dict | None = None, num_warps: int = 4,
-              interpret: bool = False, l2_ahead: int = 0):
+              interpret: bool = False, l2_ahead: int = 0, spin: str | None = None):
     """attn [M, K_o] (the attention output), w_o [K, K_o], h [M, K] (the residual stream),
     the two norm weights [K], w_gate_up [2I, K], state int32 [3] (the barrier's; donate it; its last word counts programs that gave up waiting, 0 when the barrier held).
     Returns (y [M, I], x' [M, K], o [M, K], state): gemv_stream's results for the o
     projection and the gated, add_norm gate/up projection, in one kernel. l2_ahead: how many
     blocks each program keeps requested into L2 ahead of the one in registers (session 14;
-    0: none)."""
+    0: none). spin: the barrier's spin mode (_common.grid_barrier; None: _common.BARRIER)."""
     if type(l2_ahead) is not int or l2_ahead < 0:
         raise ValueError(f"o_gate_up l2_ahead must be an int >= 0, got {l2_ahead!r}")
     tiling = dict(TILING, **(tiling or {}))
@@ -122,7 +123,7 @@ def o_gate_up(attn, w_o, h, w_post_attn, w_pre_mlp, w_gate_up, state, *, eps: fl
     dt = h.dtype
     kernel = functools.partial(_kernel, m=m, k_o=k_o, k=k, inter=inter, tiling=tiling,
                                per_program=per_program, eps=float(eps), gpu_sync=not interpret,
-                               l2_ahead=l2_ahead)
+                               l2_ahead=l2_ahead, spin=spin)
     sd = jax.ShapeDtypeStruct
     o, y, x_new, state = pl.pallas_call(
         kernel, grid=(programs,), input_output_aliases={6: 3},

@@ -9,7 +9,7 @@ jaxpr does drop it when its result is unused, so every caller consumes the resul
 prefetch adds its zero into a later index; an acquire load is the value read).
 
 Users: `l2_prefetch` (pallas_kernels/l2_prefetch.py, a bulk prefetch into L2) and
-`acquire_load` (below: `ld.acquire.gpu`, the grid barrier's spin read in
+`gpu_load` (below: `ld.relaxed.gpu` / `ld.acquire.gpu`; the grid barrier's spin read in
 _common.BARRIER["spin"] = "load"). It uses jax-internal Pallas-Triton lowering helpers
 (`register_lowering`, `_add`, `_ensure_ir_value`) that jax 0.10.2 and 0.11.2 both have; tests lower kernels with
 it for 'cuda' on the CPU under both. There is no interpret-mode rule: callers emit nothing (or
@@ -55,9 +55,15 @@ def _lower(ctx, ptr, offset, *, asm):
                                              packed_element=1, args=[addr])
 
 
-def acquire_load(ref, offset):
-    """ld.acquire.gpu of the int32 at element `offset` of `ref` (GPU only): a plain load with
-    acquire order, for spinning on a flag without the read-modify-write of an atomic."""
+LOAD_SEMANTICS = ("relaxed", "acquire")
+
+
+def gpu_load(ref, offset, *, sem: str = "relaxed"):
+    """ld.<sem>.gpu of the int32 at element `offset` of `ref` (GPU only): a GPU-scope load
+    that bypasses L1, for spinning on a flag without the read-modify-write of an atomic.
+    "acquire" also orders later reads after it, at the cost of an L1 invalidate per load."""
     if jnp.dtype(ref.dtype) != jnp.int32:
-        raise ValueError(f"acquire_load reads int32 refs, got {ref.dtype}")
-    return ref_asm(ref, offset, "ld.acquire.gpu.global.b32 $0, [$1];")
+        raise ValueError(f"gpu_load reads int32 refs, got {ref.dtype}")
+    if sem not in LOAD_SEMANTICS:
+        raise ValueError(f"gpu_load sem must be one of {LOAD_SEMANTICS}, got {sem!r}")
+    return ref_asm(ref, offset, f"ld.{sem}.gpu.global.b32 $0, [$1];")
