@@ -27,8 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import compiler_params, grid_barrier, pl
 from pallas_kernels.gemv import check_norm_operands, check_operands
-from pallas_kernels.gemv_stream import block_loader, row_inputs, stream_blocks
-from pallas_kernels.l2_prefetch import l2_prefetch
+from pallas_kernels.gemv_stream import block_loader, prefetch_block, row_inputs, stream_blocks
 
 PROGRAMS = 128
 TILING = dict(o=dict(block_n=2, block_k=512), gate_up=dict(block_n=2, block_k=512))
@@ -46,9 +45,10 @@ def _kernel(a_ref, wo_ref, h_ref, wb_ref, wx_ref, wgu_ref, state_ref, o_ref, y_r
         load = block_loader(w_ref, block_n=t["block_n"], block_k=t["block_k"], nk=nk,
                             gated=gated, up_offset=inter)
         n = per_program[name]
-        pf = functools.partial(_prefetch_block, w_ref, p, programs, n, k=k_in,
-                               block_n=t["block_n"], gated=gated, up_offset=inter,
-                               interpret=not gpu_sync)
+        # block i of the program, clamped to its last (n - 1): a repeat is harmless
+        pf = lambda i: prefetch_block(
+            w_ref, p, programs, jnp.minimum(jnp.asarray(i, jnp.int32), n - 1), k=k_in,
+            block_n=t["block_n"], gated=gated, up_offset=inter, interpret=not gpu_sync)
         # l2_ahead: blocks 1..l2_ahead requested into L2 up front, then block i + 1 + l2_ahead
         # in iteration i: a deeper pipeline than the registers' one block, without registers
         ahead = (lambda i: pf(i + 1 + l2_ahead)) if l2_ahead else None
@@ -71,18 +71,6 @@ def _kernel(a_ref, wo_ref, h_ref, wb_ref, wx_ref, wgu_ref, state_ref, o_ref, y_r
                     k=k, dt=dt, prologue="add_norm", eps=eps, first_program=p == 0, row2d=False,
                     after=zero)
     stream_blocks(load, first, xs, y_ref, **kw)
-
-
-def _prefetch_block(w_ref, p, programs, n, i, *, k, block_n, gated, up_offset, interpret):
-    """L2 prefetch of the program's block i (clamped to its last, n - 1: a repeat is
-    harmless); returns the prefetch's int32 zero."""
-    i = jnp.minimum(jnp.asarray(i, jnp.int32), n - 1)
-    row = (p + i * programs) * block_n
-    nbytes = block_n * k * w_ref.dtype.itemsize
-    zero = jnp.int32(0)
-    for off in (0, up_offset) if gated else (0,):
-        zero = zero + l2_prefetch(w_ref, (off + row) * k, nbytes, interpret=interpret)
-    return zero
 
 
 def _per_program(name: str, n_out: int, k_in: int, tiling: dict, programs: int) -> int:

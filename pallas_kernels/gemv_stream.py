@@ -65,41 +65,40 @@ DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False,
                 l2_prefetch=0, next_rows=0, next_at="end", x_first=False)
 
 
-def raw_rows(refs, m, nk, block_k, prologue, row2d, after):
-    """Every row's raw x (and, for add_norm, branch) chunks as loaded, no math: issued ahead
-    of the first weight block with x_first, so that these small reads (an earlier kernel's
-    output, in L2) are not queued behind the weight stream."""
+def raw_rows(refs, rows, nk, block_k, prologue, row2d, after, f32=False):
+    """Rows `rows`' raw x (and, for add_norm, branch) chunks as loaded, no math. after:
+    _common.pdl_wait's zero, added to the offsets of these reads (an earlier kernel's
+    output) so that they follow the wait; the norm weights need not. With x_first they are
+    issued ahead of the first weight block, so as not to queue behind the weight stream, and
+    kept raw (a conversion here would wait for them); f32: each converted as it is loaded."""
     x_ref, b_ref = refs[0], refs[1]
     late = [pl.ds(pl.multiple_of(after + c * block_k, block_k), block_k) for c in range(nk)]
     out = []
-    for r in range(m):
+    for r in rows:
         row = pl.ds(r, 1) if row2d else r
-        xs = [x_ref[row, late[c]] for c in range(nk)]
-        bs = [b_ref[row, late[c]] for c in range(nk)] if prologue == "add_norm" else None
+        cvt = (lambda v: v.astype(jnp.float32)) if f32 else (lambda v: v)
+        xs = [cvt(x_ref[row, late[c]]) for c in range(nk)]
+        bs = [cvt(b_ref[row, late[c]]) for c in range(nk)] if prologue == "add_norm" else None
         out.append((xs, bs))
     return out
 
 
-def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=0,
-                raw=None):
+def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, raw):
     """Row r's GEMV input as nk fp32 chunks ([1, block_k] with row2d, else [block_k]), after
-    the prologue (stores x' for add_norm). The row statistics are summed chunk by chunk
-    (gemv._rms_scale sums the whole row at once); otherwise the rounding is gemv.py's,
-    through the same helpers. With row2d the norm weights arrive as [1, K] arrays. after:
-    _common.pdl_wait's zero, added to the offsets of the reads of x and the branch (written
-    by earlier kernels) so that they follow the wait; the norm weights need not."""
-    x_ref, b_ref, wb_ref, wx_ref, xo_ref = refs
+    the prologue (stores x' for add_norm), from raw_rows' loads `raw` = (x chunks, branch
+    chunks). The row statistics are summed chunk by chunk (gemv._rms_scale sums the whole
+    row at once); otherwise the rounding is gemv.py's, through the same helpers. With row2d
+    the norm weights arrive as [1, K] arrays."""
+    _, _, wb_ref, wx_ref, xo_ref = refs
     cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
-    late = [pl.ds(pl.multiple_of(after + c * block_k, block_k), block_k) for c in range(nk)]
     row = pl.ds(r, 1) if row2d else r
     vec = (lambda ref, c: ref[pl.ds(0, 1), cols[c]]) if row2d else (lambda ref, c: ref[cols[c]])
-    raw_x, raw_b = raw if raw is not None else (None, None)
-    xs = [(raw_x[c] if raw_x else x_ref[row, late[c]]).astype(jnp.float32) for c in range(nk)]
+    raw_x, raw_b = raw
+    xs = [raw_x[c].astype(jnp.float32) for c in range(nk)]
     if not prologue:
         return xs
     if prologue == "add_norm":
-        bs = [(raw_b[c] if raw_b else b_ref[row, late[c]]).astype(jnp.float32)
-              for c in range(nk)]
+        bs = [raw_b[c].astype(jnp.float32) for c in range(nk)]
         s_b = lax.rsqrt(sum(jnp.sum(b * b) for b in bs) / k + eps)
         xs = [(xs[c] + _normed(bs[c], s_b, vec(wb_ref, c), dt).astype(jnp.float32)).astype(dt)
               .astype(jnp.float32) for c in range(nk)]
@@ -172,23 +171,31 @@ def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row
                raw=None):
     """Every row's GEMV input chunks (_row_chunks), as [1, block_k] arrays. after: pdl_wait's
     zero (default: an int32 0, which the Triton lowering's multiple_of hint needs as a value).
-    raw: raw_rows' loads, when they were issued earlier."""
+    raw: raw_rows' loads, when they were issued earlier (else they are issued here)."""
     after = jnp.int32(0) if after is None else after
-    xs = [_row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, after,
-                      None if raw is None else raw[r])
+    load = lambda r: raw[r] if raw is not None else \
+        raw_rows(refs, [r], nk, block_k, prologue, row2d, after, f32=True)[0]  # row by row
+    xs = [_row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, load(r))
           for r in range(m)]
     return xs if row2d else [[xc[None, :] for xc in xr] for xr in xs]
 
 
-def prefetch_blocks(w_ref, p, programs, count, *, k, block_n, gated, up_offset, interpret):
-    """L2 prefetches of blocks p + programs, ..., p + count * programs of w_ref (each block's
-    block_n rows of K are contiguous; gated: and its up rows); returns their int32 zero."""
+def prefetch_block(w_ref, p, programs, i, *, k, block_n, gated, up_offset, interpret):
+    """L2 prefetch of the program's i-th block, p + i * programs, of w_ref (its block_n rows
+    of K are contiguous; gated: and its up rows); returns the prefetch's int32 zero."""
     nbytes = block_n * k * w_ref.dtype.itemsize
+    row = (p + i * programs) * block_n
+    zero = jnp.int32(0)
+    for off in (0, up_offset) if gated else (0,):
+        zero = zero + l2_prefetch(w_ref, (off + row) * k, nbytes, interpret=interpret)
+    return zero
+
+
+def prefetch_blocks(w_ref, p, programs, count, **kw):
+    """prefetch_block of the program's blocks 1..count; returns their int32 zero."""
     zero = jnp.int32(0)
     for i in range(1, count + 1):
-        row = (p + i * programs) * block_n
-        for off in (0, up_offset) if gated else (0,):
-            zero = zero + l2_prefetch(w_ref, (off + row) * k, nbytes, interpret=interpret)
+        zero = zero + prefetch_block(w_ref, p, programs, i, **kw)
     return zero
 
 
@@ -226,7 +233,7 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
     raw = None
     if x_first:  # x (and the branch) requested before the weights; PDL's wait comes first
         after0 = pdl_wait(token)
-        raw = raw_rows((x_ref, b_ref), m, nk, block_k, prologue, row2d, after0)
+        raw = raw_rows((x_ref, b_ref), range(m), nk, block_k, prologue, row2d, after0)
     first = load(p)  # in flight while the prologue runs (and, with PDL, the previous kernel)
     ahead = prefetch_blocks(w_ref, p, pl.num_programs(0), min(l2_prefetch, per_program - 1),
                             k=k, block_n=block_n, gated=gated, up_offset=up_offset,
