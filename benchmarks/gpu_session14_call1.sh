@@ -30,15 +30,7 @@ pass=1; arms
 pass=2; run both --l2-prefetch $S4 --l2-next $NX; run next_start --l2-next $NX --l2-next-at start
 run next_end --l2-next $NX; run self4 --l2-prefetch $S4; run self2 --l2-prefetch qkv=all,gate_up=all
 run default
-python3 - "$A" "$OUT/ab_l2_b1_session14_h200.json" <<'PY'
-import glob, json, os, sys
-arms = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + "/*.json"))}
-for arm, rec in arms.items():
-    for r in rec["rows"]:
-        print(arm, round(r["decode_tok_s"], 1), round(r["decode_tok_s_min"], 1),
-              round(r["decode_tok_s_max"], 1), r["tokens_sha"], round(r["compile_s"], 1))
-json.dump(arms, open(sys.argv[2], "w"), indent=1)
-PY
+python3 -m benchmarks.ab_arms $A $OUT/ab_l2_b1_session14_h200.json
 rm -rf $A
 timeout 80 python3 -m benchmarks.kernel_trace --attention pallas --batch 1 --k 0 --top 12 \
   --l2-prefetch $S4 --l2-next $NX --out $OUT/kernel_trace_b1_l2_both_session14_h200.json 2>&1 \

@@ -24,13 +24,5 @@ pass=2
 run down6 --l2-next down=6; run o4 --l2-next o=4; run qkv5 --l2-next qkv=5
 run nx3 --l2-next $NX3; run nx2 --l2-next $NX2; run nx --l2-next $NX; run default
 pass=1; run splits2 --decode-kernel num_splits=2; run splits4 --decode-kernel num_splits=4
-python3 - "$A" "$OUT/ab_l2_next_b1_session14_h200.json" <<'PY'
-import glob, json, os, sys
-arms = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + "/*.json"))}
-for arm, rec in arms.items():
-    for r in rec["rows"]:
-        print(arm, round(r["decode_tok_s"], 1), round(r["decode_tok_s_min"], 1),
-              round(r["decode_tok_s_max"], 1), r["tokens_sha"], round(r["compile_s"], 1))
-json.dump(arms, open(sys.argv[2], "w"), indent=1)
-PY
+python3 -m benchmarks.ab_arms $A $OUT/ab_l2_next_b1_session14_h200.json
 rm -rf $A

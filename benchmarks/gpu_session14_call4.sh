@@ -22,15 +22,7 @@ run() { timeout 50 $D "${@:2}" --out $A/$1_p$pass.json 2>&1 | grep -E "rror" ; }
 X2="qkv.x_first=1,gate_up.x_first=1"; X4="$X2,o.x_first=1,down.x_first=1"
 pass=1; run default; run xf2 --stream-set $X2; run xf4 --stream-set $X4
 pass=2; run xf4 --stream-set $X4; run xf2 --stream-set $X2; run default
-python3 - "$A" "$OUT/ab_x_first_b1_session14_h200.json" <<'PY'
-import glob, json, os, sys
-arms = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + "/*.json"))}
-for arm, rec in arms.items():
-    for r in rec["rows"]:
-        print(arm, round(r["decode_tok_s"], 1), round(r["decode_tok_s_min"], 1),
-              round(r["decode_tok_s_max"], 1), r["tokens_sha"], round(r["compile_s"], 1))
-json.dump(arms, open(sys.argv[2], "w"), indent=1)
-PY
+python3 -m benchmarks.ab_arms $A $OUT/ab_x_first_b1_session14_h200.json
 rm -rf $A
 timeout 80 python3 -m benchmarks.kernel_trace --attention pallas --batch 1 --k 0 --top 8 \
   --stream-set $X2 --out $OUT/kernel_trace_b1_x_first_session14_h200.json 2>&1 \

@@ -17,13 +17,5 @@ run() { timeout 55 env XLA_FLAGS="$2" $D --compile-cache /tmp/cc_$1 --batch $3 -
 pass=1; run default "" 1; run cmdbuf "$CB" 1
 pass=2; run cmdbuf "$CB" 1; run default "" 1
 pass=1; run default "" 8; run cmdbuf "$CB" 8
-python3 - "$A" "$OUT/ab_cmdbuf_session14_h200.json" <<'PY'
-import glob, json, os, sys
-arms = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + "/*.json"))}
-for arm, rec in arms.items():
-    for r in rec["rows"]:
-        print(arm, rec.get("xla_flags", "")[:20], round(r["decode_tok_s"], 1), round(r["decode_tok_s_min"], 1),
-              round(r["decode_tok_s_max"], 1), r["tokens_sha"], round(r["compile_s"], 1))
-json.dump(arms, open(sys.argv[2], "w"), indent=1)
-PY
+python3 -m benchmarks.ab_arms $A $OUT/ab_cmdbuf_session14_h200.json --flags
 rm -rf $A

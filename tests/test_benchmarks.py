@@ -286,3 +286,25 @@ def test_gemv_scaling_fit_and_cpu_refusal():
             gsc.main(["--shapes", "o"])
     with pytest.raises(SystemExit, match="unknown"):
         gsc.main(["--shapes", "mlp"])
+
+
+def test_ab_arms_collects_and_prints_the_arms(tmp_path):
+    """benchmarks.ab_arms on session 14 call 1's arms (split back out of its committed file):
+    the same lines the call printed, the same collected file; an empty folder is an error."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import ab_arms
+    src = Path(__file__).parent.parent / "benchmarks/results/ab_l2_b1_session14_h200.json"
+    arms = json.loads(src.read_text())
+    for name, rec in arms.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(rec))
+    out = tmp_path / "out" / "all.json"
+    out.parent.mkdir()
+    ab_arms.main([str(tmp_path), str(out)])
+    assert json.loads(out.read_text()) == arms
+    got = ab_arms.lines(ab_arms.collect(str(tmp_path)))
+    assert got[0] == "both_p1 215.2 215.1 215.3 3961d77b5e94e06f 15.3"
+    assert "default_p2 241.3 240.7 241.8 3961d77b5e94e06f 10.5" in got
+    with pytest.raises(SystemExit, match="no"):
+        ab_arms.collect(str(out.parent / "missing"))
