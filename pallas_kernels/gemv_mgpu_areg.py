@@ -18,6 +18,14 @@ its A fragment needs), broadcasts it to [64, block_k] in registers and issues th
 The epilogue runs on the whole accumulator in registers; the result goes to SMEM and its row 0
 to GMEM by TMA. gated: W = [gate; up], two
 accumulators, silu(gate) * up rounded as gemv._silu_mul (k_splits == 1).
+
+pdl_step (opt-in, session 15; None: off): programmatic dependent launch placed by the kernel
+itself, which the Triton path cannot do (XLA puts its wait at every Triton kernel's start).
+The pipeline's first `stages` weight tiles are requested before `griddepcontrol.wait`
+(weights do not depend on the previous kernel), x is read after it, in step 0; at step
+min(pdl_step, steps - 1) the kernel lets the next one launch
+(`griddepcontrol.launch_dependents`), so that kernel's own weight requests can run under
+this one's tail. The result is the same as without PDL (tested bit for bit on the GPU).
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ def check(x, w, block_n, block_k, k_splits, stages, gated):
 
 
 @functools.lru_cache(maxsize=None)
-def _build(n, k, dtype, gated, block_n, block_k, k_splits, stages, interpret):
+def _build(n, k, dtype, gated, block_n, block_k, k_splits, stages, interpret, pdl_step=None):
     dt = jnp.dtype(dtype)
     k_part = k // k_splits
     nk = k_part // block_k
@@ -85,12 +93,24 @@ def _build(n, k, dtype, gated, block_n, block_k, k_splits, stages, interpret):
     def body(x_g, w_g, o_g, x_smem, o_smem, *a_smem):
         ni = lax.axis_index("n")
         ki = lax.axis_index("k")
-        # x's K-part into SMEM once (a row of a few KB from L2), fenced for every thread.
-        x_smem[...] = plgpu.load(x_g.at[0, pl.ds(ki * k_part, k_part)])
-        plgpu.commit_smem()
+
+        def load_x():  # x's K-part into SMEM once (a row of a few KB), fenced for all threads
+            x_smem[...] = plgpu.load(x_g.at[0, pl.ds(ki * k_part, k_part)])
+            plgpu.commit_smem()
+        if pdl_step is None:
+            load_x()
 
         def acc_scope(*accs):
             def step(idx, *w_tiles):
+                if pdl_step is not None:
+                    @pl.when(idx[0] == 0)
+                    def _():  # the first tiles are in flight: now wait, then read x
+                        _pdl_wait(interpret)
+                        load_x()
+
+                    @pl.when(idx[0] == min(pdl_step, nk - 1))
+                    def _():
+                        _pdl_launch(interpret)
                 h = plgpu.load(x_smem.at[pl.ds(idx[0] * block_k, block_k)],
                                layout=col_layout, optimized=False)
                 a = plgpu.layout_cast(lax.broadcast_in_dim(h, (AROWS, block_k), (1,)),
@@ -135,18 +155,33 @@ def _build(n, k, dtype, gated, block_n, block_k, k_splits, stages, interpret):
         grid=(n // block_n, k_splits), grid_names=("n", "k"), interpret=interpret)
 
 
+def _pdl_wait(interpret):
+    if not interpret:  # (the CPU simulation has no grids to wait for)
+        plgpu.griddepcontrol_wait()
+
+
+def _pdl_launch(interpret):
+    if not interpret:
+        plgpu.griddepcontrol_launch_dependents()
+
+
 def gemv_mgpu_areg(x, w, *, gated=False, block_n=32, block_k=128, k_splits=1, stages=4,
-                   interpret=False):
+                   interpret=False, pdl_step=None):
     """y [1, N] = x @ w^T (gated: silu(x @ gate^T) * (x @ up^T), [1, I]) with x as the
     register A operand; fp32 accumulation, x.dtype out (k_splits > 1: XLA sums the fp32
     partials). interpret: the CPU simulation, whose wgmma takes its A operand from shared
     memory only (jax 0.11.2), so there the broadcast x chunk is stored to an SMEM tile first;
     the register path itself is checked by the lowering for 'cuda' and on the GPU."""
     n = check(x, w, block_n, block_k, k_splits, stages, gated)
+    if pdl_step is not None and (type(pdl_step) is not int or pdl_step < 0):
+        raise ValueError(f"pdl_step must be None or an int >= 0, got {pdl_step!r}")
+    if pdl_step is not None and k_splits > 1:
+        raise ValueError("pdl_step needs k_splits=1 (the split-K sum is an XLA kernel that "
+                         "would read the partials without waiting)")
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     call = _build(n, x.shape[1], jnp.dtype(x.dtype), bool(gated), block_n, block_k, k_splits,
-                  stages, interpret or None)
+                  stages, interpret or None, pdl_step)
     out = call(x, w)
     return out if k_splits == 1 else out.sum(0).astype(x.dtype)[None]
 

@@ -111,3 +111,60 @@ def test_gpu_matches_xla_at_the_1p4b_shapes(name, tiling):
     print(f"{name} {tiling}: rel err {err:.3g}, {int((_f32(y) != _f32(ref)).sum())} of "
           f"{y.size} differ")
     assert err <= 8e-3, err
+
+
+# Programmatic dependent launch placed by the kernel (pdl_step, session 15).
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("pdl_step", [0, 1, 9])
+def test_interpret_pdl_step_same_result(gated, pdl_step):
+    """x read inside step 0 (after the wait) instead of before the pipeline: same result."""
+    x, w = _xw(128, 256, seed=7)
+    kw = dict(gated=gated, block_n=16, block_k=64, stages=2, interpret=True)
+    y = gemv_mgpu_areg(x, w, pdl_step=pdl_step, **kw)
+    np.testing.assert_array_equal(_f32(y), _f32(gemv_mgpu_areg(x, w, **kw)))
+    np.testing.assert_array_equal(_f32(y), _f32(gemv_reference(x, w, gated=gated)))
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(pdl_step=-1), "pdl_step"),
+                                    (dict(pdl_step=1.0), "pdl_step"),
+                                    (dict(pdl_step=0, k_splits=2, block_k=64), "k_splits=1")])
+def test_rejects_bad_pdl_step(kw, msg):
+    x, w = _xw(64, 256)
+    with pytest.raises(ValueError, match=msg):
+        gemv_mgpu_areg(x, w, interpret=True, **kw)
+
+
+def test_pdl_lowering_marks_the_kernel_and_emits_wait_and_trigger():
+    """The lowered kernel (serialized in the custom call, so only its string table can be
+    read here) carries the PDL module attribute, which makes XLA launch it with programmatic
+    stream serialization, and both instructions; without pdl_step none of them. The order
+    (wait after the first weight requests) is what the GPU chain test exercises."""
+    S = jax.ShapeDtypeStruct
+    args = (S((1, 2048), jnp.bfloat16), S((2048, 2048), jnp.bfloat16))
+    on = lower_for_h200(*args, block_n=16, block_k=256, stages=4, pdl_step=0).as_text()
+    off = lower_for_h200(*args, block_n=16, block_k=256, stages=4).as_text()
+    for word in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;",
+                 "mosaic_gpu.uses_pdl"):
+        assert word in on and word not in off
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl_step", [0, 3])
+def test_gpu_pdl_chain_is_bit_identical(pdl_step):
+    """A chain of dependent GEMVs with PDL (each reads the previous one's output after its
+    wait; the next launches early) gives the same bits as without: a wait placed too late
+    or not at all would let a kernel read x before its producer wrote it."""
+    n = k = 2048
+    x, _ = _xw(n, k, seed=11)
+    ws = [_xw(n, k, seed=20 + i)[1] for i in range(12)]
+
+    def chain(x, ws, step):
+        for w in ws:
+            x = gemv_mgpu_areg(x, w, block_n=16, block_k=256, stages=4, pdl_step=step)
+        return x
+    ref = jax.jit(lambda x, ws: chain(x, ws, None))(x, ws)
+    for _ in range(3):
+        y = jax.jit(lambda x, ws: chain(x, ws, pdl_step))(x, ws)
+        np.testing.assert_array_equal(_f32(y), _f32(ref))
