@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                          "the one in registers, comma-separated (session 14)")
     ap.add_argument("--num-warps", default="4",
                     help="fused kernel: warps per program, comma-separated")
-    ap.add_argument("--spin", default="atomic", choices=["atomic", "load"],
+    ap.add_argument("--spin", default="atomic", choices=["atomic", "load", "counter"],
                     help="how the barrier's waiting programs re-read its generation "
                          "(_common.BARRIER)")
     ap.add_argument("--separate", default="engine,chain,grid",

@@ -30,32 +30,39 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import BARRIER, SPIN_MODES, compiler_params, grid_barrier, pl
+from pallas_kernels._common import (BARRIER, SPIN_MODES, barrier_target, compiler_params,
+                                    grid_barrier, pl)
 
 
-def _barrier_kernel(state_ref, out_ref, buf_ref, state_out_ref, *, phases, programs, gpu_sync):
+def _barrier_kernel(state_ref, out_ref, buf_ref, state_out_ref, *, phases, programs, gpu_sync,
+                    spin):
     del state_ref  # aliased with state_out_ref: the atomics go through the output
     p = pl.program_id(0)
+    counter = spin == "counter"
+    if counter:
+        base = barrier_target(state_out_ref, programs, -1)  # then barrier i: + (i + 1) P
 
     def phase(i, acc):
         slot = lax.rem(i, 2) * programs
         buf_ref[slot + p] = (p + 1) * (i + 1)
-        grid_barrier(state_out_ref, programs, gpu_sync=gpu_sync)
+        grid_barrier(state_out_ref, programs, gpu_sync=gpu_sync, spin=spin,
+                     target=base + (i + 1) * programs if counter else None)
         return acc + buf_ref[slot + lax.rem(p + 1, programs)]
 
     out_ref[p] = lax.fori_loop(0, phases, phase, jnp.int32(0))
 
 
-def barrier_call(programs: int, phases: int, *, interpret: bool = False):
+def barrier_call(programs: int, phases: int, *, interpret: bool = False, spin=None):
     """f(state int32[3]) -> (out int32[P], state): P programs pass `phases` barriers;
     in phase i program p stores (p + 1) (i + 1) and then reads its neighbour's store, so
     out[p] = ((p + 1) % P + 1) * phases * (phases + 1) / 2 when every barrier held, and the
-    state comes back as (0, generation + phases, 0): no program gave up waiting."""
+    state comes back as (0, generation + phases, 0): no program gave up waiting (spin
+    "counter": (arrivals + phases * P, 0, 0)). spin: None reads _common.BARRIER."""
     if interpret and programs > 1:
         raise ValueError("barrier_call in interpret mode takes one program: interpret mode runs "
                          f"programs in turn, so {programs} could not wait for each other")
     kernel = functools.partial(_barrier_kernel, phases=phases, programs=programs,
-                               gpu_sync=not interpret)
+                               gpu_sync=not interpret, spin=spin or BARRIER["spin"])
     call = pl.pallas_call(
         kernel, grid=(programs,), input_output_aliases={0: 2},
         out_shape=(jax.ShapeDtypeStruct((programs,), jnp.int32),
@@ -123,8 +130,9 @@ def measure(programs: int, counts: list[int], calls: int, trials: int) -> dict:
     for n in counts:
         f = jax.jit(barrier_call(programs, n), donate_argnums=0)
         out, state = f(jnp.zeros((3,), jnp.int32))
+        want = [n * programs, 0, 0] if BARRIER["spin"] == "counter" else [0, n, 0]
         res["barrier_ok"][n] = (jax.device_get(out).tolist() == expected(programs, n)
-                                and jax.device_get(state).tolist() == [0, n, 0])
+                                and jax.device_get(state).tolist() == want)
         res["barrier_us"][n] = 1e6 * time_threaded(f, state, calls, trials)[0]
         g = jax.jit(boundary_chain(programs, n))
         res["boundary_us"][n] = 1e6 * time_calls(g, (jnp.arange(programs, dtype=jnp.int32),), calls,
@@ -144,7 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--barriers", default="0,64", help="barrier (and kernel) counts")
     ap.add_argument("--spin", default="atomic",
                     help="how waiting programs re-read the barrier's generation, comma-"
-                         "separated: atomic (add of 0) and/or load (ld.relaxed.gpu)")
+                         "separated: atomic (add of 0), load (ld.relaxed.gpu), counter (no "
+                         "generation: acquire loads until the arrivals reach a target)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out")

@@ -104,13 +104,29 @@ GEN_MASK = (1 << 30) - 1  # the barrier's generation stays in [0, 2**30)
 # How a waiting program re-reads the generation: "atomic" (an atomic add of 0, acquire; the
 # session-11 barrier, 2.84 us) or "load" (ld.relaxed.gpu through pallas_kernels.ref_ptx: a
 # plain read, which does not queue read-modify-writes on the line the arrivals update; session
-# 14, not yet measured). Read at trace time, like PDL; grid_barrier's spin= overrides it.
+# 14: 2.71-2.92 us against the atomic spin's 2.63-2.78 in session 15, no gain) or "counter"
+# (session 15: no generation; the arrivals word only grows and a barrier waits for a target
+# the program knows, `barrier_target`, with acquire loads: one atomic per program per
+# barrier, no reset by the last arrival). Read at trace time, like PDL; grid_barrier's spin=
+# overrides it.
 BARRIER = {"spin": "atomic"}
-SPIN_MODES = ("atomic", "load")
+SPIN_MODES = ("atomic", "load", "counter")
+
+
+def barrier_target(state_ref, programs, index):
+    """The "counter" barrier's target for the kernel's barrier number `index` (0-based; a
+    traced int is fine): the arrivals word as read at the kernel's start, rounded down to
+    whole barriers (no barrier of this kernel can complete before this program arrives, and
+    every earlier kernel's have), plus (index + 1) * programs. One atomic read; issue it
+    early. The word is int32 and only grows: it wraps after 2**31 arrivals (16 million
+    barriers of 132 programs), so a long-lived caller zeroes the state before then."""
+    now = plt.atomic_add(state_ref, (jnp.int32(0),), jnp.int32(0))
+    return now // programs * programs + (index + 1) * programs
 SPIN_LIMIT = 1 << 22  # re-reads before a waiting program gives up (seconds, not a hang)
 
 
-def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None = None):
+def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None = None,
+                 target=None):
     """Every program of the grid waits here until all `programs` have arrived. state_ref:
     int32 [3] (arrivals, generation, give-ups), zeros when first used; each barrier leaves
     the arrivals at 0 and advances the generation, so the state is reused across barriers
@@ -133,10 +149,24 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
     count times the programs an SM holds): the caller sizes the grid for that. Interpret
     mode runs programs one after another and has no lowering for the CTA barriers: with
     gpu_sync=False there is no spin, which is right for a one-program grid only (callers
-    refuse more in interpret mode)."""
+    refuse more in interpret mode).
+
+    spin "counter" (needs `target`, from barrier_target): each program arrives with one
+    atomic add to the arrivals word, which nobody resets, and waits until the word reaches
+    the target, re-reading it with ld.acquire.gpu in every thread; a program that gives up
+    counts itself in the third word as above. Returns the target."""
     zero, one, two = jnp.int32(0), jnp.int32(1), jnp.int32(2)
+    spin = BARRIER["spin"] if spin is None else spin
+    if spin not in SPIN_MODES:
+        raise ValueError(f"grid_barrier spin (_common.BARRIER['spin']) must be one of "
+                         f"{SPIN_MODES}, got {spin!r}")
+    if (spin == "counter") != (target is not None):
+        raise ValueError("grid_barrier: spin 'counter' takes a target (barrier_target) and "
+                         f"the other spins none; got spin {spin!r}, target {target!r}")
     if gpu_sync:
         plt.debug_barrier()
+    if spin == "counter":
+        return _counter_barrier(state_ref, target, gpu_sync)
     gen = plt.atomic_add(state_ref, (one,), zero)
     arrived = plt.atomic_add(state_ref, (zero,), one) + 1
 
@@ -146,10 +176,6 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
         plt.atomic_add(state_ref, (one,), jnp.where(gen == GEN_MASK, jnp.int32(-GEN_MASK), one))
 
     if gpu_sync:
-        spin = BARRIER["spin"] if spin is None else spin
-        if spin not in SPIN_MODES:
-            raise ValueError(f"grid_barrier spin (_common.BARRIER['spin']) must be one of "
-                             f"{SPIN_MODES}, got {spin!r}")
         reread = lambda: plt.atomic_add(state_ref, (one,), zero)  # one value per program
         if spin == "load":
             from pallas_kernels.ref_ptx import gpu_load
@@ -172,6 +198,25 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
             plt.atomic_add(state_ref, (two,), one)
         plt.debug_barrier()
     return gen
+
+
+def _counter_barrier(state_ref, target, gpu_sync):
+    """grid_barrier's "counter" spin, after the first CTA barrier."""
+    zero, two = jnp.int32(0), jnp.int32(2)
+    arrived = plt.atomic_add(state_ref, (zero,), jnp.int32(1)) + 1
+    if not gpu_sync:
+        return target + 0 * arrived
+    from pallas_kernels.ref_ptx import gpu_load
+    # (seen - target) < 0 rather than seen < target: right across the int32 wrap too
+    seen, _ = lax.while_loop(
+        lambda c: (c[0] - target < 0) & (c[1] < SPIN_LIMIT),
+        lambda c: (gpu_load(state_ref, 0 * c[1], sem="acquire"), c[1] + 1), (arrived, zero))
+    # The give-up count as an unconditional add (0 when the barrier held): every thread takes
+    # the same path (threads may disagree at SPIN_LIMIT), and with its result unused the add
+    # need not wait for a reply.
+    plt.atomic_add(state_ref, (two,), jnp.where(seen - target < 0, jnp.int32(1), zero))
+    plt.debug_barrier()
+    return target
 
 
 def compiler_params(num_warps: int, num_stages: int):

@@ -55,7 +55,7 @@ def test_the_benchmark_refuses_a_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 @pytest.mark.parametrize("programs", [8, 132])
-@pytest.mark.parametrize("spin", ["atomic", "load"])
+@pytest.mark.parametrize("spin", ["atomic", "load", "counter"])
 def test_grid_barrier_orders_every_phase_on_the_gpu(programs, spin):
     from pallas_kernels import _common
     before, _common.BARRIER["spin"] = _common.BARRIER["spin"], spin
@@ -64,7 +64,9 @@ def test_grid_barrier_orders_every_phase_on_the_gpu(programs, spin):
         state = jnp.zeros((3,), jnp.int32)
         for call in range(5):  # the state carries over from call to call
             out, state = f(state)
-            assert state.tolist() == [0, 16 * (call + 1), 0], "a program gave up waiting"
+            n = 16 * (call + 1)
+            want = [n * programs, 0, 0] if spin == "counter" else [0, n, 0]
+            assert state.tolist() == want, "a program gave up waiting"
             assert out.tolist() == expected(programs, 16)
     finally:
         _common.BARRIER["spin"] = before
@@ -125,3 +127,51 @@ def test_load_spin_reads_the_generation_with_gpu_loads():
     # the loop's atomic becomes one re-read after it, which decides the give-up for the
     # whole program (threads may see different values at the spin limit)
     assert load.count("tt.atomic_rmw") == atomic.count("tt.atomic_rmw") == 6
+
+
+def test_counter_spin_arrives_once_and_waits_on_acquire_loads():
+    """BARRIER['spin'] = 'counter' (session 15), in the Triton IR lowered for 'cuda': per
+    kernel one atomic read (the target's base), per barrier one arrival before the spin loop,
+    whose body loads with ld.acquire.gpu and has no atomic, and one unconditional give-up add
+    after it; CTA barriers before the arrival and after the give-up add. A counter barrier
+    without a target (and a target for another spin) is refused."""
+    from pallas_kernels import _common
+    from test_pdl import triton_ir
+    before, _common.BARRIER["spin"] = _common.BARRIER["spin"], "counter"
+    try:
+        [ir] = triton_ir(barrier_call(132, 2), jax.ShapeDtypeStruct((3,), jnp.int32))
+    finally:
+        _common.BARRIER["spin"] = before
+    lines = ir.splitlines()
+    atomics = [i for i, line in enumerate(lines) if "tt.atomic_rmw" in line]
+    barriers = [i for i, line in enumerate(lines) if "gpu.barrier" in line]
+    [loop] = [i for i, line in enumerate(lines) if "scf.while" in line]
+    end = next(i for i in range(loop, len(lines)) if "scf.yield" in lines[i])
+    assert len(atomics) == 3 and "scf.if" not in ir
+    base, arrive, give_up = atomics
+    assert base < barriers[0] < arrive < loop < end < give_up < barriers[-1]
+    assert any("ld.acquire.gpu" in lines[i] for i in range(loop, end))
+    with pytest.raises(ValueError, match="target"):
+        triton_ir(lambda s: _bad_barrier(s, spin="counter", target=None),
+                  jax.ShapeDtypeStruct((3,), jnp.int32))
+    with pytest.raises(ValueError, match="target"):
+        triton_ir(lambda s: _bad_barrier(s, spin="atomic", target=jnp.int32(1)),
+                  jax.ShapeDtypeStruct((3,), jnp.int32))
+
+
+def _bad_barrier(state, **kw):
+    from pallas_kernels._common import grid_barrier, pl
+
+    def kernel(s_ref, o_ref):
+        grid_barrier(o_ref, 2, **kw)
+    return pl.pallas_call(kernel, grid=(2,), input_output_aliases={0: 0},
+                          out_shape=jax.ShapeDtypeStruct((3,), jnp.int32))(state)
+
+
+def test_counter_barrier_in_interpret_mode_counts_the_arrivals():
+    """One program in interpret mode: the arrivals word grows by one per barrier."""
+    f = jax.jit(barrier_call(1, 5, interpret=True, spin="counter"))
+    out, state = f(jnp.zeros((3,), jnp.int32))
+    assert out.tolist() == expected(1, 5) and state.tolist() == [5, 0, 0]
+    out, state = f(state)
+    assert state.tolist() == [10, 0, 0]
