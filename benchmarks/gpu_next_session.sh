@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Prepared in session 14 for the next session (issue 6); NOT YET RUN. About 8 minutes.
+# Prepared in session 14; ran in session 15 as gpu_session15_call1.sh (results:
+# benchmarks/results/README.md, session 15). Kept as the persistent-kernel sweep to rerun
+# (add --spin counter, session 15's cheaper barrier). About 8 minutes.
 # (Session 13's version of this script ran in full in sessions 13 and 14.)
 #   1. The persistent o -> gate/up kernel (pallas_kernels/gemv_chain.py) with its rolling L2
 #      prefetch: session 14 took it from 32.4 to 25.8 us per layer at 128 programs (l2_ahead

@@ -138,6 +138,8 @@ def main(argv=None):
             ap.error(f"--steps takes ints >= 0 or 'last', got {s!r}")
     if a.layers < 1 or a.reps < 1:
         ap.error("--layers and --reps must be >= 1")
+    from benchmarks.grid_barrier import require_gpu
+    require_gpu("mgpu_pdl_chain", "it times Mosaic GPU kernels, which need a Hopper GPU")
     rows = run(a.layers, steps, a.reps)
     result = dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
                   command="python -m benchmarks.mgpu_pdl_chain " + " ".join(sys.argv[1:]),

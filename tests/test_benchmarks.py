@@ -308,3 +308,19 @@ def test_ab_arms_collects_and_prints_the_arms(tmp_path):
     assert "default_p2 241.3 240.7 241.8 3961d77b5e94e06f 10.5" in got
     with pytest.raises(SystemExit, match="no"):
         ab_arms.collect(str(out.parent / "missing"))
+
+
+def test_mgpu_pdl_chain_arms_and_arguments():
+    """benchmarks.mgpu_pdl_chain (GPU only to run): its arms, the 'last' step per
+    projection (K / block_k - 1), and clear errors for bad arguments."""
+    from benchmarks import mgpu_pdl_chain as m
+    arms = m.arms(["0", "last"])
+    assert list(arms) == ["stream", "mgpu", "mgpu_pdl0", "mgpu_pdllast", "mixed_pdl0"]
+    assert [a[1] for a in arms["mgpu_pdllast"]] == [7, 7, 15, 10]
+    assert arms["mixed_pdl0"] == (("mgpu", 0), "stream", ("mgpu", 0), "stream")
+    for bad in (["--steps", "x"], ["--steps", "-1"], ["--layers", "0"]):
+        with pytest.raises(SystemExit):
+            m.main(bad)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(SystemExit, match="needs a GPU"):
+            m.main(["--layers", "1"])
