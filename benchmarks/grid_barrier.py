@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (BARRIER, SPIN_MODES, barrier_target, compiler_params,
+from pallas_kernels._common import (BARRIER, COUNTER_STEP, SPIN_MODES, compiler_params,
                                     grid_barrier, pl)
 
 
@@ -38,15 +38,11 @@ def _barrier_kernel(state_ref, out_ref, buf_ref, state_out_ref, *, phases, progr
                     spin):
     del state_ref  # aliased with state_out_ref: the atomics go through the output
     p = pl.program_id(0)
-    counter = spin == "counter"
-    if counter:
-        base = barrier_target(state_out_ref, programs, -1)  # then barrier i: + (i + 1) P
 
     def phase(i, acc):
         slot = lax.rem(i, 2) * programs
         buf_ref[slot + p] = (p + 1) * (i + 1)
-        grid_barrier(state_out_ref, programs, gpu_sync=gpu_sync, spin=spin,
-                     target=base + (i + 1) * programs if counter else None)
+        grid_barrier(state_out_ref, programs, gpu_sync=gpu_sync, spin=spin, program=p)
         return acc + buf_ref[slot + lax.rem(p + 1, programs)]
 
     out_ref[p] = lax.fori_loop(0, phases, phase, jnp.int32(0))
@@ -57,7 +53,7 @@ def barrier_call(programs: int, phases: int, *, interpret: bool = False, spin=No
     in phase i program p stores (p + 1) (i + 1) and then reads its neighbour's store, so
     out[p] = ((p + 1) % P + 1) * phases * (phases + 1) / 2 when every barrier held, and the
     state comes back as (0, generation + phases, 0): no program gave up waiting (spin
-    "counter": (arrivals + phases * P, 0, 0)). spin: None reads _common.BARRIER."""
+    "counter": (arrivals + phases * COUNTER_STEP, 0, 0)). spin: None reads _common.BARRIER."""
     if interpret and programs > 1:
         raise ValueError("barrier_call in interpret mode takes one program: interpret mode runs "
                          f"programs in turn, so {programs} could not wait for each other")
@@ -130,7 +126,7 @@ def measure(programs: int, counts: list[int], calls: int, trials: int) -> dict:
     for n in counts:
         f = jax.jit(barrier_call(programs, n), donate_argnums=0)
         out, state = f(jnp.zeros((3,), jnp.int32))
-        want = [n * programs, 0, 0] if BARRIER["spin"] == "counter" else [0, n, 0]
+        want = [n * COUNTER_STEP, 0, 0] if BARRIER["spin"] == "counter" else [0, n, 0]
         res["barrier_ok"][n] = (jax.device_get(out).tolist() == expected(programs, n)
                                 and jax.device_get(state).tolist() == want)
         res["barrier_us"][n] = 1e6 * time_threaded(f, state, calls, trials)[0]

@@ -105,28 +105,31 @@ GEN_MASK = (1 << 30) - 1  # the barrier's generation stays in [0, 2**30)
 # session-11 barrier, 2.84 us) or "load" (ld.relaxed.gpu through pallas_kernels.ref_ptx: a
 # plain read, which does not queue read-modify-writes on the line the arrivals update; session
 # 14: 2.71-2.92 us against the atomic spin's 2.63-2.78 in session 15, no gain) or "counter"
-# (session 15: no generation; the arrivals word only grows and a barrier waits for a target
-# the program knows, `barrier_target`, with acquire loads: one atomic per program per
-# barrier, no reset by the last arrival). Read at trace time, like PDL; grid_barrier's spin=
-# overrides it.
+# (session 15: no generation; the arrivals word only grows, each barrier by exactly
+# COUNTER_STEP, and a program waits with acquire loads for the next multiple of it above
+# what its arrival saw: one atomic per program per barrier, no reset by the last arrival).
+# Read at trace time, like PDL; grid_barrier's spin= overrides it.
 BARRIER = {"spin": "atomic"}
 SPIN_MODES = ("atomic", "load", "counter")
+# What one "counter" barrier adds to the arrivals word whatever the grid (program 0 adds
+# COUNTER_STEP - programs + 1, the others 1): a power of two, so the word's multiples of it
+# survive the int32 wrap, and the same for every grid size, so grids may share a state.
+COUNTER_STEP = 1024
 
 
-def barrier_target(state_ref, programs, index):
-    """The "counter" barrier's target for the kernel's barrier number `index` (0-based; a
-    traced int is fine): the arrivals word as read at the kernel's start, rounded down to
-    whole barriers (no barrier of this kernel can complete before this program arrives, and
-    every earlier kernel's have), plus (index + 1) * programs. One atomic read; issue it
-    early. The word is int32 and only grows: it wraps after 2**31 arrivals (16 million
-    barriers of 132 programs), so a long-lived caller zeroes the state before then."""
-    now = plt.atomic_add(state_ref, (jnp.int32(0),), jnp.int32(0))
-    return now // programs * programs + (index + 1) * programs
+def counter_target(before):
+    """The "counter" barrier's target from the arrivals word as this program's arrival found
+    it (`before`): the next multiple of COUNTER_STEP. Between two barriers the word is a
+    multiple of it; during one it is below the next (the arrivals add up to exactly one
+    step), so every program of the barrier computes the same target; int32 wrap included."""
+    return (before & jnp.int32(-COUNTER_STEP)) + jnp.int32(COUNTER_STEP)
+
+
 SPIN_LIMIT = 1 << 22  # re-reads before a waiting program gives up (seconds, not a hang)
 
 
 def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None = None,
-                 target=None):
+                 program=None):
     """Every program of the grid waits here until all `programs` have arrived. state_ref:
     int32 [3] (arrivals, generation, give-ups), zeros when first used; each barrier leaves
     the arrivals at 0 and advances the generation, so the state is reused across barriers
@@ -140,7 +143,7 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
     re-read the generation by atomic adds of 0 (acquire), or with BARRIER["spin"] = "load"
     by relaxed GPU-scope loads in every thread (then one atomic re-read: the acquire, and a
     give-up decision that is the program's, not each thread's), until it moves, and a second CTA barrier
-    holds their other warps until then. spin: "atomic" or "load"; None reads BARRIER. A program that re-reads SPIN_LIMIT times
+    holds their other warps until then. spin: one of SPIN_MODES; None reads BARRIER. A program that re-reads SPIN_LIMIT times
     without seeing it move (some program never arrived: the grid was not all resident) counts
     itself in the third word and goes on, so a broken barrier shows as a nonzero count and
     wrong results, not as a hung GPU. Returns the generation this barrier passed.
@@ -151,22 +154,27 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
     gpu_sync=False there is no spin, which is right for a one-program grid only (callers
     refuse more in interpret mode).
 
-    spin "counter" (needs `target`, from barrier_target): each program arrives with one
-    atomic add to the arrivals word, which nobody resets, and waits until the word reaches
-    the target, re-reading it with ld.acquire.gpu in every thread; a program that gives up
-    counts itself in the third word as above. Returns the target."""
+    spin "counter": the state is (arrivals, unused, give-ups). Each program arrives with one
+    atomic add (program 0 adds COUNTER_STEP - programs + 1, the others 1, so a barrier adds
+    exactly COUNTER_STEP), which nobody resets, and waits until the word reaches
+    counter_target(what its add returned), re-reading it with ld.acquire.gpu in every
+    thread; a program that gives up counts itself in the third word as above. After n
+    barriers the state is (n * COUNTER_STEP mod 2**32, 0, 0). Needs programs <=
+    COUNTER_STEP. program: pl.program_id(0), read by the counter spin (pass it from outside a
+    loop body: interpret mode cannot lower program_id inside one). Returns the target."""
     zero, one, two = jnp.int32(0), jnp.int32(1), jnp.int32(2)
     spin = BARRIER["spin"] if spin is None else spin
     if spin not in SPIN_MODES:
         raise ValueError(f"grid_barrier spin (_common.BARRIER['spin']) must be one of "
                          f"{SPIN_MODES}, got {spin!r}")
-    if (spin == "counter") != (target is not None):
-        raise ValueError("grid_barrier: spin 'counter' takes a target (barrier_target) and "
-                         f"the other spins none; got spin {spin!r}, target {target!r}")
+    if spin == "counter" and isinstance(programs, int) and not 1 <= programs <= COUNTER_STEP:
+        raise ValueError(f"grid_barrier spin 'counter' takes 1..{COUNTER_STEP} programs, got "
+                         f"{programs}")
     if gpu_sync:
         plt.debug_barrier()
     if spin == "counter":
-        return _counter_barrier(state_ref, target, gpu_sync)
+        return _counter_barrier(state_ref, programs, gpu_sync,
+                                pl.program_id(0) if program is None else program)
     gen = plt.atomic_add(state_ref, (one,), zero)
     arrived = plt.atomic_add(state_ref, (zero,), one) + 1
 
@@ -200,21 +208,25 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
     return gen
 
 
-def _counter_barrier(state_ref, target, gpu_sync):
+def _counter_barrier(state_ref, programs, gpu_sync, program):
     """grid_barrier's "counter" spin, after the first CTA barrier."""
     zero, two = jnp.int32(0), jnp.int32(2)
-    arrived = plt.atomic_add(state_ref, (zero,), jnp.int32(1)) + 1
+    # program 0: COUNTER_STEP - programs + 1, the others 1
+    weight = 1 + (program == 0).astype(jnp.int32) * (COUNTER_STEP - programs)
+    before = plt.atomic_add(state_ref, (zero,), weight)
+    target = counter_target(before)
     if not gpu_sync:
-        return target + 0 * arrived
+        return target
     from pallas_kernels.ref_ptx import gpu_load
-    # (seen - target) < 0 rather than seen < target: right across the int32 wrap too
+    # (seen - target) < 0 rather than seen < target: right across the int32 wrap
     seen, _ = lax.while_loop(
         lambda c: (c[0] - target < 0) & (c[1] < SPIN_LIMIT),
-        lambda c: (gpu_load(state_ref, 0 * c[1], sem="acquire"), c[1] + 1), (arrived, zero))
+        lambda c: (gpu_load(state_ref, 0 * c[1], sem="acquire"), c[1] + 1),
+        (before + weight, zero))
     # The give-up count as an unconditional add (0 when the barrier held): every thread takes
     # the same path (threads may disagree at SPIN_LIMIT), and with its result unused the add
     # need not wait for a reply.
-    plt.atomic_add(state_ref, (two,), jnp.where(seen - target < 0, jnp.int32(1), zero))
+    plt.atomic_add(state_ref, (two,), (seen - target < 0).astype(jnp.int32))
     plt.debug_barrier()
     return target
 

@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import BARRIER, barrier_target, compiler_params, grid_barrier, pl
+from pallas_kernels._common import compiler_params, grid_barrier, pl
 from pallas_kernels.gemv import check_norm_operands, check_operands
 from pallas_kernels.gemv_stream import block_loader, prefetch_block, row_inputs, stream_blocks
 
@@ -38,9 +38,6 @@ def _kernel(a_ref, wo_ref, h_ref, wb_ref, wx_ref, wgu_ref, state_ref, o_ref, y_r
             spin):
     del state_ref  # aliased with state_out_ref: the barrier's atomics go through the output
     p, programs, dt = pl.program_id(0), pl.num_programs(0), y_ref.dtype
-    spin = BARRIER["spin"] if spin is None else spin
-    # the counter barrier's target, read before the o phase: off the barrier's critical path
-    target = barrier_target(state_out_ref, programs, 0) if spin == "counter" else None
 
     def phase(name, w_ref, k_in, gated):
         t = tiling[name]
@@ -69,7 +66,7 @@ def _kernel(a_ref, wo_ref, h_ref, wb_ref, wx_ref, wgu_ref, state_ref, o_ref, y_r
     stream_blocks(load, first, xs, o_ref, **kw)
     # gate/up's first block (and with l2_ahead its next ones) requested before the barrier
     load, first, t, nk, kw, zero = phase("gate_up", wgu_ref, k, True)
-    grid_barrier(state_out_ref, programs, gpu_sync=gpu_sync, spin=spin, target=target)
+    grid_barrier(state_out_ref, programs, gpu_sync=gpu_sync, spin=spin)
     xs = row_inputs((h_ref, o_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=t["block_k"],
                     k=k, dt=dt, prologue="add_norm", eps=eps, first_program=p == 0, row2d=False,
                     after=zero)

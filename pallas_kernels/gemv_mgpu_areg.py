@@ -26,6 +26,8 @@ The pipeline's first `stages` weight tiles are requested before `griddepcontrol.
 min(pdl_step, steps - 1) the kernel lets the next one launch
 (`griddepcontrol.launch_dependents`), so that kernel's own weight requests can run under
 this one's tail. The result is the same as without PDL (tested bit for bit on the GPU).
+The weights are read before the wait, so they must not come from the kernel just before
+(a cast or copy of W in the same program would race): pass weights that exist before it.
 """
 
 from __future__ import annotations
@@ -176,8 +178,8 @@ def gemv_mgpu_areg(x, w, *, gated=False, block_n=32, block_k=128, k_splits=1, st
     if pdl_step is not None and (type(pdl_step) is not int or pdl_step < 0):
         raise ValueError(f"pdl_step must be None or an int >= 0, got {pdl_step!r}")
     if pdl_step is not None and k_splits > 1:
-        raise ValueError("pdl_step needs k_splits=1 (the split-K sum is an XLA kernel that "
-                         "would read the partials without waiting)")
+        raise ValueError("pdl_step needs k_splits=1 (with splits the next kernel is XLA's "
+                         "sum of the partials, which gains nothing from an early launch)")
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     call = _build(n, x.shape[1], jnp.dtype(x.dtype), bool(gated), block_n, block_k, k_splits,

@@ -121,8 +121,8 @@ def test_the_benchmark_refuses_a_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 def test_counter_barrier_matches_the_two_kernels_on_the_gpu():
-    """The same with the "counter" barrier (session 15): the arrivals word grows by the grid
-    size per call and nobody gave up."""
+    """The same with the "counter" barrier (session 15): the arrivals word grows by
+    COUNTER_STEP per call and nobody gave up."""
     args = list(_case(1, 2048, 2048, 5632, jnp.bfloat16, seed=2))
     tiling = dict(o=dict(block_n=2, block_k=512), gate_up=dict(block_n=2, block_k=512))
     f = jax.jit(lambda *a: o_gate_up(*a, eps=1e-6, spin="counter"), donate_argnums=6)
@@ -133,6 +133,6 @@ def test_counter_barrier_matches_the_two_kernels_on_the_gpu():
         args[0] = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)
         want = separate(*args)
         y, x_new, o, state = f(*args, state)
-        assert state.tolist() == [128 * (call + 1), 0, 0], "a program gave up at the barrier"
+        assert state.tolist() == [1024 * (call + 1), 0, 0], "a program gave up at the barrier"
         for got, ref in zip((y, x_new, o), want):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))

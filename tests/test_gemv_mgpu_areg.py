@@ -155,16 +155,19 @@ def test_pdl_lowering_marks_the_kernel_and_emits_wait_and_trigger():
 def test_gpu_pdl_chain_is_bit_identical(pdl_step):
     """A chain of dependent GEMVs with PDL (each reads the previous one's output after its
     wait; the next launches early) gives the same bits as without: a wait placed too late
-    or not at all would let a kernel read x before its producer wrote it."""
+    or not at all would let a kernel read x before its producer wrote it. A new input every
+    repetition, and the PDL chain first, so that a premature read cannot find the right bits
+    left in a buffer by an earlier run."""
     n = k = 2048
-    x, _ = _xw(n, k, seed=11)
     ws = [_xw(n, k, seed=20 + i)[1] for i in range(12)]
 
     def chain(x, ws, step):
         for w in ws:
             x = gemv_mgpu_areg(x, w, block_n=16, block_k=256, stages=4, pdl_step=step)
         return x
-    ref = jax.jit(lambda x, ws: chain(x, ws, None))(x, ws)
-    for _ in range(3):
-        y = jax.jit(lambda x, ws: chain(x, ws, pdl_step))(x, ws)
-        np.testing.assert_array_equal(_f32(y), _f32(ref))
+    with_pdl = jax.jit(lambda x, ws: chain(x, ws, pdl_step))
+    without = jax.jit(lambda x, ws: chain(x, ws, None))
+    for rep in range(4):
+        x = _xw(n, k, seed=100 + rep)[0]
+        y = np.asarray(with_pdl(x, ws), np.float32)
+        np.testing.assert_array_equal(y, _f32(without(x, ws)))

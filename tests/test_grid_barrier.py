@@ -55,17 +55,22 @@ def test_the_benchmark_refuses_a_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 @pytest.mark.parametrize("programs", [8, 132])
-@pytest.mark.parametrize("spin", ["atomic", "load", "counter"])
+@pytest.mark.parametrize("spin", ["atomic", "load", "counter", "counter_wrap"])
 def test_grid_barrier_orders_every_phase_on_the_gpu(programs, spin):
+    """counter_wrap: the counter spin from a state 3 barriers short of the int32 wrap."""
     from pallas_kernels import _common
-    before, _common.BARRIER["spin"] = _common.BARRIER["spin"], spin
+    step = _common.COUNTER_STEP
+    start = 2**31 - 3 * step if spin == "counter_wrap" else 0
+    mode = "counter" if spin == "counter_wrap" else spin
+    before, _common.BARRIER["spin"] = _common.BARRIER["spin"], mode
     try:
         f = jax.jit(barrier_call(programs, 16))
-        state = jnp.zeros((3,), jnp.int32)
+        state = jnp.asarray(np.array([start, 0, 0], np.int64).astype(np.int32))
         for call in range(5):  # the state carries over from call to call
             out, state = f(state)
             n = 16 * (call + 1)
-            want = [n * programs, 0, 0] if spin == "counter" else [0, n, 0]
+            word = int(np.array(start + n * step, np.int64).astype(np.int32))
+            want = [word, 0, 0] if mode == "counter" else [0, n, 0]
             assert state.tolist() == want, "a program gave up waiting"
             assert out.tolist() == expected(programs, 16)
     finally:
@@ -131,15 +136,16 @@ def test_load_spin_reads_the_generation_with_gpu_loads():
 
 def test_counter_spin_arrives_once_and_waits_on_acquire_loads():
     """BARRIER['spin'] = 'counter' (session 15), in the Triton IR lowered for 'cuda': per
-    kernel one atomic read (the target's base), per barrier one arrival before the spin loop,
-    whose body loads with ld.acquire.gpu and has no atomic, and one unconditional give-up add
-    after it; CTA barriers before the arrival and after the give-up add. A counter barrier
-    without a target (and a target for another spin) is refused."""
+    barrier one arrival before the spin loop, whose body loads with ld.acquire.gpu and has
+    no atomic, and one unconditional give-up add after it; CTA barriers before the arrival
+    and after the give-up add. More programs than COUNTER_STEP are refused."""
     from pallas_kernels import _common
     from test_pdl import triton_ir
     before, _common.BARRIER["spin"] = _common.BARRIER["spin"], "counter"
     try:
         [ir] = triton_ir(barrier_call(132, 2), jax.ShapeDtypeStruct((3,), jnp.int32))
+        with pytest.raises(ValueError, match="1..1024 programs"):
+            triton_ir(barrier_call(1025, 2), jax.ShapeDtypeStruct((3,), jnp.int32))
     finally:
         _common.BARRIER["spin"] = before
     lines = ir.splitlines()
@@ -147,31 +153,44 @@ def test_counter_spin_arrives_once_and_waits_on_acquire_loads():
     barriers = [i for i, line in enumerate(lines) if "gpu.barrier" in line]
     [loop] = [i for i, line in enumerate(lines) if "scf.while" in line]
     end = next(i for i in range(loop, len(lines)) if "scf.yield" in lines[i])
-    assert len(atomics) == 3 and "scf.if" not in ir
-    base, arrive, give_up = atomics
-    assert base < barriers[0] < arrive < loop < end < give_up < barriers[-1]
+    assert len(atomics) == 2 and "scf.if" not in ir
+    arrive, give_up = atomics
+    assert barriers[0] < arrive < loop < end < give_up < barriers[-1]
     assert any("ld.acquire.gpu" in lines[i] for i in range(loop, end))
-    with pytest.raises(ValueError, match="target"):
-        triton_ir(lambda s: _bad_barrier(s, spin="counter", target=None),
-                  jax.ShapeDtypeStruct((3,), jnp.int32))
-    with pytest.raises(ValueError, match="target"):
-        triton_ir(lambda s: _bad_barrier(s, spin="atomic", target=jnp.int32(1)),
-                  jax.ShapeDtypeStruct((3,), jnp.int32))
 
 
-def _bad_barrier(state, **kw):
-    from pallas_kernels._common import grid_barrier, pl
-
-    def kernel(s_ref, o_ref):
-        grid_barrier(o_ref, 2, **kw)
-    return pl.pallas_call(kernel, grid=(2,), input_output_aliases={0: 0},
-                          out_shape=jax.ShapeDtypeStruct((3,), jnp.int32))(state)
+@pytest.mark.parametrize("programs", [1, 2, 128, 132, 1024])
+@pytest.mark.parametrize("start", [0, 5 * 1024, 2**31 - 1024, 2**32 - 2 * 1024])
+def test_counter_targets_agree_within_a_barrier_and_across_the_wrap(programs, start):
+    """The counter barrier's arithmetic on the CPU: arrivals in any order (program 0's
+    weighted add anywhere among them) from a word at a multiple of COUNTER_STEP, int32
+    wrap included: every program computes the same target, which the word reaches exactly
+    when the last one arrives, and that target is where the next barrier starts."""
+    from pallas_kernels._common import COUNTER_STEP, counter_target
+    i32 = lambda v: int(np.array(v, np.int64).astype(np.int32))
+    rng = np.random.default_rng(programs + start % 97)
+    word = i32(start)
+    for _ in range(3):  # three barriers in a row
+        order = rng.permutation(programs)
+        befores, w = [], word
+        for p in order:
+            befores.append(w)
+            w = i32(w + (COUNTER_STEP - programs + 1 if p == 0 else 1))
+        targets = {int(counter_target(jnp.int32(b))) for b in befores}
+        assert targets == {i32(word + COUNTER_STEP)} and w == i32(word + COUNTER_STEP)
+        # before the last arrival the word is still short of the target (wrap-aware)
+        assert all(i32(b - i32(word + COUNTER_STEP)) < 0 for b in befores)
+        word = w
 
 
 def test_counter_barrier_in_interpret_mode_counts_the_arrivals():
-    """One program in interpret mode: the arrivals word grows by one per barrier."""
+    """One program in interpret mode: the arrivals word grows by COUNTER_STEP per barrier,
+    across the int32 wrap too."""
+    from pallas_kernels._common import COUNTER_STEP
     f = jax.jit(barrier_call(1, 5, interpret=True, spin="counter"))
     out, state = f(jnp.zeros((3,), jnp.int32))
-    assert out.tolist() == expected(1, 5) and state.tolist() == [5, 0, 0]
-    out, state = f(state)
-    assert state.tolist() == [10, 0, 0]
+    assert out.tolist() == expected(1, 5) and state.tolist() == [5 * COUNTER_STEP, 0, 0]
+    start = 2**31 - 2 * COUNTER_STEP
+    out, state = f(jnp.asarray([start, 0, 0], jnp.int32))
+    assert state.tolist() == [int(np.array(start + 5 * COUNTER_STEP, np.int64).astype(np.int32)),
+                              0, 0]
