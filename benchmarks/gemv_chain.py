@@ -47,13 +47,15 @@ def separate(ws, attn, h, tiling):
     return y, h
 
 
-def fused(ws, attn, h, state, programs, l2_ahead=0, num_warps=4, spin="atomic"):
-    """o_gate_up per layer, the barrier state threaded through."""
+def fused(ws, attn, h, state, programs, l2_ahead=0, num_warps=4, spin="atomic", tiling=None):
+    """o_gate_up per layer, the barrier state threaded through (tiling: as separate's, or
+    None for gemv_chain.TILING)."""
     from pallas_kernels.gemv_chain import o_gate_up
+    tiling = None if tiling is None else {n: dict(v) for n, v in tiling}
     for lw in ws:
         y, h, _, state = o_gate_up(attn, lw["w_o"], h, lw["w_post"], lw["w_pre"], lw["w_gu"],
                                    state, eps=1e-6, programs=programs, l2_ahead=l2_ahead,
-                                   num_warps=num_warps, spin=spin)
+                                   num_warps=num_warps, spin=spin, tiling=tiling)
         attn = y[:, :K_O]
     return y, h, state
 
@@ -62,16 +64,17 @@ def _time_fused(ws, attn, h, ref, programs, ahead, args, time_threaded, warps=4)
     """The fused kernel's us per layer, its largest difference from the separate kernels
     (expected 0 at 4 warps: the same register layout) and the barrier state, keyed by
     l2_ahead and warps (no suffix for 0 and 4, as before)."""
-    fus = jax.jit(fused, static_argnums=(4, 5, 6, 7), donate_argnums=3)
+    fus = jax.jit(fused, static_argnums=(4, 5, 6, 7, 8), donate_argnums=3)
     state = jnp.zeros((3,), jnp.int32)
-    y, h2, state = fus(ws, attn, h, state, programs, ahead, warps, args.spin)
+    tiling = _freeze(_tiling(args))
+    y, h2, state = fus(ws, attn, h, state, programs, ahead, warps, args.spin, tiling)
     err = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
               for g, r in zip((y, h2), ref))
     sfx = (f"_l2_ahead{ahead}" if ahead else "") + (f"_w{warps}" if warps != 4 else "")
     out = {f"max_abs_diff_vs_separate{sfx}": err,
            f"barrier_state{sfx}": jax.device_get(state).tolist()}
     step = lambda st: (lambda r: (r[0], r[2]))(fus(ws, attn, h, st, programs, ahead, warps,
-                                                    args.spin))
+                                                    args.spin, tiling))
     best, state = time_threaded(step, state, args.calls, args.trials)  # state donated
     out[f"fused_us_per_layer{sfx}"] = 1e6 * best / args.layers
     out[f"barrier_state_after{sfx}"] = jax.device_get(state).tolist()
@@ -97,20 +100,46 @@ def main(argv=None) -> int:
                          "(_common.BARRIER)")
     ap.add_argument("--separate", default="engine,chain,grid",
                     help="which separate-kernel baselines to time (engine,chain,grid)")
+    ap.add_argument("--block-n", default="",
+                    help="the chain's block_n per phase, e.g. o=2,gate_up=1 (default: "
+                         "gemv_chain.TILING); finer blocks allow larger grids (512 programs "
+                         "needs gate_up=1)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    try:
+        _tiling(args)
+    except ValueError as e:
+        ap.error(str(e))
     require_gpu("gemv_chain", "the fused kernel's barrier spins on programs running at the "
                 "same time")
     return _main(args, argv)  # the spin mode goes to the kernel as an argument
+
+
+def _tiling(args) -> dict:
+    """gemv_chain.TILING with --block-n's overrides; ValueError names a bad item."""
+    from pallas_kernels.gemv_chain import TILING
+    tiling = {n: dict(v) for n, v in TILING.items()}
+    for item in filter(None, args.block_n.split(",")):
+        name, _, value = item.partition("=")
+        if name not in tiling or not (value.isascii() and value.isdigit()) or int(value) < 1 \
+                or int(value) & (int(value) - 1):
+            raise ValueError(f"--block-n takes NAME=N with NAME in {sorted(tiling)} and N a "
+                             f"power of two, got {item!r}")
+        tiling[name]["block_n"] = int(value)
+    return tiling
+
+
+def _freeze(t):
+    return tuple((n, tuple(sorted(v.items()))) for n, v in t.items())
 
 
 def _main(args, argv) -> int:
     from benchmarks.decode import save_record
     from benchmarks.grid_barrier import time_calls, time_threaded
     from ouro_jax.projections import STREAM_TUNING
-    from pallas_kernels.gemv_chain import TILING
+    TILING = _tiling(args)  # noqa: N806 (gemv_chain.TILING with --block-n)
 
     ws = _weights(args.layers)
     rng = np.random.default_rng(1)
@@ -120,7 +149,7 @@ def _main(args, argv) -> int:
     chain = {n: dict(TILING[n], per_program=1) for n in ("o", "gate_up")}
     # weights as jit arguments: closed over, XLA would compile 432 MB of them in as constants
     sep = jax.jit(separate, static_argnums=3)
-    freeze = lambda t: tuple((n, tuple(sorted(v.items()))) for n, v in t.items())
+    freeze = _freeze
     run_sep = lambda t: (lambda a, x: sep(ws, a, x, t))
     ref = sep(ws, attn, h, freeze(chain))
     rows = []

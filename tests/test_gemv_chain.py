@@ -136,3 +136,29 @@ def test_counter_barrier_matches_the_two_kernels_on_the_gpu():
         assert state.tolist() == [1024 * (call + 1), 0, 0], "a program gave up at the barrier"
         for got, ref in zip((y, x_new, o), want):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+
+
+def test_the_benchmark_block_n_option():
+    """benchmarks.gemv_chain --block-n: overrides per phase, bad items refused before any
+    GPU work."""
+    import argparse
+    from benchmarks.gemv_chain import _tiling, main
+    from pallas_kernels.gemv_chain import TILING as CHAIN
+    t = _tiling(argparse.Namespace(block_n="o=1,gate_up=4"))
+    assert t["o"]["block_n"] == 1 and t["gate_up"]["block_n"] == 4
+    assert t["o"]["block_k"] == CHAIN["o"]["block_k"] and CHAIN["o"]["block_n"] == 2
+    for bad in ("o=3", "qkv=2", "o=", "o=x"):
+        with pytest.raises(SystemExit):
+            main(["--block-n", bad])
+
+
+def test_finer_blocks_match_the_separate_kernels_in_interpret_mode():
+    """block_n=1 for both phases (what a 512-program grid needs): same results as the two
+    kernels with that tiling."""
+    args = _case(1, 256, 128, 64, jnp.float32, seed=5)
+    tiling = dict(o=dict(block_n=1, block_k=128), gate_up=dict(block_n=1, block_k=128))
+    y, x_new, o, _ = o_gate_up(*args, jnp.zeros((3,), jnp.int32), eps=1e-6, programs=1,
+                               tiling=tiling, interpret=True)
+    want = _separate(*args, tiling, interpret=True)
+    for got, ref in zip((y, x_new, o), want):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
