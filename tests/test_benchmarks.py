@@ -324,3 +324,30 @@ def test_mgpu_pdl_chain_arms_and_arguments():
     if jax.default_backend() != "gpu":
         with pytest.raises(SystemExit, match="needs a GPU"):
             m.main(["--layers", "1"])
+
+
+def test_gemv_timeline_kernel_reads_the_timer_around_the_stream():
+    """benchmarks.gemv_timeline (GPU only to run): the kernel lowered for 'cuda' reads
+    %globaltimer once before its first weight load and once after its last store of y, and
+    %smid; the summary arithmetic is wrap-aware."""
+    import numpy as np
+    from benchmarks.gemv_timeline import gemv_timed, summarize
+    from test_pdl import triton_ir
+    S = jax.ShapeDtypeStruct
+    [ir] = triton_ir(lambda x, w: gemv_timed(x, w, "o", dict(block_n=2, block_k=512,
+                                                               per_program=2, num_warps=4)),
+                     S((1, 2048), jnp.bfloat16), S((2048, 2048), jnp.bfloat16))
+    lines = ir.splitlines()
+    timers = [i for i, line in enumerate(lines) if "globaltimer_lo" in line]
+    loads = [i for i, line in enumerate(lines) if "tt.load" in line]
+    stores = [i for i, line in enumerate(lines) if "tt.store" in line]
+    assert len(timers) == 2 and any("%smid" in line for line in lines)
+    assert timers[0] < min(loads) and max(s for s in stores if s < timers[1]) < timers[1]
+    # two kernels: the second starts 500 ns after the first ends, across the 32-bit wrap
+    first = np.array([[2**32 - 1000, 2**32 - 900, 0], [2**32 - 950, 2**32 - 700, 1]])
+    second = np.array([[2**32 - 200, 300, 0], [2**32 - 100, 800, 1]])  # signed like int32
+    signed = lambda a: (a % 2**32).astype(np.uint32).view(np.int32)  # as the kernel's int32
+    res = summarize([signed(first), signed(second)], ["o", "o"], sms=2)["o"]
+    # medians over the two kernels: ramp 50 and 100 ns, span 300 and 1,000 ns
+    assert res["gap"] == pytest.approx(0.5) and res["ramp"] == pytest.approx(0.075)
+    assert res["span"] == pytest.approx(0.65) and res["tail"] == pytest.approx(0.0)
