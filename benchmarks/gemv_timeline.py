@@ -37,21 +37,10 @@ SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
           "gate_up": (11264, 2048, True), "down": (2048, 5632, False)}
 
 
-def _timer(ref, anchor):
-    """The global timer's low 32 bits (ns), impure; `anchor` (int32, 0) orders it after the
-    value it came from."""
-    from pallas_kernels.ref_ptx import ref_asm
-    return ref_asm(ref, anchor, "mov.u32 $0, %globaltimer_lo; // $1 (unused)")
-
-
-def _smid(ref):
-    from pallas_kernels.ref_ptx import ref_asm
-    return ref_asm(ref, jnp.int32(0), "mov.u32 $0, %smid; // $1 (unused)")
-
-
 def _kernel(x_ref, w_ref, y_ref, t_ref, *, k, block_n, block_k, per_program, gated, up_offset):
     from pallas_kernels.gemv_stream import block_loader, row_inputs, stream_blocks
     from pallas_kernels._common import pl
+    from pallas_kernels.ref_ptx import global_timer as _timer, sm_id as _smid
     p = pl.program_id(0)
     start = _timer(t_ref, jnp.int32(0))
     nk = k // block_k
@@ -90,14 +79,22 @@ def gemv_timed(x, w, name: str, tuning: dict):
     )(x, w)
 
 
-def chain(ws, x, tuning):
-    """ws: per layer {name: W}; returns (x, [timeline per kernel, in order])."""
+def chain(ws, x, tuning, counters=None, programs=None):
+    """ws: per layer {name: W}; returns (x, [timeline per kernel, in order], counters).
+    With `programs` the kernels are gemv_queue's (the work queue) on that many programs,
+    counters int32 [4] threaded through (projection i takes slot i, zeroes slot i - 1)."""
+    from pallas_kernels.gemv_queue import gemv_queue
     lines = []
     for lw in ws:
-        for name in SHAPES:
-            x, t = gemv_timed(x, lw[name], name, tuning[name])
+        for i, name in enumerate(SHAPES):
+            if programs is None:
+                x, t = gemv_timed(x, lw[name], name, tuning[name])
+            else:
+                x, counters, t = gemv_queue(x, lw[name], counters, programs=programs, use=i,
+                                            zero=(i - 1) % 4, gated=SHAPES[name][2],
+                                            timeline=True, **tuning[name])
             lines.append(t)
-    return x, lines
+    return x, lines, counters
 
 
 def summarize(lines, names, sms: int):
@@ -134,54 +131,92 @@ def summarize(lines, names, sms: int):
     return res
 
 
-def run(layers: int, reps: int):
+def run(layers: int, reps: int, arms):
+    """arms: {label: None (the engine's streaming GEMV and tilings) or (programs, block_n
+    per projection) for the work queue}. Returns {label: per-projection figures}."""
     from ouro_jax.projections import STREAM_TUNING
     key = jax.random.PRNGKey(0)
     ws = [{n: (jax.random.normal(jax.random.fold_in(key, 4 * i + j), (s[0], s[1]),
                                  jnp.float32) * s[1] ** -0.5).astype(jnp.bfloat16)
            for j, (n, s) in enumerate(SHAPES.items())} for i in range(layers)]
     x = jax.random.normal(jax.random.PRNGKey(1), (1, 2048), jnp.float32).astype(jnp.bfloat16)
-    tuning = {n: dict(STREAM_TUNING[n]) for n in SHAPES}
-    fn = jax.jit(lambda ws, x: chain(ws, x, tuning))
-    jax.block_until_ready(fn(ws, x))
     names = [n for _ in range(layers) for n in SHAPES]
-    sms = jax.devices()[0].core_count if hasattr(jax.devices()[0], "core_count") else 132
-    summaries = []
-    for _ in range(reps):
-        _, lines = fn(ws, x)
-        lines = [np.asarray(t) for t in jax.device_get(lines)]
-        summaries.append(summarize(lines[4:], names[4:], sms))  # skip layer 0 (no predecessor)
-    res = {}
-    for name in SHAPES:
-        res[name] = {k: float(np.median([s[name][k] for s in summaries]))
-                     for k in ("gap", "ramp", "body", "tail", "span")}
-        res[name]["min_duration"] = float(min(s[name]["min_duration"] for s in summaries))
-        res[name]["programs"] = len(lines[names.index(name)])
-        res[name]["programs_per_sm_min_max"] = summaries[-1][name]["programs_per_sm_min_max"]
-        print(json.dumps({name: res[name]}), flush=True)
-    per_layer = {k: sum(res[n][k] for n in SHAPES) for k in ("gap", "span")}
-    print(json.dumps({"per_layer_us": per_layer}), flush=True)
-    return res, per_layer
+    sms = getattr(jax.devices()[0], "core_count", 132)
+    out, ref = {}, None
+    for label, arm in arms.items():
+        tuning = {n: dict(STREAM_TUNING[n]) for n in SHAPES}
+        programs = None
+        if arm is not None:
+            programs, block_n = arm
+            tuning = {n: dict(block_n=block_n[n], num_warps=4) for n in SHAPES}
+        fn = jax.jit(lambda ws, x, c, t=tuning, p=programs: chain(ws, x, t, c, p),
+                     donate_argnums=2)
+        counters = jnp.zeros((4,), jnp.int32)
+        y, _, counters = fn(ws, x, counters)
+        y = np.asarray(y, np.float32)
+        ref = y if ref is None else ref
+        summaries = []
+        for _ in range(reps):
+            _, lines, counters = fn(ws, x, counters)
+            lines = [np.asarray(t) for t in jax.device_get(lines)]
+            summaries.append(summarize(lines[4:], names[4:], sms))  # layer 0: no predecessor
+        res = {}
+        for name in SHAPES:
+            res[name] = {k: float(np.median([s[name][k] for s in summaries]))
+                         for k in ("gap", "ramp", "body", "tail", "span")}
+            res[name]["min_duration"] = float(min(s[name]["min_duration"] for s in summaries))
+            res[name]["programs"] = len(lines[names.index(name)])
+            res[name]["programs_per_sm_min_max"] = summaries[-1][name]["programs_per_sm_min_max"]
+        res["per_layer_us"] = {k: sum(res[n][k] for n in SHAPES) for k in ("gap", "span")}
+        res["max_abs_diff_vs_first_arm"] = float(np.abs(y - ref).max())
+        print(json.dumps({label: res}), flush=True)
+        out[label] = res
+    return out
+
+
+def parse_arms(queue_programs: str, block_n: str):
+    """{label: arm} for run(): the streaming GEMV, then the work queue at each grid size."""
+    bn = dict(qkv=4, o=4, gate_up=2, down=2)
+    for item in filter(None, block_n.split(",")):
+        name, _, v = item.partition("=")
+        if name not in bn or not (v.isascii() and v.isdigit()) or int(v) < 1:
+            raise ValueError(f"--queue-block-n takes NAME=N, NAME in {sorted(bn)}, got {item!r}")
+        bn[name] = int(v)
+    arms = {"stream": None}
+    for q in filter(None, queue_programs.split(",")):
+        if not (q.isascii() and q.isdigit()) or int(q) < 1:
+            raise ValueError(f"--queue-programs takes ints >= 1, got {q!r}")
+        arms[f"queue{q}"] = (int(q), bn)
+    return arms
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--queue-programs", default="",
+                    help="also run the chain on pallas_kernels.gemv_queue (blocks from an "
+                         "atomic counter) with these grid sizes, comma-separated")
+    ap.add_argument("--queue-block-n", default="",
+                    help="the queue's block_n per projection, e.g. qkv=4,o=4,gate_up=2,down=2 "
+                         "(those are the defaults)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     if a.layers < 2 or a.reps < 1:
         ap.error("--layers must be >= 2 (layer 0 has no predecessor) and --reps >= 1")
+    try:
+        arms = parse_arms(a.queue_programs, a.queue_block_n)
+    except ValueError as e:
+        ap.error(str(e))
     from benchmarks.grid_barrier import require_gpu
     require_gpu("gemv_timeline", "it reads the GPU's timer inside the kernels")
-    res, per_layer = run(a.layers, a.reps)
+    res = run(a.layers, a.reps, arms)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
                            command="python -m benchmarks.gemv_timeline " + " ".join(
                                sys.argv[1:] if argv is None else argv),
-                           layers=a.layers, reps=a.reps, projections=res,
-                           per_layer_us=per_layer), f, indent=1)
+                           layers=a.layers, reps=a.reps, arms=res), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -138,19 +138,8 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
     tail() -> int32 zero runs once they are requested (the late L2 prefetch of next_w);
     ahead(i) -> int32 zero runs in iteration i, before block i + 1's loads (a rolling L2
     prefetch of a later block, gemv_chain's)."""
-    m, dt = len(xs), y_ref.dtype
-
-    def compute_store(j, tiles):
-        wf = [t.astype(jnp.float32) for t in tiles]
-        for r in range(m):
-            def dotrow(ws):
-                acc = jnp.zeros((block_n, block_k), jnp.float32)
-                for c in range(nk):
-                    acc = acc + ws[c] * xs[r][c]
-                return jnp.sum(acc, axis=1)
-            g = dotrow(wf[:nk])
-            y = _silu_mul(g, dotrow(wf[nk:]), dt) if gated else g.astype(dt)
-            y_ref[r, _rows(j, block_n)] = y
+    compute_store = functools.partial(store_block, y_ref, xs=xs, block_n=block_n,
+                                      block_k=block_k, nk=nk, gated=gated)
 
     def body(i, cur):
         j = p + i * programs
@@ -165,6 +154,21 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
         last = last_hook(last)
     j = p + (per_program - 1) * programs
     compute_store(j if tail is None else j + tail(), last)
+
+
+def store_block(y_ref, j, tiles, *, xs, block_n, block_k, nk, gated):
+    """y's block j (block_n outputs per row) from its weight tiles (block_loader's) and the
+    rows' input chunks xs."""
+    wf = [t.astype(jnp.float32) for t in tiles]
+    for r in range(len(xs)):
+        def dotrow(ws):
+            acc = jnp.zeros((block_n, block_k), jnp.float32)
+            for c in range(nk):
+                acc = acc + ws[c] * xs[r][c]
+            return jnp.sum(acc, axis=1)
+        g = dotrow(wf[:nk])
+        y = _silu_mul(g, dotrow(wf[nk:]), y_ref.dtype) if gated else g.astype(y_ref.dtype)
+        y_ref[r, _rows(j, block_n)] = y
 
 
 def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=None,

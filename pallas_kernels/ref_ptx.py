@@ -67,3 +67,16 @@ def gpu_load(ref, offset, *, sem: str = "relaxed"):
     if sem not in LOAD_SEMANTICS:
         raise ValueError(f"gpu_load sem must be one of {LOAD_SEMANTICS}, got {sem!r}")
     return ref_asm(ref, offset, f"ld.{sem}.gpu.global.b32 $0, [$1];")
+
+
+def global_timer(ref, anchor):
+    """The GPU's global timer, low 32 bits (ns), read where it stands in program order (the
+    asm is impure); `anchor` (an int32 zero) ties it after the value it came from. `ref` is
+    any kernel ref (ref_asm needs one; its address is unused). For timelines inside kernels
+    (benchmarks.gemv_timeline)."""
+    return ref_asm(ref, anchor, "mov.u32 $0, %globaltimer_lo; // $1 (unused)")
+
+
+def sm_id(ref):
+    """The SM this program runs on (%smid); `ref` as in global_timer."""
+    return ref_asm(ref, jnp.int32(0), "mov.u32 $0, %smid; // $1 (unused)")
