@@ -77,7 +77,12 @@ STREAM_VARIANTS = {
                           # third round, around session 9's add_norm picks (st4_k512_p4_w4 for
                           # qkv, st2_k512_p8_w4 for gate/up)
                           (4, 512, 2, 4), (4, 512, 8, 4), (8, 512, 2, 4), (4, 512, 4, 2),
-                          (2, 512, 8, 2), (8, 512, 2, 8)]
+                          (2, 512, 8, 2), (8, 512, 2, 8),
+                          # fourth round (session 15): per-program counts that are not powers
+                          # of two, for grids of 256 programs (one or two per SM on all 132,
+                          # where the engine's 352-512 put 2-3 or 3-4 on an SM):
+                          # qkv, gate/up, down
+                          (4, 512, 6, 4), (2, 512, 11, 4), (1, 512, 8, 4)]
     for x2 in (False, True)
 }
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))

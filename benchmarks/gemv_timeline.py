@@ -146,7 +146,9 @@ def run(layers: int, reps: int, arms):
     for label, arm in arms.items():
         tuning = {n: dict(STREAM_TUNING[n]) for n in SHAPES}
         programs = None
-        if arm is not None:
+        if isinstance(arm, dict):  # the streaming GEMV with some projections' tilings changed
+            tuning.update({n: dict(t) for n, t in arm.items()})
+        elif arm is not None:
             programs, block_n = arm
             tuning = {n: dict(block_n=block_n[n], num_warps=4) for n in SHAPES}
         fn = jax.jit(lambda ws, x, c, t=tuning, p=programs: chain(ws, x, t, c, p),
@@ -174,8 +176,10 @@ def run(layers: int, reps: int, arms):
     return out
 
 
-def parse_arms(queue_programs: str, block_n: str):
-    """{label: arm} for run(): the streaming GEMV, then the work queue at each grid size."""
+def parse_arms(queue_programs: str, block_n: str, stream_tilings=()):
+    """{label: arm} for run(): the streaming GEMV, the streaming GEMV with each of
+    `stream_tilings` (--stream-tiling specs: benchmarks.tuning.parse_stream_tiling), then the
+    work queue at each grid size."""
     bn = dict(qkv=4, o=4, gate_up=2, down=2)
     for item in filter(None, block_n.split(",")):
         name, _, v = item.partition("=")
@@ -183,6 +187,9 @@ def parse_arms(queue_programs: str, block_n: str):
             raise ValueError(f"--queue-block-n takes NAME=N, NAME in {sorted(bn)}, got {item!r}")
         bn[name] = int(v)
     arms = {"stream": None}
+    for spec in stream_tilings:
+        from benchmarks.tuning import parse_stream_tiling
+        arms[f"stream[{spec}]"] = parse_stream_tiling(spec)
     for q in filter(None, queue_programs.split(",")):
         if not (q.isascii() and q.isdigit()) or int(q) < 1:
             raise ValueError(f"--queue-programs takes ints >= 1, got {q!r}")
@@ -200,12 +207,15 @@ def main(argv=None):
     ap.add_argument("--queue-block-n", default="",
                     help="the queue's block_n per projection, e.g. qkv=4,o=4,gate_up=2,down=2 "
                          "(those are the defaults)")
+    ap.add_argument("--stream-tiling", action="append", default=[],
+                    help="an extra streaming arm with these projections' tilings, e.g. "
+                         "gate_up=st2_k512_p11_w4 (benchmarks.gemv STREAM_VARIANTS; repeatable)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     if a.layers < 2 or a.reps < 1:
         ap.error("--layers must be >= 2 (layer 0 has no predecessor) and --reps >= 1")
     try:
-        arms = parse_arms(a.queue_programs, a.queue_block_n)
+        arms = parse_arms(a.queue_programs, a.queue_block_n, a.stream_tiling)
     except ValueError as e:
         ap.error(str(e))
     from benchmarks.grid_barrier import require_gpu
