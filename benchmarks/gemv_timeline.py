@@ -97,15 +97,17 @@ def chain(ws, x, tuning, counters=None, programs=None):
     return x, lines, counters
 
 
-def summarize(lines, names, sms: int):
+def summarize(lines, names, sms: int, skip: int = 0):
     """Per projection: medians over its kernels of gap / ramp / body / tail (us), the
-    kernel span, and the spread of programs per SM."""
+    kernel span, and the spread of programs per SM (over the SM ids seen; `sms` is not used
+    to index them). The first `skip` kernels only give their end to the next one's gap."""
+    del sms
     i32 = lambda a: np.asarray(a, np.int64)
     out = {n: {"gap": [], "ramp": [], "body": [], "tail": [], "span": [], "min_duration": [],
                "per_sm": []}
            for n in dict.fromkeys(names)}
     prev_end = None
-    for t, name in zip(lines, names):
+    for index, (t, name) in enumerate(zip(lines, names)):
         t = i32(t)
         rel = lambda v, ref: ((v - ref + 2**31) % 2**32) - 2**31  # wrap-aware, ns
         first = int(rel(t[:, 0], t[0, 0]).min())  # the earliest start, relative to row 0's
@@ -113,6 +115,9 @@ def summarize(lines, names, sms: int):
         start, end = rel(t[:, 0], base), rel(t[:, 1], base)
         dur = end - start
         med = int(np.argsort(end)[len(end) // 2])
+        if index < skip:
+            prev_end = base + int(end.max())
+            continue
         rec = out[name]
         if prev_end is not None:
             rec["gap"].append(((base - prev_end + 2**31) % 2**32 - 2**31) / 1e3)
@@ -121,7 +126,7 @@ def summarize(lines, names, sms: int):
         rec["min_duration"].append(float(dur.min()) / 1e3)  # < 0: the timer reads moved
         rec["tail"].append(float(end.max() - end[med]) / 1e3)
         rec["span"].append(float(end.max()) / 1e3)
-        counts = np.bincount(t[:, 2] % 1024, minlength=sms)[:sms]
+        _, counts = np.unique(t[:, 2], return_counts=True)  # SMs with no program: not seen
         rec["per_sm"].append((int(counts.min()), int(counts.max())))
         prev_end = base + int(end.max())
     res = {}
@@ -141,7 +146,7 @@ def run(layers: int, reps: int, arms):
            for j, (n, s) in enumerate(SHAPES.items())} for i in range(layers)]
     x = jax.random.normal(jax.random.PRNGKey(1), (1, 2048), jnp.float32).astype(jnp.bfloat16)
     names = [n for _ in range(layers) for n in SHAPES]
-    sms = getattr(jax.devices()[0], "core_count", 132)
+    sms = getattr(jax.devices()[0], "core_count", None)
     out, ref = {}, None
     for label, arm in arms.items():
         tuning = {n: dict(STREAM_TUNING[n]) for n in SHAPES}
@@ -161,7 +166,7 @@ def run(layers: int, reps: int, arms):
         for _ in range(reps):
             _, lines, counters = fn(ws, x, counters)
             lines = [np.asarray(t) for t in jax.device_get(lines)]
-            summaries.append(summarize(lines[4:], names[4:], sms))  # layer 0: no predecessor
+            summaries.append(summarize(lines, names, sms, skip=4))  # layer 0: no predecessor
         res = {}
         for name in SHAPES:
             res[name] = {k: float(np.median([s[name][k] for s in summaries]))

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import compiler_params, pl
-from pallas_kernels.gemv_stream import _check_xw, _config, _rows, row_inputs, store_block
+from pallas_kernels.gemv_stream import (_check_xw, _config, _rows, check_supported, row_inputs,
+                                        store_block)
 
 
 def _kernel(x_ref, w_ref, cnt_in_ref, y_ref, cnt_ref, *rest, k, block_n, block_k, nblocks,
@@ -95,11 +96,14 @@ def gemv_queue(x, w, counters, *, programs: int, use: int, zero: int, gated: boo
     if x.shape[1] < k:
         raise ValueError(f"gemv_queue: x has {x.shape[1]} values, w needs K = {k}")
     n_out = _check_xw(jax.ShapeDtypeStruct((1, k), x.dtype), w, gated)
+    unknown = set(tuning) - {"block_n", "block_k", "num_warps"}
+    if unknown:
+        raise ValueError(f"gemv_queue takes block_n, block_k and num_warps, not "
+                         f"{sorted(unknown)}")
     cfg = _config(dict(tuning, per_program=1), k)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
-    if n_out % block_n or k % block_k:
-        raise ValueError(f"gemv_queue: block_n={block_n} must divide N={n_out} and "
-                         f"block_k={block_k} K={k}")
+    check_supported(1, k, n_out, block_n=block_n, block_k=block_k, per_program=1,
+                    num_warps=cfg["num_warps"])
     if counters.ndim != 1 or counters.dtype != jnp.int32 or not (
             0 <= use < counters.shape[0] and 0 <= zero < counters.shape[0]) or use == zero:
         raise ValueError(f"gemv_queue: counters must be int32 [slots] with use != zero both "

@@ -70,8 +70,9 @@ def gpu_load(ref, offset, *, sem: str = "relaxed"):
 
 
 def global_timer(ref, anchor):
-    """The GPU's global timer, low 32 bits (ns), read where it stands in program order (the
-    asm is impure); `anchor` (an int32 zero) ties it after the value it came from. `ref` is
+    """The GPU's global timer, low 32 bits (ns), read where it stands in program order: the
+    asm is impure, which is what keeps it there (an `anchor` such as 0 * x may fold to a
+    constant, so it only documents intent). `ref` is
     any kernel ref (ref_asm needs one; its address is unused). For timelines inside kernels
     (benchmarks.gemv_timeline)."""
     return ref_asm(ref, anchor, "mov.u32 $0, %globaltimer_lo; // $1 (unused)")

@@ -348,6 +348,9 @@ def test_gemv_timeline_kernel_reads_the_timer_around_the_stream():
     second = np.array([[2**32 - 200, 300, 0], [2**32 - 100, 800, 1]])  # signed like int32
     signed = lambda a: (a % 2**32).astype(np.uint32).view(np.int32)  # as the kernel's int32
     res = summarize([signed(first), signed(second)], ["o", "o"], sms=2)["o"]
+    # skip: the first kernel only gives the second its gap
+    skipped = summarize([signed(first), signed(second)], ["o", "o"], sms=2, skip=1)["o"]
+    assert skipped["gap"] == pytest.approx(0.5) and skipped["span"] == pytest.approx(1.0)
     # medians over the two kernels: ramp 50 and 100 ns, span 300 and 1,000 ns
     assert res["gap"] == pytest.approx(0.5) and res["ramp"] == pytest.approx(0.075)
     assert res["span"] == pytest.approx(0.65) and res["tail"] == pytest.approx(0.0)
