@@ -60,13 +60,13 @@ def fused(ws, attn, h, state, programs, l2_ahead=0, num_warps=4, spin="atomic", 
     return y, h, state
 
 
-def _time_fused(ws, attn, h, ref, programs, ahead, args, time_threaded, warps=4) -> dict:
+def _time_fused(ws, attn, h, ref, programs, ahead, args, time_threaded, tiling,
+                warps=4) -> dict:
     """The fused kernel's us per layer, its largest difference from the separate kernels
     (expected 0 at 4 warps: the same register layout) and the barrier state, keyed by
     l2_ahead and warps (no suffix for 0 and 4, as before)."""
     fus = jax.jit(fused, static_argnums=(4, 5, 6, 7, 8), donate_argnums=3)
     state = jnp.zeros((3,), jnp.int32)
-    tiling = _freeze(_tiling(args))
     y, h2, state = fus(ws, attn, h, state, programs, ahead, warps, args.spin, tiling)
     err = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
               for g, r in zip((y, h2), ref))
@@ -139,37 +139,36 @@ def _main(args, argv) -> int:
     from benchmarks.decode import save_record
     from benchmarks.grid_barrier import time_calls, time_threaded
     from ouro_jax.projections import STREAM_TUNING
-    TILING = _tiling(args)  # noqa: N806 (gemv_chain.TILING with --block-n)
+    tiling = _tiling(args)  # gemv_chain.TILING with --block-n
 
     ws = _weights(args.layers)
     rng = np.random.default_rng(1)
     attn = jnp.asarray(rng.standard_normal((1, K_O)), jnp.bfloat16)
     h = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
     engine = {n: dict(STREAM_TUNING[n]) for n in ("o", "gate_up")}
-    chain = {n: dict(TILING[n], per_program=1) for n in ("o", "gate_up")}
+    chain = {n: dict(tiling[n], per_program=1) for n in ("o", "gate_up")}
     # weights as jit arguments: closed over, XLA would compile 432 MB of them in as constants
     sep = jax.jit(separate, static_argnums=3)
-    freeze = _freeze
     run_sep = lambda t: (lambda a, x: sep(ws, a, x, t))
-    ref = sep(ws, attn, h, freeze(chain))
+    ref = sep(ws, attn, h, _freeze(chain))
     rows = []
     for programs in [int(x) for x in args.programs.split(",")]:
-        grid = {n: dict(TILING[n], per_program=blocks // programs)
-                for n, blocks in (("o", K // TILING["o"]["block_n"]),
-                                  ("gate_up", INTER // TILING["gate_up"]["block_n"]))}
+        grid = {n: dict(tiling[n], per_program=blocks // programs)
+                for n, blocks in (("o", K // tiling["o"]["block_n"]),
+                                  ("gate_up", INTER // tiling["gate_up"]["block_n"]))}
         row = dict(layers=args.layers, programs=programs)
         for name, t in (("engine", engine), ("chain", chain), ("grid", grid)):
             if name in args.separate.split(","):
                 row[f"separate_{name}_us_per_layer"] = 1e6 * time_calls(
-                    run_sep(freeze(t)), (attn, h), args.calls, args.trials) / args.layers
+                    run_sep(_freeze(t)), (attn, h), args.calls, args.trials) / args.layers
         for warps in [int(x) for x in args.num_warps.split(",")]:
             for ahead in [int(x) for x in args.l2_ahead.split(",")]:
                 row.update(_time_fused(ws, attn, h, ref, programs, ahead, args,
-                                       time_threaded, warps))
+                                       time_threaded, _freeze(tiling), warps))
         rows.append(row)
         print(json.dumps(row), flush=True)
     save_record("benchmarks.gemv_chain", argv, args.out, rows=rows, tiling_engine=engine,
-                tiling_chain=TILING, barrier_spin=args.spin)
+                tiling_chain=tiling, barrier_spin=args.spin)
     return 0
 
 

@@ -33,16 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
-          "gate_up": (11264, 2048, True), "down": (2048, 5632, False)}
+from benchmarks.gemv import SHAPES  # name -> (N, K, gated), the 1.4B projections
 
 
 def _kernel(x_ref, w_ref, y_ref, t_ref, *, k, block_n, block_k, per_program, gated, up_offset):
     from pallas_kernels.gemv_stream import block_loader, row_inputs, stream_blocks
     from pallas_kernels._common import pl
-    from pallas_kernels.ref_ptx import global_timer as _timer, sm_id as _smid
+    from pallas_kernels.ref_ptx import global_timer, store_timeline
     p = pl.program_id(0)
-    start = _timer(t_ref, jnp.int32(0))
+    start = global_timer(t_ref)
     nk = k // block_k
     load = block_loader(w_ref, block_n=block_n, block_k=block_k, nk=nk, gated=gated,
                         up_offset=up_offset)
@@ -52,10 +51,7 @@ def _kernel(x_ref, w_ref, y_ref, t_ref, *, k, block_n, block_k, per_program, gat
     stream_blocks(load, first, xs, y_ref, p=p, programs=pl.num_programs(0),
                   per_program=per_program, block_n=block_n, block_k=block_k, nk=nk,
                   gated=gated)
-    end = _timer(t_ref, 0 * start)
-    t_ref[p, 0] = start
-    t_ref[p, 1] = end
-    t_ref[p, 2] = _smid(t_ref)
+    store_timeline(t_ref, p, start)
 
 
 def gemv_timed(x, w, name: str, tuning: dict):
@@ -139,11 +135,9 @@ def summarize(lines, names, sms: int, skip: int = 0):
 def run(layers: int, reps: int, arms):
     """arms: {label: None (the engine's streaming GEMV and tilings) or (programs, block_n
     per projection) for the work queue}. Returns {label: per-projection figures}."""
+    from benchmarks.mgpu_pdl_chain import weights
     from ouro_jax.projections import STREAM_TUNING
-    key = jax.random.PRNGKey(0)
-    ws = [{n: (jax.random.normal(jax.random.fold_in(key, 4 * i + j), (s[0], s[1]),
-                                 jnp.float32) * s[1] ** -0.5).astype(jnp.bfloat16)
-           for j, (n, s) in enumerate(SHAPES.items())} for i in range(layers)]
+    ws = weights(layers)
     x = jax.random.normal(jax.random.PRNGKey(1), (1, 2048), jnp.float32).astype(jnp.bfloat16)
     names = [n for _ in range(layers) for n in SHAPES]
     sms = getattr(jax.devices()[0], "core_count", None)

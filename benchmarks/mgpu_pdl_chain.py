@@ -30,14 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# name -> (N, K, gated); Mosaic tilings (block_n, block_k, stages), one split: the session-13
-# device-time bests (gemv_mgpu_areg_session13_h200.json; down's best one-split tiling)
-SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
-          "gate_up": (11264, 2048, True), "down": (2048, 5632, False)}
+from benchmarks.gemv import SHAPES  # name -> (N, K, gated), the 1.4B projections
+
+# Mosaic tilings (block_n, block_k, stages), one split: the session-13 device-time bests
+# (gemv_mgpu_areg_session13_h200.json; down's best one-split tiling)
 MGPU = {"qkv": (32, 256, 4), "o": (16, 256, 4), "gate_up": (16, 128, 4), "down": (16, 512, 3)}
 
 
 def weights(layers: int, seed: int = 0):
+    """Per layer {projection: W [N, K] bf16}, each its own draw (so a chain streams them all
+    from HBM), scaled by K ** -0.5. benchmarks.gemv_timeline uses them too."""
     key = jax.random.PRNGKey(seed)
     out = []
     for i in range(layers):

@@ -142,9 +142,9 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
     reset, are visible GPU-wide first; nobody else changes either in between); the others
     re-read the generation by atomic adds of 0 (acquire), or with BARRIER["spin"] = "load"
     by relaxed GPU-scope loads in every thread (then one atomic re-read: the acquire, and a
-    give-up decision that is the program's, not each thread's), until it moves, and a second CTA barrier
-    holds their other warps until then. spin: one of SPIN_MODES; None reads BARRIER. A program that re-reads SPIN_LIMIT times
-    without seeing it move (some program never arrived: the grid was not all resident) counts
+    give-up decision that is the program's, not each thread's), until it moves, and a second
+    CTA barrier holds their other warps until then. spin: one of SPIN_MODES; None reads
+    BARRIER. A program that re-reads SPIN_LIMIT times without seeing it move (some program never arrived: the grid was not all resident) counts
     itself in the third word and goes on, so a broken barrier shows as a nonzero count and
     wrong results, not as a hung GPU. Returns the generation this barrier passed.
 
@@ -184,7 +184,6 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
         plt.atomic_add(state_ref, (one,), jnp.where(gen == GEN_MASK, jnp.int32(-GEN_MASK), one))
 
     if gpu_sync:
-        reread = lambda: plt.atomic_add(state_ref, (one,), zero)  # one value per program
         if spin == "load":
             from pallas_kernels.ref_ptx import gpu_load
             looked, _ = lax.while_loop(  # every thread spins on its own relaxed GPU loads
@@ -199,7 +198,7 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
         else:
             seen, _ = lax.while_loop(
                 lambda c: (c[0] == gen) & (c[1] < SPIN_LIMIT),
-                lambda c: (reread(), c[1] + 1), (gen, zero))
+                lambda c: (plt.atomic_add(state_ref, (one,), zero), c[1] + 1), (gen, zero))
 
         @pl.when(seen == gen)
         def _():

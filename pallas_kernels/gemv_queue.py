@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import compiler_params, pl
-from pallas_kernels.gemv_stream import (_check_xw, _config, _rows, check_supported, row_inputs,
-                                        store_block)
+from pallas_kernels.gemv_stream import (_check_xw, _config, block_loader, check_supported,
+                                        row_inputs, store_block)
 
 
 def _kernel(x_ref, w_ref, cnt_in_ref, y_ref, cnt_ref, *rest, k, block_n, block_k, nblocks,
@@ -42,16 +42,11 @@ def _kernel(x_ref, w_ref, cnt_in_ref, y_ref, cnt_ref, *rest, k, block_n, block_k
     p = pl.program_id(0)
     t_ref = rest[0] if timeline else None
     if timeline:
-        from pallas_kernels.ref_ptx import global_timer as _timer, sm_id as _smid
-        start = _timer(t_ref, jnp.int32(0))
+        from pallas_kernels.ref_ptx import global_timer, store_timeline
+        start = global_timer(t_ref)
     nk = k // block_k
-    cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
-
-    def load(j):  # block_loader's tiles of block j, masked off (no traffic) past the last
-        jj = jnp.minimum(j, nblocks - 1)
-        mask = jnp.full((block_n, block_k), j < nblocks)
-        rows = [_rows(jj, block_n)] + ([_rows(jj, block_n, up_offset)] if gated else [])
-        return tuple(plt.load(w_ref.at[r, c], mask=mask, other=0) for r in rows for c in cols)
+    load = block_loader(w_ref, block_n=block_n, block_k=block_k, nk=nk, gated=gated,
+                        up_offset=up_offset, nblocks=nblocks)  # masked past the last block
 
     @pl.when(p == 0)
     def _():
@@ -77,11 +72,9 @@ def _kernel(x_ref, w_ref, cnt_in_ref, y_ref, cnt_ref, *rest, k, block_n, block_k
                     gated=gated)
         return nxt, after, nxt_tiles
 
-    last, _, _ = lax.while_loop(lambda c: c[0] < nblocks, body, (j0, j1, first))
+    lax.while_loop(lambda c: c[0] < nblocks, body, (j0, j1, first))
     if timeline:
-        t_ref[p, 0] = start
-        t_ref[p, 1] = _timer(t_ref, 0 * last)
-        t_ref[p, 2] = _smid(t_ref)
+        store_timeline(t_ref, p, start)
 
 
 def gemv_queue(x, w, counters, *, programs: int, use: int, zero: int, gated: bool = False,

@@ -34,7 +34,7 @@ from jax import lax
 
 from pallas_kernels._common import (compiler_params, pdl_token, pdl_trigger, pdl_trigger_on,
                                     pdl_wait, pl)
-from pallas_kernels.l2_prefetch import MAX_BYTES, l2_prefetch
+from pallas_kernels.l2_prefetch import next_rows_for, prefetch_blocks, prefetch_next
 from pallas_kernels.gemv import (_normed, _silu_mul, check_norm_operands, check_operands,
                                   pow2_divisor)
 
@@ -112,14 +112,24 @@ def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d
     return [_normed(xs[c], s_x, vec(wx_ref, c), dt).astype(jnp.float32) for c in range(nk)]
 
 
-def block_loader(w_ref, *, block_n: int, block_k: int, nk: int, gated: bool, up_offset: int):
-    """load(j): block j's raw weight slab, nk gate chunks (then nk up chunks when gated)."""
+def block_loader(w_ref, *, block_n: int, block_k: int, nk: int, gated: bool, up_offset: int,
+                 nblocks=None):
+    """load(j): block j's raw weight slab, nk gate chunks (then nk up chunks when gated).
+    nblocks (gemv_queue): j may run past the last block; those loads are masked off (no
+    memory traffic) and read as zeros."""
     cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
 
     def load(j):
-        tiles = tuple(w_ref[_rows(j, block_n), cols[c]] for c in range(nk))
+        if nblocks is None:
+            read = lambda rows, c: w_ref[rows, c]
+        else:
+            from jax.experimental.pallas import triton as plt
+            mask = jnp.full((block_n, block_k), j < nblocks)
+            j = jnp.minimum(j, nblocks - 1)
+            read = lambda rows, c: plt.load(w_ref.at[rows, c], mask=mask, other=0)
+        tiles = tuple(read(_rows(j, block_n), cols[c]) for c in range(nk))
         if gated:
-            tiles += tuple(w_ref[_rows(j, block_n, up_offset), cols[c]] for c in range(nk))
+            tiles += tuple(read(_rows(j, block_n, up_offset), cols[c]) for c in range(nk))
         return tiles
     return load
 
@@ -182,37 +192,6 @@ def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row
     xs = [_row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, load(r))
           for r in range(m)]
     return xs if row2d else [[xc[None, :] for xc in xr] for xr in xs]
-
-
-def prefetch_block(w_ref, p, programs, i, *, k, block_n, gated, up_offset, interpret):
-    """L2 prefetch of the program's i-th block, p + i * programs, of w_ref (its block_n rows
-    of K are contiguous; gated: and its up rows); returns the prefetch's int32 zero."""
-    nbytes = block_n * k * w_ref.dtype.itemsize
-    row = (p + i * programs) * block_n
-    zero = jnp.int32(0)
-    for off in (0, up_offset) if gated else (0,):
-        zero = zero + l2_prefetch(w_ref, (off + row) * k, nbytes, interpret=interpret)
-    return zero
-
-
-def prefetch_blocks(w_ref, p, programs, count, **kw):
-    """prefetch_block of the program's blocks 1..count; returns their int32 zero."""
-    zero = jnp.int32(0)
-    for i in range(1, count + 1):
-        zero = zero + prefetch_block(w_ref, p, programs, i, **kw)
-    return zero
-
-
-def prefetch_next(next_ref, p, rows: int, split: int, *, interpret):
-    """L2 prefetches of rows [p * rows, (p + 1) * rows) of each of next_ref's `split` equal
-    row segments; returns their int32 zero."""
-    seg, kn = next_ref.shape[0] // split, next_ref.shape[1]
-    nbytes = rows * kn * next_ref.dtype.itemsize
-    zero = jnp.int32(0)
-    for s in range(split):
-        zero = zero + l2_prefetch(next_ref, (s * seg + p * rows) * kn, nbytes,
-                                  interpret=interpret)
-    return zero
 
 
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
@@ -308,25 +287,6 @@ def _config(tuning: dict, k: int) -> dict:
     if "block_k" not in tuning:
         cfg["block_k"] = pow2_divisor(k, DEFAULTS["block_k"]) or DEFAULTS["block_k"]
     return cfg
-
-
-def next_rows_for(next_w, next_split: int, rows: int, programs: int, dtype) -> int:
-    """Rows per program of next_w to prefetch: `rows`, lowered so that every program's range
-    lies inside its segment (small test models) and one instruction's size limit holds; 0
-    when next_w is not in the activation dtype (its kernel will read a cast copy)."""
-    if next_w is None or rows == 0:
-        return 0
-    if next_w.dtype != dtype:  # the later kernel reads a converted copy, not next_w
-        return 0
-    if next_w.ndim != 2 or type(next_split) is not int or next_split < 1 \
-            or next_w.shape[0] % next_split:
-        raise ValueError(f"gemv_stream next_w must be 2-D with rows divisible by next_split="
-                         f"{next_split!r}, got {next_w.shape}")
-    row_bytes = next_w.shape[1] * jnp.dtype(next_w.dtype).itemsize
-    if row_bytes % 16:
-        raise ValueError(f"gemv_stream next_w rows must be multiples of 16 bytes for the bulk "
-                         f"prefetch, got {row_bytes}")
-    return min(rows, next_w.shape[0] // next_split // programs, MAX_BYTES // row_bytes)
 
 
 def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_out=(),

@@ -45,3 +45,56 @@ def l2_prefetch(ref, offset, nbytes: int, *, interpret: bool):
     if interpret:
         return jnp.int32(0)
     return ref_asm(ref, offset, _ASM % nbytes)
+
+
+# The streaming GEMV's uses (pallas_kernels/gemv_stream.py; gemv_chain's rolling prefetch):
+# which byte ranges of a weight a program asks for.
+
+def prefetch_block(w_ref, p, programs, i, *, k, block_n, gated, up_offset, interpret):
+    """L2 prefetch of the program's i-th block, p + i * programs, of w_ref (its block_n rows
+    of K are contiguous; gated: and its up rows); returns the prefetch's int32 zero."""
+    nbytes = block_n * k * w_ref.dtype.itemsize
+    row = (p + i * programs) * block_n
+    zero = jnp.int32(0)
+    for off in (0, up_offset) if gated else (0,):
+        zero = zero + l2_prefetch(w_ref, (off + row) * k, nbytes, interpret=interpret)
+    return zero
+
+
+def prefetch_blocks(w_ref, p, programs, count, **kw):
+    """prefetch_block of the program's blocks 1..count; returns their int32 zero."""
+    zero = jnp.int32(0)
+    for i in range(1, count + 1):
+        zero = zero + prefetch_block(w_ref, p, programs, i, **kw)
+    return zero
+
+
+def prefetch_next(next_ref, p, rows: int, split: int, *, interpret):
+    """L2 prefetches of rows [p * rows, (p + 1) * rows) of each of next_ref's `split` equal
+    row segments; returns their int32 zero."""
+    seg, kn = next_ref.shape[0] // split, next_ref.shape[1]
+    nbytes = rows * kn * next_ref.dtype.itemsize
+    zero = jnp.int32(0)
+    for s in range(split):
+        zero = zero + l2_prefetch(next_ref, (s * seg + p * rows) * kn, nbytes,
+                                  interpret=interpret)
+    return zero
+
+
+def next_rows_for(next_w, next_split: int, rows: int, programs: int, dtype) -> int:
+    """Rows per program of next_w to prefetch: `rows`, lowered so that every program's range
+    lies inside its segment (small test models) and one instruction's size limit holds; 0
+    when next_w is not in the activation dtype (its kernel will read a cast copy)."""
+    if next_w is None or rows == 0:
+        return 0
+    if next_w.dtype != dtype:  # the later kernel reads a converted copy, not next_w
+        return 0
+    if next_w.ndim != 2 or type(next_split) is not int or next_split < 1 \
+            or next_w.shape[0] % next_split:
+        raise ValueError(f"gemv_stream next_w must be 2-D with rows divisible by next_split="
+                         f"{next_split!r}, got {next_w.shape}")
+    row_bytes = next_w.shape[1] * jnp.dtype(next_w.dtype).itemsize
+    if row_bytes % 16:
+        raise ValueError(f"gemv_stream next_w rows must be multiples of 16 bytes for the bulk "
+                         f"prefetch, got {row_bytes}")
+    return min(rows, next_w.shape[0] // next_split // programs, MAX_BYTES // row_bytes)

@@ -69,15 +69,21 @@ def gpu_load(ref, offset, *, sem: str = "relaxed"):
     return ref_asm(ref, offset, f"ld.{sem}.gpu.global.b32 $0, [$1];")
 
 
-def global_timer(ref, anchor):
-    """The GPU's global timer, low 32 bits (ns), read where it stands in program order: the
-    asm is impure, which is what keeps it there (an `anchor` such as 0 * x may fold to a
-    constant, so it only documents intent). `ref` is
-    any kernel ref (ref_asm needs one; its address is unused). For timelines inside kernels
-    (benchmarks.gemv_timeline)."""
-    return ref_asm(ref, anchor, "mov.u32 $0, %globaltimer_lo; // $1 (unused)")
+def global_timer(ref):
+    """The GPU's global timer, low 32 bits (ns), read where it stands in program order (the
+    asm is impure, which keeps it there). `ref` is any kernel ref (ref_asm needs one; its
+    address is unused). For timelines inside kernels (benchmarks.gemv_timeline)."""
+    return ref_asm(ref, 0, "mov.u32 $0, %globaltimer_lo; // $1 (unused)")
 
 
 def sm_id(ref):
     """The SM this program runs on (%smid); `ref` as in global_timer."""
-    return ref_asm(ref, jnp.int32(0), "mov.u32 $0, %smid; // $1 (unused)")
+    return ref_asm(ref, 0, "mov.u32 $0, %smid; // $1 (unused)")
+
+
+def store_timeline(t_ref, p, start):
+    """Row p of a timeline (int32 [programs, 3]): `start` (global_timer at the program's
+    start), the timer now (call it after the program's last store) and the SM."""
+    t_ref[p, 0] = start
+    t_ref[p, 1] = global_timer(t_ref)
+    t_ref[p, 2] = sm_id(t_ref)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import has_gpu, pallas_call_eqns
-from pallas_kernels import gemv_stream as gs
+from pallas_kernels import l2_prefetch as l2p
 from pallas_kernels.gemv import gemv_reference
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
 from pallas_kernels.l2_prefetch import check_nbytes
@@ -50,19 +50,19 @@ def test_prefetched_ranges_are_the_blocks_the_program_loads(monkeypatch):
     block_loader reads for the program's i-th block; next_w's program p gets rows
     [p * rows, (p + 1) * rows) of each segment."""
     seen = []
-    monkeypatch.setattr(gs, "l2_prefetch",
+    monkeypatch.setattr(l2p, "l2_prefetch",
                         lambda ref, off, nbytes, interpret: seen.append((off, nbytes)) or 0)
 
     class Ref:
         def __init__(self, shape):
             self.shape, self.dtype = shape, np.dtype(np.float16)
     k, block_n, programs, p, n_out = 64, 4, 5, 3, 200
-    gs.prefetch_blocks(Ref((2 * n_out, k)), p, programs, 2, k=k, block_n=block_n, gated=True,
-                       up_offset=n_out, interpret=False)
+    l2p.prefetch_blocks(Ref((2 * n_out, k)), p, programs, 2, k=k, block_n=block_n, gated=True,
+                        up_offset=n_out, interpret=False)
     rows = [(p + i * programs) * block_n for i in (1, 2)]
     assert seen == [((off + r) * k, block_n * k * 2) for r in rows for off in (0, n_out)]
     seen.clear()
-    gs.prefetch_next(Ref((600, 32)), p, 7, 2, interpret=False)
+    l2p.prefetch_next(Ref((600, 32)), p, 7, 2, interpret=False)
     assert seen == [((s * 300 + p * 7) * 32, 7 * 32 * 2) for s in (0, 1)]
 
 
