@@ -11,7 +11,7 @@
 #      alone against a kernel boundary (session 11: 2.84 us against 0.85).
 #   2. The default table at today's code, a subset (batch 1, 8, 64; native and k=4 d=2,
 #      greedy), to confirm session 11's figures still hold.
-# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_next_session.sh
+# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session15_call1.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
