@@ -133,7 +133,9 @@ def clamp_tiny(w: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(w) < t, jnp.where(w < 0, -t, t), w)
 
 
-def run(layers: int, names, tilings, reps: int, calls: int, no_escapes: bool) -> dict:
+def run(layers: int, names, tilings, reps: int, calls: int, no_escapes: bool,
+        save=lambda partial: None) -> dict:
+    """save(partial result) runs after each projection, so a run cut short keeps its rows."""
     from benchmarks.mgpu_pdl_chain import weights
     from pallas_kernels.packed12 import pack
     ws = weights(layers)
@@ -150,6 +152,7 @@ def run(layers: int, names, tilings, reps: int, calls: int, no_escapes: bool) ->
         r = projection_rows(name, [lw[name] for lw in ws], [p[name] for p in pws],
                             x[:, :k], tilings, calls)
         rows += r
+        save(dict(pack_seconds=pack_s, escapes=escapes, projections=rows, partial=True))
         ok = [row for row in r if row["arm"] != "stream" and "us" in row]
         if ok:
             best[name] = min(ok, key=lambda row: row["us"])["tiling"]
@@ -186,13 +189,16 @@ def main(argv=None):
     from benchmarks.grid_barrier import require_gpu
     require_gpu("gemv_packed", "it times GPU kernels (tests/test_gemv_packed.py checks the "
                 "kernel on a CPU)")
-    res = run(a.layers, names, {s: TILINGS[s] for s in tl}, a.reps, a.calls,
-              a.no_escapes)
-    res = dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
-               command="python -m benchmarks.gemv_packed " + " ".join(sys.argv[1:]), **res)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    head = dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
+                command="python -m benchmarks.gemv_packed " + " ".join(sys.argv[1:]),
+                no_escapes=a.no_escapes)
+
+    def save(res):
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(dict(head, **res), f, indent=1)
+    save(run(a.layers, names, {s: TILINGS[s] for s in tl}, a.reps, a.calls, a.no_escapes,
+             save))
 
 
 if __name__ == "__main__":
