@@ -57,8 +57,12 @@ def _packed(name, x, pw, tiling):
     return gemv_packed(x, pw, gated=SHAPES[name][2], **tiling)
 
 
+MAX_ULPS = 8  # a tiling whose outputs differ more from the streaming GEMV's is not picked
+
+
 def ulp_diff(y, ref) -> tuple[float, int]:
-    """(max |y - ref| in bf16 ulps of ref, count of differing outputs)."""
+    """(max |y - ref| in bf16 ulps of ref, count of differing outputs); an output whose
+    reference is 0 is measured in ulps of the smallest normal bf16, so it reads large."""
     y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
     ulp = np.spacing(np.abs(ref).astype(jnp.bfloat16).astype(np.float32)) * 65536.0
     ulp = np.where(ulp > 0, ulp, np.finfo(np.float32).tiny)
@@ -105,19 +109,26 @@ def chain(ws, pws, x, best, reps, calls):
     def run(ws, pws, x, packed):
         for lw, lp in zip(ws, pws):
             for name in SHAPES:
-                x = _packed(name, x, lp[name], best[name]) if packed else \
-                    _stream(name, x, lw[name])
+                # the first K values of the previous output (qkv's 6144 feed o's 2048)
+                x = _packed(name, x[:, :SHAPES[name][1]], lp[name], best[name]) if packed \
+                    else _stream(name, x, lw[name])
         return x
     out = []
     for packed in (False, True):
         fn = jax.jit(lambda ws, pws, x, packed=packed: run(ws, pws, x, packed))
-        y = fn(ws, pws, x)
-        t0 = time.perf_counter()
-        for _ in range(reps):
+        try:
             y = fn(ws, pws, x)
-        jax.block_until_ready(y)
-        wall = (time.perf_counter() - t0) / reps / len(ws) * 1e6
-        kernel, span = device_seconds(fn, ws, pws, x, calls=calls, units=len(ws))
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                y = fn(ws, pws, x)
+            jax.block_until_ready(y)
+            wall = (time.perf_counter() - t0) / reps / len(ws) * 1e6
+            kernel, span = device_seconds(fn, ws, pws, x, calls=calls, units=len(ws))
+        except Exception as e:  # noqa: BLE001 - report it and keep the rows before it
+            out.append(dict(arm="packed" if packed else "stream",
+                            error=f"{type(e).__name__}: {str(e)[:300]}"))
+            print(json.dumps(out[-1]), flush=True)
+            continue
         out.append(dict(arm="packed" if packed else "stream", wall_us_per_layer=wall,
                         kernel_us_per_layer=kernel * 1e6, span_us_per_layer=span * 1e6,
                         finite=bool(np.isfinite(np.asarray(y, np.float32)).all())))
@@ -146,21 +157,24 @@ def run(layers: int, names, tilings, reps: int, calls: int, no_escapes: bool,
     pack_s = time.perf_counter() - t0
     escapes = {name: [p[name].escapes for p in pws] for name in SHAPES}
     x = jax.random.normal(jax.random.PRNGKey(1), (1, 5632), jnp.float32).astype(jnp.bfloat16)
-    rows, best = [], {}
+    rows, best, compared = [], {}, {}
     for name in names:
         k = SHAPES[name][1]
         r = projection_rows(name, [lw[name] for lw in ws], [p[name] for p in pws],
                             x[:, :k], tilings, calls)
         rows += r
         save(dict(pack_seconds=pack_s, escapes=escapes, projections=rows, partial=True))
-        ok = [row for row in r if row["arm"] != "stream" and "us" in row]
+        # the chain's tiling: the fastest whose outputs stayed within MAX_ULPS of streaming
+        ok = [row for row in r if row["arm"] != "stream" and "us" in row
+              and row["max_ulps"] <= MAX_ULPS]
         if ok:
             best[name] = min(ok, key=lambda row: row["us"])["tiling"]
+        compared[name] = len(ok)
     chain_rows = []
     if set(best) == set(SHAPES):
         chain_rows = chain(ws, pws, x[:, :2048], best, reps, calls)
     return dict(pack_seconds=pack_s, escapes=escapes, projections=rows, best=best,
-                chain=chain_rows)
+                tilings_compared=compared, chain=chain_rows)
 
 
 def main(argv=None):

@@ -118,7 +118,7 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
 
 
 def check_supported(m: int, w: Packed12, n_out: int, *, block_n: int, per_program: int,
-                    num_warps: int):
+                    num_warps: int, gated: bool = False):
     """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
     if m < 1 or m > MAX_ROWS:
         raise ValueError(f"gemv_packed takes 1..{MAX_ROWS} rows, got {m}")
@@ -129,12 +129,17 @@ def check_supported(m: int, w: Packed12, n_out: int, *, block_n: int, per_progra
         raise ValueError(f"gemv_packed num_warps must be at most {MAX_WARPS}, got {num_warps}")
     bk = w.block_k
     if bk < 64 or bk & (bk - 1):
-        raise ValueError(f"gemv_packed needs a power-of-two packing block_k >= 64, got {bk}")
+        raise ValueError(f"gemv_packed needs a power-of-two packing block_k >= 64, got {bk}: "
+                         f"repack with packed12.pack(w, 512)")
     if type(per_program) is not int or per_program < 1:
         raise ValueError(f"gemv_packed per_program must be an int >= 1, got {per_program!r}")
-    if n_out % block_n or (n_out // block_n) % per_program:
-        raise ValueError(f"gemv_packed: block_n={block_n} must divide N={n_out} and "
-                         f"per_program={per_program} the {n_out // max(block_n, 1)} blocks")
+    what = "outputs (gated: half the packed weight's rows)" if gated else "outputs"
+    if n_out % block_n:
+        raise ValueError(f"gemv_packed: block_n={block_n} must divide the {n_out} {what}")
+    if (n_out // block_n) % per_program:
+        raise ValueError(f"gemv_packed: per_program={per_program} must divide the "
+                         f"{n_out // block_n} output blocks ({n_out} {what} / "
+                         f"block_n={block_n})")
 
 
 def _config(tuning: dict) -> dict:
@@ -161,7 +166,7 @@ def _check(x, w, gated) -> int:
 def _call(front, w: Packed12, *, m, n_out, gated, prologue, eps, interpret, cfg,
           extra_out=()):
     check_supported(m, w, n_out, block_n=cfg["block_n"], per_program=cfg["per_program"],
-                    num_warps=cfg["num_warps"])
+                    num_warps=cfg["num_warps"], gated=gated)
     programs = n_out // cfg["block_n"] // cfg["per_program"]
     kernel = functools.partial(_kernel, m=m, k=w.k, block_n=cfg["block_n"],
                                block_k=w.block_k, per_program=cfg["per_program"], gated=gated,

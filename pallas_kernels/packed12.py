@@ -8,8 +8,10 @@ top-7 exponent bits (`base7`). That covers 16 binades per chunk; a chunk whose e
 more (an exact zero, a denormal, a tiny value next to a large one) is an *escape*: its raw bf16
 values are kept in a side table and the kernel reads them instead. Decoding is exact, bit for
 bit, for every input: nothing is approximated (tests/test_packed12.py checks the round trip).
-12 bits per weight plus 4 bytes per chunk and the escapes: ~76% of bf16's bytes for Gaussian
-weights at block_k=512 (3-4% of chunks escape).
+12 bits per weight plus 4 bytes per chunk and the escapes' raw rows: 75.4% of bf16's bytes
+with no escapes, ~79-81% for Gaussian weights at block_k=512 (3.3-5.7% of chunks escape).
+A chunk escapes when its exponents' top 7 bits span more than 7 values: a span of 17 or more
+binades always escapes, 14 or fewer never, 15-16 depending on alignment.
 
 Layout for W [N, K], chunk size BK (block_k, a multiple of 32 dividing K), J = BK / 8. Element
 q of chunk c (q = p * BK/2 + i * J + j; p in {0, 1}, i in {0..3}, j < J) has
@@ -92,7 +94,10 @@ _fields_jit = jax.jit(_fields, static_argnums=1)
 
 
 def pack(w: jax.Array, block_k: int = BLOCK_K) -> Packed12:
-    """W [N, K] bf16 -> Packed12. Syncs with the host once (to size the escape table)."""
+    """W [N, K] bf16 -> Packed12. Syncs with the host once (to size the escape table).
+    gemv_packed needs a power-of-two block_k >= 64 (the default 512 is what it was tuned
+    on); unpack takes any block_k pack does. `escapes` is a static field: matrices with
+    different counts trace separately."""
     check_packable(w.shape, w.dtype, block_k)
     n, k = w.shape
     lo, codes, base7, escaped = _fields_jit(w, block_k)

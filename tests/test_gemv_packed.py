@@ -59,7 +59,7 @@ def test_packed_prologues_match_the_streaming_gemv(prologue):
         np.testing.assert_array_equal(f32(xo), f32(rxo))
 
 
-def test_packed_runs_under_jit_without_recompiling_for_new_weights():
+def test_packed_reuses_its_compile_for_new_weights_with_the_same_escape_count():
     x, w = _xw(1, 256, 32)
     f = jax.jit(lambda x, p: gemv_packed(x, p, interpret=True, block_n=2, per_program=2))
     p1, p2 = pack(w, 64), pack(-w, 64)  # the same exponents: the same escapes
@@ -78,8 +78,10 @@ def test_bad_input_is_refused():
         gemv_packed(x[:, :128], p, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         gemv_packed(x, p, interpret=True, block_n=3)
-    with pytest.raises(ValueError, match="per_program"):
+    with pytest.raises(ValueError, match="per_program=5 must divide the 16 output blocks"):
         gemv_packed(x, p, interpret=True, block_n=2, per_program=5)
+    with pytest.raises(ValueError, match="block_n=64 must divide the 32 outputs"):
+        gemv_packed(x, p, interpret=True, block_n=64, per_program=1)
     with pytest.raises(ValueError, match="unknown gemv_packed tuning"):
         gemv_packed(x, p, interpret=True, block_k=64)
     with pytest.raises(ValueError, match="1..4 rows"):

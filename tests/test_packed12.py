@@ -30,13 +30,14 @@ def test_every_bf16_bit_pattern_round_trips(shuffle, block_k):
     assert (p.escapes == chunks) if shuffle else (p.escapes == 0)
 
 
-def test_gaussian_weights_pack_to_about_three_quarters():
+@pytest.mark.parametrize("block_k", [512, 64])
+def test_gaussian_weights_pack_to_about_three_quarters(block_k):
     w = (jax.random.normal(jax.random.PRNGKey(0), (256, 2048)) * 0.02).astype(jnp.bfloat16)
     w = w.at[3, 5].set(0.0).at[7, 600].set(-1e-30)  # an exact zero and a tiny value escape
-    p = pack(w)
+    p = pack(w, block_k)
     np.testing.assert_array_equal(bits(unpack(p)), bits(w))
     assert p.escapes >= 2 and p.escapes < 0.1 * p.meta.size
-    assert 0.75 < p.nbytes / (w.size * 2) < 0.82
+    assert 0.75 < p.nbytes / (w.size * 2) < (0.82 if block_k == 512 else 0.85)
     assert p.shape == (256, 2048) and p.lo.dtype == jnp.uint32 and p.meta.dtype == jnp.int32
 
 
