@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.gemv import SHAPES  # name -> (N, K, gated), the 1.4B projections
+from benchmarks.mgpu_pdl_chain import _stream  # the engine's plain streaming GEMV
 
 TILINGS = {  # name -> gemv_packed tuning. A thread's share of a chunk: block_n * 64 /
     # (32 * num_warps) words of each of the three word tiles (8 weights per word column); at
@@ -45,11 +46,6 @@ TILINGS = {  # name -> gemv_packed tuning. A thread's share of a chunk: block_n 
     "b1_p4_w2": dict(block_n=1, per_program=4, num_warps=2),
     "b8_p1_w4": dict(block_n=8, per_program=1, num_warps=4),
 }
-
-
-def _stream(name, x, w):
-    from benchmarks.mgpu_pdl_chain import _stream as stream
-    return stream(name, x, w)
 
 
 def _packed(name, x, pw, tiling):

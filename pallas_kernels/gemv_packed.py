@@ -6,7 +6,7 @@ projection is bound by its bytes, which is why batch-1 decode may gain from this
 weights are decoded exactly (bit for bit), so the result is the bf16 GEMV's up to the fp32
 summation order.
 
-Organised like gemv_stream.py (whose prologues, input handling and loop this reuses): the
+Organised like gemv_stream.py (whose prologues, input handling and block loop this reuses): the
 input rows are held in registers (as 8 * K / block_k chunks of block_k / 8 values, the order
 packed12 groups each chunk's weights in), each program computes `per_program` blocks of
 `block_n` output rows, and each block's loads are requested before the math on the one
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import compiler_params, pl
 from pallas_kernels.gemv import _silu_mul, check_norm_operands
-from pallas_kernels.gemv_stream import MAX_ROWS, MAX_WARPS, row_inputs
+from pallas_kernels.gemv_stream import (MAX_ROWS, MAX_WARPS, row_inputs, split_refs,
+                                         stream_blocks)
 from pallas_kernels.packed12 import Packed12, decode_words
 
 DEFAULTS = dict(block_n=2, per_program=4, num_warps=4)
@@ -88,14 +89,8 @@ def _store(y_ref, j, tiles, *, xs, block_n, nk, gated):
 
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
             escapes):
-    refs = list(refs)
-    if prologue == "add_norm":
-        x_ref, b_ref, wb_ref, wx_ref, lo, codes, meta, esc, y_ref, xo_ref = refs
-    elif prologue == "norm":
-        (x_ref, wx_ref, lo, codes, meta, esc, y_ref), b_ref, wb_ref, xo_ref = refs, None, None, None
-    else:
-        (x_ref, lo, codes, meta, esc, y_ref), b_ref, wb_ref, wx_ref, xo_ref = \
-            refs, None, None, None, None
+    x_ref, b_ref, wb_ref, wx_ref, (lo, codes, meta, esc), y_ref, xo_ref = \
+        split_refs(refs, prologue, 4)
     p, programs = pl.program_id(0), pl.num_programs(0)
     nk = k // block_k
     load = _loader(lo, codes, meta, esc, block_n=block_n, block_k=block_k, nk=nk, gated=gated,
@@ -106,15 +101,8 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
                     k=k, dt=y_ref.dtype, prologue=prologue, eps=eps, first_program=p == 0,
                     row2d=False)
     store = functools.partial(_store, y_ref, xs=xs, block_n=block_n, nk=nk, gated=gated)
-
-    def body(i, cur):
-        j = p + i * programs
-        nxt = load(j + programs)  # requested before the math on block j
-        store(j, cur)
-        return nxt
-
-    last = jax.lax.fori_loop(0, per_program - 1, body, first)
-    store(p + (per_program - 1) * programs, last)
+    stream_blocks(load, first, xs, y_ref, p=p, programs=programs, per_program=per_program,
+                  block_n=block_n, block_k=block_k, nk=nk, gated=gated, store=store)
 
 
 def check_supported(m: int, w: Packed12, n_out: int, *, block_n: int, per_program: int,

@@ -140,16 +140,17 @@ def _rows(j, block_n, offset=0):
 
 def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, block_n: int,
                   block_k: int, nk: int, gated: bool, last_hook=None, tail=None,
-                  ahead=None):
+                  ahead=None, store=None):
     """Blocks p, p + programs, ... (per_program of them) of y = x @ W^T into y_ref, each
     block's loads requested before the math on the one before; `first` holds block p's
     (requested by the caller, ahead of its prologue). xs: per row, nk [1, block_k] fp32
     chunks. last_hook(tiles) -> tiles runs on the last block's loads (the late PDL trigger);
     tail() -> int32 zero runs once they are requested (the late L2 prefetch of next_w);
     ahead(i) -> int32 zero runs in iteration i, before block i + 1's loads (a rolling L2
-    prefetch of a later block, gemv_chain's)."""
-    compute_store = functools.partial(store_block, y_ref, xs=xs, block_n=block_n,
-                                      block_k=block_k, nk=nk, gated=gated)
+    prefetch of a later block, gemv_chain's). store(j, tiles): computes and stores block j
+    from its loads (default store_block; gemv_packed passes its own)."""
+    compute_store = store or functools.partial(store_block, y_ref, xs=xs, block_n=block_n,
+                                               block_k=block_k, nk=nk, gated=gated)
 
     def body(i, cur):
         j = p + i * programs
@@ -194,16 +195,24 @@ def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row
     return xs if row2d else [[xc[None, :] for xc in xr] for xr in xs]
 
 
+def split_refs(refs, prologue: str, n_weights: int):
+    """(x, branch, branch norm weight, norm weight, the n_weights weight refs, y, x') from a
+    kernel's refs, ordered x[, branch, branch_w][, norm_w], weights..., y[, x'] by
+    prologue ("add_norm", "norm" or ""); None for what the prologue does not take."""
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    b_ref, wb_ref = (refs.pop(0), refs.pop(0)) if prologue == "add_norm" else (None, None)
+    wx_ref = refs.pop(0) if prologue else None
+    ws = tuple(refs[:n_weights])
+    y_ref, *rest = refs[n_weights:]
+    return x_ref, b_ref, wb_ref, wx_ref, ws, y_ref, (rest[0] if rest else None)
+
+
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
             row2d, interpret, pdl, l2_prefetch, next_rows, next_split, next_at, x_first):
     refs = list(refs)
     next_ref = refs.pop(-3 if prologue == "add_norm" else -2) if next_rows else None
-    if prologue == "add_norm":
-        x_ref, b_ref, wb_ref, wx_ref, w_ref, y_ref, xo_ref = refs
-    elif prologue == "norm":
-        (x_ref, wx_ref, w_ref, y_ref), b_ref, wb_ref, xo_ref = refs, None, None, None
-    else:
-        (x_ref, w_ref, y_ref), b_ref, wb_ref, wx_ref, xo_ref = refs, None, None, None, None
+    x_ref, b_ref, wb_ref, wx_ref, (w_ref,), y_ref, xo_ref = split_refs(refs, prologue, 1)
     p = pl.program_id(0)
     nxt = functools.partial(prefetch_next, next_ref, p, next_rows, next_split,
                             interpret=interpret) if next_rows else None
