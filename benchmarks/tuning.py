@@ -6,10 +6,14 @@ from __future__ import annotations
 
 # last_combine=1: the decode kernel merges its splits itself (ouro_jax.attention.LAST_COMBINE)
 # pdl=1: the decode kernel emits the PDL trigger (pallas_kernels._common.PDL); needs last_combine
-DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine", "pdl")
+# fuse_o=1: one-row decode runs pallas_kernels.attention_o (attention + o projection in one
+# kernel; ouro_jax.attention.FUSE_O), with block_t / num_warps / num_stages and o_block_n /
+# o_w_early as its tuning; other batch sizes are unchanged
+DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine", "pdl",
+                      "fuse_o", "o_block_n", "o_w_early")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
-BOOL_TUNING_KEYS = ("last_combine", "pdl")
-POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps")  # tile sizes and Triton warps
+BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early")
+POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps", "o_block_n")  # tile sizes, Triton warps
 
 
 def parse_tuning(spec: str, keys) -> dict:
@@ -208,6 +212,13 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     if tuning["decode"].get("pdl") and not tuning["decode"].get("last_combine"):
         raise SystemExit("--decode-kernel pdl=1 needs last_combine=1 (the kernel's next kernel "
                          "must be the o projection's GEMV, not the XLA split combine)")
+    d = tuning["decode"]
+    if d.get("fuse_o") and (d.get("last_combine") or d.get("pdl")):
+        raise SystemExit("--decode-kernel fuse_o=1 replaces the one-row decode kernel, whose "
+                         "last_combine / pdl it cannot take: set one or the other")
+    if not d.get("fuse_o") and ("o_block_n" in d or "o_w_early" in d):
+        raise SystemExit("--decode-kernel o_block_n / o_w_early tune the fused attention + o "
+                         "kernel: they need fuse_o=1")
     for name in ("decode", "ragged"):
         mod = importlib.import_module(f"pallas_kernels.{name}")
         mod.TUNING.clear()

@@ -31,6 +31,28 @@ BACKENDS = ("auto", "xla", "pallas")
 LAST_COMBINE = False
 
 
+# Pallas decode at one row: the attention and the o projection in one kernel
+# (pallas_kernels.attention_o: no split combine, no separate GEMV launch). Off: not yet
+# measured on a GPU; `benchmarks.decode --decode-kernel fuse_o=1` turns it on for a run,
+# with the decode kernel's block_t / num_warps / num_stages and o_block_n / o_w_early as
+# its tuning. Read when an engine compiles its programs.
+FUSE_O = False
+
+
+def _fused_o_tuning() -> dict:
+    """pallas_kernels.attention_o's tuning from the decode kernel's overrides."""
+    import pallas_kernels.decode as dk
+    t = dk.TUNING
+    names = dict(block_t="block_t", num_warps="num_warps", num_stages="num_stages",
+                 o_block_n="block_n", o_w_early="w_early")
+    return {ours: t[key] for key, ours in names.items() if key in t}
+
+
+def _fused_o_counters(cfg: OuroConfig, batch: int) -> jax.Array:
+    from pallas_kernels.attention_o import counters_for
+    return counters_for(batch, cfg.hidden_size, **_fused_o_tuning())
+
+
 def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
@@ -88,27 +110,45 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
             return out, planes
 
         if c == 1 and fused_kv_write:
+            last_combine = bool(pk.decode.TUNING.get("last_combine", LAST_COMBINE))
+            fuse_o = bool(pk.decode.TUNING.get("fuse_o", FUSE_O)) and b == 1
+            if fuse_o and last_combine:
+                raise ValueError("decode kernel tuning: fuse_o and last_combine are "
+                                 "alternatives (the fused kernel sums its own partials); "
+                                 "set one of them")
+
             def attend_qkv(qkv, cos, sin, planes, loop, layer):
-                counters = dict(counters=planes[2]) if len(planes) == 3 else {}
+                counters = dict(counters=planes[2]) if last_combine else {}
                 out, kc, vc, *cnt = pk.paged_decode_attention_qkv(
                     qkv[:, 0], planes[0], planes[1], (loop, layer), block_tables, kv_lens,
                     page[:, 0], slot[:, 0], rope=(cos[:, 0], sin[:, 0]), trash_page=TRASH_PAGE,
                     interpret=interpret, entry_stride=num_layers, **counters)
                 return out[:, None], (kc, vc, *cnt)
 
-            if pk.decode.TUNING.get("last_combine", LAST_COMBINE):
-                # The decode kernel merges its splits itself; its per-(row, KV head) counters
-                # (zeros, left at zero by every call) ride along with the planes through the
-                # layers and loops, so each forward block makes them once (one memset).
-                kvh = cfg.num_key_value_heads
+            if last_combine or fuse_o:
+                # The decode kernel merges its splits itself (or the fused kernel sums its
+                # heads' partials); its counters (zeros, left at zero by every call) ride
+                # along with the planes through the layers and loops, so each forward block
+                # makes them once (one memset).
+                counters = (_fused_o_counters(cfg, b) if fuse_o else
+                            jnp.zeros((b, cfg.num_key_value_heads), jnp.int32))
                 plain = attend
 
                 def attend(q, k, v, state, loop, layer):  # noqa: F811 (same, counters kept)
                     out, planes = plain(q, k, v, state[:2], loop, layer)
                     return out, (*planes, *state[2:])
-                attend.wrap = lambda planes: (*planes, jnp.zeros((b, kvh), jnp.int32))
+                attend.wrap = lambda planes: (*planes, counters)
                 attend.unwrap = lambda state: state[:2]
             attend.qkv = attend_qkv
+            if fuse_o:
+                def attend_qkv_o(qkv, w_o, cos, sin, state, loop, layer):
+                    y, kc, vc, cnt = pk.decode_attention_o(
+                        qkv[:, 0], state[0], state[1], (loop, layer), block_tables, kv_lens,
+                        page[:, 0], slot[:, 0], w_o, state[2], rope=(cos[:, 0], sin[:, 0]),
+                        trash_page=TRASH_PAGE, interpret=interpret, entry_stride=num_layers,
+                        **_fused_o_tuning())
+                    return y[:, None], (kc, vc, cnt)
+                attend.qkv_o = attend_qkv_o
         return attend
 
     key_pos = jnp.arange(block_tables.shape[1] * page_size, dtype=jnp.int32)

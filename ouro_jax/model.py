@@ -110,8 +110,10 @@ def dense_causal_attend(q, k, v, state, loop, layer):
 def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop,
                layer, proj):
     """Input norm, q/k/v projections, RoPE and attention: (attention output, x as an array,
-    state). With the fused qkv weight and an `attend` that has `.qkv` (the engine's pallas
-    decode) the unrotated projection goes to the kernel, which does RoPE and the K/V write."""
+    state, whether the output is already o-projected). With the fused qkv weight and an
+    `attend` that has `.qkv` (the engine's pallas decode) the unrotated projection goes to
+    the kernel, which does RoPE and the K/V write; `.qkv_o` (opt-in, one row) also applies
+    the o projection."""
     eps = cfg.rms_norm_eps
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if lp.qkv_proj is not None:
@@ -119,8 +121,11 @@ def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, 
                              next_weight=(lp.o_proj, 1))
         if hasattr(attend, "qkv"):
             packed = qkv.reshape(*x.shape[:-1], nh + 2 * nkv, hd)
+            if hasattr(attend, "qkv_o"):
+                o, state = attend.qkv_o(packed, lp.o_proj, cos, sin, state, loop, layer)
+                return o, x, state, True
             attn, state = attend.qkv(packed, cos, sin, state, loop, layer)
-            return attn, x, state
+            return attn, x, state, False
         q, k, v = qkv[..., :nh * hd], qkv[..., nh * hd:(nh + nkv) * hd], qkv[..., (nh + nkv) * hd:]
     else:
         x = proj.materialize(x, eps)
@@ -132,7 +137,7 @@ def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, 
     v = v.reshape(*lead, nkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn, state = attend(q, k, v, state, loop, layer)
-    return attn, x, state
+    return attn, x, state, False
 
 
 def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, state,
@@ -146,11 +151,13 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     on it."""
     proj = proj or XLA_PROJECTIONS
     eps = cfg.rms_norm_eps
-    attn, x, state = _attention(lp, x, cos, sin, cfg, attend, state, loop, layer, proj)
+    attn, x, state, projected = _attention(lp, x, cos, sin, cfg, attend, state, loop, layer,
+                                           proj)
     lead = x.shape[:-1]
-    attn = proj.project("o", attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim),
-                        lp.o_proj, next_weight=None if lp.gate_up_proj is None else
-                        (lp.gate_up_proj, 2))
+    if not projected:
+        attn = proj.project("o", attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim),
+                            lp.o_proj, next_weight=None if lp.gate_up_proj is None else
+                            (lp.gate_up_proj, 2))
     h = Residual(x, attn, lp.input_layernorm_2)  # h = x + rms_norm(attn, input_layernorm_2)
     if lp.gate_up_proj is not None:
         m, h = proj.normed("gate_up", h, lp.post_attention_layernorm, lp.gate_up_proj, eps,

@@ -55,6 +55,44 @@ def _rope(x, x_swapped, cos, sin):
     return (f32(a) + f32(b)).astype(dt)
 
 
+def new_token_kv(q_ref, cos_ref, sin_ref, b, kvh, n_kv: int, cdt, swap):
+    """The new token's key (with RoPE when `swap`, the column order with halves swapped, is
+    given) and value for KV head kvh, in the cache dtype cdt, from the packed projection
+    q_ref [B, H + 2 KVH, hd]; also (cos, sin) of row b (None without RoPE)."""
+    n_q = q_ref.shape[1] - 2 * n_kv
+    k_row, v_row = n_q + kvh, n_q + n_kv + kvh
+    k_new = q_ref[b, k_row, :]
+    cos = sin = None
+    if swap is not None:
+        cos, sin = cos_ref[b, :], sin_ref[b, :]
+        k_new = _rope(k_new, q_ref[b, k_row, swap], cos, sin)
+    return k_new.astype(cdt), q_ref[b, v_row, :].astype(cdt), cos, sin
+
+
+def query_tile(q_ref, b, kvh, group: int, group_pad: int, rope):
+    """The query tile [group_pad, hd] of KV head kvh (padded rows repeat head group - 1);
+    rope = (swap, cos, sin) applies RoPE (see new_token_kv), None does not."""
+    heads = kvh * group + jnp.minimum(lax.iota(jnp.int32, group_pad), group - 1)
+    qt = q_ref[b, heads, :]  # [Gp, hd]
+    if rope is not None:
+        swap, cos, sin = rope
+        qt = _rope(qt, q_ref[b, heads[:, None], swap[None, :]], cos[None, :], sin[None, :])
+    return qt
+
+
+def fold_new_key(qt, k_new, v_new, use, scale: float, m, l, acc):
+    """One more online-softmax step with the new key (a block of one key) where use() (a
+    function, traced after the scores: the order the kernel was measured with); the
+    rounding matches flash_tile's (q and p in the cache dtype, fp32 products and sums)."""
+    cdt = k_new.dtype
+    qf = qt.astype(cdt).astype(jnp.float32)
+    sc = jnp.sum(qf * k_new.astype(jnp.float32)[None, :], axis=1) * scale  # [Gp]
+    use = use()
+    m, alpha, p, l = online_softmax_step(m, l, sc[:, None], use)  # p [Gp, 1]
+    pv = p.astype(cdt).astype(jnp.float32) * v_new.astype(jnp.float32)[None, :]
+    return m, l, acc * alpha[:, None] + pv
+
+
 def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: int,
                    block_t: int, num_splits: int, scale: float, rowwise: bool, entry_stride: int,
                    write_new: bool = False, rope: bool = False, trash_page: int = 0,
@@ -96,16 +134,9 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
         swap = (lax.iota(jnp.int32, hd) + hd // 2) % hd  # column order, halves swapped
     extra = None
     if write_new:
-        n_kv = k_ref.shape[3]
-        n_q = q_ref.shape[1] - 2 * n_kv
         cdt = kout_ref.dtype
-        k_row, v_row = n_q + kvh, n_q + n_kv + kvh
-        k_new = q_ref[b, k_row, :]
-        if rope:
-            cos, sin = cos_ref[b, :], sin_ref[b, :]
-            k_new = _rope(k_new, q_ref[b, k_row, swap], cos, sin)
-        k_new = k_new.astype(cdt)
-        v_new = q_ref[b, v_row, :].astype(cdt)
+        k_new, v_new, cos, sin = new_token_kv(q_ref, cos_ref, sin_ref, b, kvh, k_ref.shape[3],
+                                              cdt, swap if rope else None)
         page = wpage_ref[b]
 
         @pl.when((sp == 0) & (page != trash_page))
@@ -115,16 +146,10 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
             vout_ref[entry, page, slot, kvh, :] = v_new
 
         def extra(m, l, acc):
-            """One more online-softmax step with the new key (a block of one key); the
-            rounding matches flash_tile's (q and p in the cache dtype, fp32 products and
-            sums). Only split 0 of a real row takes it: padding rows (trash page) attend to
-            nothing new, as on the XLA path, where the write is dropped."""
-            qf = qt.astype(cdt).astype(jnp.float32)
-            sc = jnp.sum(qf * k_new.astype(jnp.float32)[None, :], axis=1) * scale  # [Gp]
-            use = (sp == 0) & (kv_len > 0) & (page != trash_page)
-            m, alpha, p, l = online_softmax_step(m, l, sc[:, None], use)  # p [Gp, 1]
-            pv = p.astype(cdt).astype(jnp.float32) * v_new.astype(jnp.float32)[None, :]
-            return m, l, acc * alpha[:, None] + pv
+            """The new key, for split 0 of a real row only: padding rows (trash page)
+            attend to nothing new, as on the XLA path, where the write is dropped."""
+            return fold_new_key(qt, k_new, v_new, lambda: (sp == 0) & (kv_len > 0) &
+                                (page != trash_page), scale, m, l, acc)
 
     def kv_block(i):
         t = start + i * block_t + offs
@@ -132,10 +157,8 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
         return t < end, k, v
 
     if use_dot:
-        heads = kvh * group + jnp.minimum(lax.iota(jnp.int32, group_pad), group - 1)
-        qt = q_ref[b, heads, :]  # [Gp, hd]
-        if rope:
-            qt = _rope(qt, q_ref[b, heads[:, None], swap[None, :]], cos[None, :], sin[None, :])
+        qt = query_tile(q_ref, b, kvh, group, group_pad,
+                        (swap, cos, sin) if write_new and rope else None)
 
         def block(i):
             mask, k, v = kv_block(i)

@@ -121,8 +121,11 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
         assert call_params(ragged)[0][2] == 2  # the default for this shape
         assert apply_kernel_tuning("last_combine=0", "")["decode"] == {"last_combine": 0}
         assert dk.TUNING == {"last_combine": 0}  # a switch: 0 is a value, not an error
+        assert apply_kernel_tuning("fuse_o=1,o_block_n=64,o_w_early=0", "")["decode"] == {
+            "fuse_o": 1, "o_block_n": 64, "o_w_early": 0}
         for bad in ("num_splits", "splits=2", "num_warps=two", "block_t=0", "block_t=48",
-                    "num_warps=3", "last_combine=2", "last_combine=-1"):
+                    "num_warps=3", "last_combine=2", "last_combine=-1", "o_block_n=48",
+                    "o_block_n=64", "fuse_o=1,last_combine=1", "fuse_o=1,o_w_early=2"):
             with pytest.raises(SystemExit):
                 apply_kernel_tuning(bad, "")
     finally:
