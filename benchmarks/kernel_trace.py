@@ -179,10 +179,14 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--unroll-loops", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--decode-kernel", default="", metavar="K=V,...",
+                    help="the decode kernel's tuning overrides, as benchmarks.decode takes "
+                         "them (e.g. fuse_o=1)")
     add_stream_args(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    apply_kernel_tuning("", "", l2_spec=args.l2_prefetch, l2_next_spec=args.l2_next,
+    apply_kernel_tuning(args.decode_kernel, "", l2_spec=args.l2_prefetch,
+                        l2_next_spec=args.l2_next,
                         l2_next_at=args.l2_next_at, stream_set=args.stream_set)
     try:
         return _main(args, argv)
