@@ -8,17 +8,21 @@
 # layer application is ~7% at batch 1, ~258 tok/s).
 # Offline sm_90 compiles (Triton 3.9, /tmp/s17/regs_ao.py in session 17): 168 registers at
 # block_n 128 / 4 warps / block_t 32 (the default; 21.5 KB shared), 127 at block_n 64, 122
-# at 8 warps, 168 at block_t 64 (38.9 KB), 167 at block_t 128 (73.7 KB), 128 at block_t 128
-# with 8 warps, 96 without w_early; no spills. The fused kernel attends over all keys in one
-# program per head (no splits), and one split cost the decode kernel 4% at batch 1 in
-# session 9, so the arms include longer key blocks (fewer dependent iterations).
-#   PART=1: the GPU tests (compiled atomics and CTA barriers against the unfused kernels),
-#           then batch-1 native greedy, two interleaved passes: default; fuse_o at
-#           block_n 128 with block_t 32 / 64 / 128, block_n 64, and block_t 128 at 8 warps.
+# at 8 warps, 168 at block_t 64 (38.9 KB), 167 at block_t 128 (73.7 KB), 96 without
+# w_early; split_keys 168 (block_n 128, 3 programs per SM, so the 256-program grid is
+# resident, which its handover needs) and 127 at block_n 64 (512 programs, 4 per SM); no
+# spills. Unsplit, the kernel attends over all keys in one program per head, and one split
+# cost the decode kernel 4% at batch 1 in session 9: hence the arms with longer key blocks
+# (fewer dependent iterations) and split_keys (the head's programs each take a split, then
+# wait for the others through a counter and merge).
+#   PART=1: the GPU tests (compiled atomics, CTA barriers and the handover against the
+#           unfused kernels), then batch-1 native greedy, two interleaved passes: default;
+#           fuse_o at block_n 128 with block_t 32 / 64 / 128; split_keys at block_n 128
+#           and 64.
 #   PART=2: k=4 d=2 greedy, default against fuse_o (the draft runs the one-row kernels;
-#           FO_BEST: the tuning keys of PART 1's best arm, default the shipped tuning),
-#           and a kernel trace of batch-1 native with it (the fused kernel's time per layer
-#           application).
+#           FO_BEST: the tuning keys of PART 1's best arm, e.g. o_split=1; default the
+#           shipped tuning), and a kernel trace of batch-1 native with it (the fused
+#           kernel's time per layer application).
 # Usage on the GPU machine: PART=1 OUT=dir bash benchmarks/gpu_next_session_fuse_o.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -34,10 +38,10 @@ if [ "$PART" = 1 ]; then
   tail -2 $OUT/gpu_tests_attention_o.txt
   pass=1
   run default --k 0; run fo128 --k 0 $FO; run fo128t64 --k 0 $FO,block_t=64
-  run fo128t128 --k 0 $FO,block_t=128; run fo64 --k 0 $FO,o_block_n=64
-  run fo128t128w8 --k 0 $FO,block_t=128,num_warps=8
+  run fo128t128 --k 0 $FO,block_t=128; run fos128 --k 0 $FO,o_split=1
+  run fos64 --k 0 $FO,o_split=1,o_block_n=64
   pass=2
-  run fo128t128w8 --k 0 $FO,block_t=128,num_warps=8; run fo64 --k 0 $FO,o_block_n=64
+  run fos64 --k 0 $FO,o_split=1,o_block_n=64; run fos128 --k 0 $FO,o_split=1
   run fo128t128 --k 0 $FO,block_t=128; run fo128t64 --k 0 $FO,block_t=64; run fo128 --k 0 $FO
   run default --k 0
   python3 -m benchmarks.ab_arms $A $OUT/ab_fuse_o_b1_h200.json

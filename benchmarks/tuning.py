@@ -8,11 +8,11 @@ from __future__ import annotations
 # pdl=1: the decode kernel emits the PDL trigger (pallas_kernels._common.PDL); needs last_combine
 # fuse_o=1: one-row decode runs pallas_kernels.attention_o (attention + o projection in one
 # kernel; ouro_jax.attention.FUSE_O), with block_t / num_warps / num_stages and o_block_n /
-# o_w_early as its tuning; other batch sizes are unchanged
+# o_w_early / o_split (its split_keys) as its tuning; other batch sizes are unchanged
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine", "pdl",
-                      "fuse_o", "o_block_n", "o_w_early")
+                      "fuse_o", "o_block_n", "o_w_early", "o_split")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
-BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early")
+BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early", "o_split")
 POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps", "o_block_n")  # tile sizes, Triton warps
 
 
@@ -216,9 +216,9 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     if d.get("fuse_o") and (d.get("last_combine") or d.get("pdl")):
         raise SystemExit("--decode-kernel fuse_o=1 replaces the one-row decode kernel, whose "
                          "last_combine / pdl it cannot take: set one or the other")
-    if not d.get("fuse_o") and ("o_block_n" in d or "o_w_early" in d):
-        raise SystemExit("--decode-kernel o_block_n / o_w_early tune the fused attention + o "
-                         "kernel: they need fuse_o=1")
+    if not d.get("fuse_o") and {"o_block_n", "o_w_early", "o_split"} & set(d):
+        raise SystemExit("--decode-kernel o_block_n / o_w_early / o_split tune the fused "
+                         "attention + o kernel: they need fuse_o=1")
     for name in ("decode", "ragged"):
         mod = importlib.import_module(f"pallas_kernels.{name}")
         mod.TUNING.clear()

@@ -34,8 +34,8 @@ LAST_COMBINE = False
 # Pallas decode at one row: the attention and the o projection in one kernel
 # (pallas_kernels.attention_o: no split combine, no separate GEMV launch). Off: not yet
 # measured on a GPU; `benchmarks.decode --decode-kernel fuse_o=1` turns it on for a run,
-# with the decode kernel's block_t / num_warps / num_stages and o_block_n / o_w_early as
-# its tuning. Read when an engine compiles its programs.
+# with the decode kernel's block_t / num_warps / num_stages and o_block_n / o_w_early /
+# o_split as its tuning. Read when an engine compiles its programs.
 FUSE_O = False
 
 
@@ -44,13 +44,13 @@ def _fused_o_tuning() -> dict:
     import pallas_kernels.decode as dk
     t = dk.TUNING
     names = dict(block_t="block_t", num_warps="num_warps", num_stages="num_stages",
-                 o_block_n="block_n", o_w_early="w_early")
+                 o_block_n="block_n", o_w_early="w_early", o_split="split_keys")
     return {ours: t[key] for key, ours in names.items() if key in t}
 
 
 def _fused_o_counters(cfg: OuroConfig, batch: int) -> jax.Array:
     from pallas_kernels.attention_o import counters_for
-    return counters_for(batch, cfg.hidden_size, **_fused_o_tuning())
+    return counters_for(batch, cfg.hidden_size, cfg.num_key_value_heads, **_fused_o_tuning())
 
 
 def resolve_backend(backend: str) -> str:

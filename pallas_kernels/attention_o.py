@@ -19,6 +19,13 @@ program ever waits for another:
   rows, so the sum's order does not depend on which program is last; it resets the counter.
 * Program (b, h, 0) writes the new token's K/V (RoPE applied) into the caches; every program
   folds the new key in from registers, as the decode kernel's split 0 does.
+* `split_keys` (opt-in): instead of every program attending over all keys, program (b, h, r)
+  takes key split r (R splits, as the decode kernel's), stores its normalised partial and
+  log-sum-exp, and arrives on a counter of (b, h); it then waits (acquire loads) until all R
+  have arrived and merges the R partials in split order, with the split combine's math, before
+  its projection. One short wait among R programs replaces the unsplit attention's long key
+  loop; it needs the whole grid resident at once (checked on the GPU by a give-up count, see
+  _wait_for_head), and interpret mode runs it as two calls of the same kernel.
 
 Numerics: the attention output is rounded to the activation dtype before the projection, as
 the model rounds it; the projection accumulates in fp32 (per head a sum over hd, then the
@@ -34,68 +41,142 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (cdiv, compiler_params, flash_tile, load_kv_block, next_pow2,
-                                    pl, plane_index, plane_operands, plt)
+from pallas_kernels._common import (COUNTER_STEP, SPIN_LIMIT, cdiv, compiler_params,
+                                    counter_target, flash_tile, load_kv_block, next_pow2, pl,
+                                    plane_index, plane_operands, plt, split_range)
 from pallas_kernels.decode import fold_new_key, new_token_kv, query_tile
 
 # Defaults, unmeasured: 16 programs per KV head (256 at the 1.4B shape, two per SM), 32-key
-# blocks as the decode kernel takes at one row. TUNING overrides them process-wide (read at
-# trace time; `benchmarks.decode --decode-kernel fuse_o=1,o_block_n=64`); explicit
-# arguments win.
-DEFAULTS = dict(block_n=128, block_t=32, num_warps=4, num_stages=2, w_early=True)
+# blocks as the decode kernel takes at one row (16 with split_keys, so that 16 splits of a
+# 192-token context all hold keys). TUNING overrides them process-wide (read at trace time;
+# `benchmarks.decode --decode-kernel fuse_o=1,o_block_n=64`); explicit arguments win.
+DEFAULTS = dict(block_n=128, block_t=None, num_warps=4, num_stages=2, w_early=True,
+                split_keys=False)
 TUNING: dict = {}
+PHASES = ("both", "attend", "project")
 
 
-def _kernel(*refs, group: int, group_pad: int, page_size: int, block_t: int, block_n: int,
-            scale: float, entry_stride: int, rope: bool, trash_page: int, gpu_sync: bool,
-            w_early: bool):
-    base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, *rest = refs
-    cos_ref, sin_ref = rest[:2] if rope else (None, None)
-    wpage_ref, wslot_ref, w_ref, _, part_ref, kout_ref, vout_ref, y_ref, cnt_ref = \
-        rest[2:] if rope else rest
+def _kernel(*refs, names: tuple, group: int, group_pad: int, page_size: int, block_t: int,
+            block_n: int, scale: float, entry_stride: int, trash_page: int, gpu_sync: bool,
+            w_early: bool, split: bool, phase: str):
+    """names: the refs' names in order (see _operands). phase "both" is the kernel; with
+    split_keys interpret mode runs it as "attend" then "project" (two calls), because its
+    programs hand over through a spin wait that needs them to run at once."""
+    ref = dict(zip(names, refs))
     b, kvh, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    hd = q_ref.shape[-1]
+    q_ref, k_ref = ref["qkv"], ref["k_cache"]
+    hd, n_kv = q_ref.shape[-1], k_ref.shape[3]
     rows = pl.ds(pl.multiple_of(r * block_n, block_n), block_n)
-    load_w = lambda: [w_ref[rows, pl.ds(pl.multiple_of((kvh * group + g) * hd, hd), hd)]
+    load_w = lambda: [ref["w_o"][rows, pl.ds(pl.multiple_of((kvh * group + g) * hd, hd), hd)]
                       for g in range(group)]
-    w_tiles = load_w() if w_early else None
-    entry = plane_index(base_ref, off_ref, entry_stride)
-    kv_len = lens_ref[b]
-    cached = jnp.maximum(kv_len - 1, 0)  # the new key comes from registers, not the cache
-    swap = (lax.iota(jnp.int32, hd) + hd // 2) % hd if rope else None
-    k_new, v_new, cos, sin = new_token_kv(q_ref, cos_ref, sin_ref, b, kvh, k_ref.shape[3],
-                                          kout_ref.dtype, swap)
-    page = wpage_ref[b]
-
-    @pl.when((r == 0) & (page != trash_page))
-    def _():
-        slot = wslot_ref[b]
-        kout_ref[entry, page, slot, kvh, :] = k_new
-        vout_ref[entry, page, slot, kvh, :] = v_new
-
-    qt = query_tile(q_ref, b, kvh, group, group_pad, (swap, cos, sin) if rope else None)
-    offs = lax.iota(jnp.int32, block_t)
-
-    def block(i):
-        t = i * block_t + offs
-        k, v = load_kv_block(k_ref, v_ref, bt_ref, entry, b, kvh, t, cached - 1, page_size)
-        return k, v, lambda: (t < cached)[None, :]
-
-    def extra(m, l, acc):  # padding rows (trash page) attend to nothing new, as in decode
-        return fold_new_key(qt, k_new, v_new, lambda: (kv_len > 0) & (page != trash_page),
-                            scale, m, l, acc)
-
-    o, _ = flash_tile(qt, cdiv(cached, block_t), block, scale, extra)  # [Gp, hd] fp32
+    w_tiles = load_w() if w_early and phase != "attend" else None
+    if phase != "project":
+        o = _attend(ref, b, kvh, r, group=group, group_pad=group_pad, page_size=page_size,
+                    block_t=block_t, scale=scale, entry_stride=entry_stride,
+                    trash_page=trash_page, split=split, n_splits=pl.num_programs(2))
+    if split:
+        heads = jnp.minimum(lax.iota(jnp.int32, group_pad), group - 1)
+        if phase != "project":
+            ref["att_o"][b, kvh, r, heads, :] = o[0]
+            ref["att_lse"][b, kvh, r, heads] = o[1]
+        if phase == "attend":
+            return
+        if gpu_sync:
+            _wait_for_head(ref["counters"], b, kvh, r, pl.num_programs(2), n_kv)
+        o = _merge_head(ref["att_o"], ref["att_lse"], b, kvh, heads, pl.num_programs(2))
     if w_tiles is None:
         w_tiles = load_w()
     head_of = lax.broadcasted_iota(jnp.int32, o.shape, 0)
     acc = jnp.zeros((block_n,), jnp.float32)
+    y_ref = ref["y"]
     for g in range(group):
         a = jnp.sum(jnp.where(head_of == g, o, 0.0), axis=0)  # row g, exactly
         a = a.astype(y_ref.dtype).astype(jnp.float32)  # the attention output as the model has it
         acc = acc + jnp.sum(w_tiles[g].astype(jnp.float32) * a[None, :], axis=1)
-    part_ref[b, kvh, rows] = acc
-    _sum_if_last(part_ref, y_ref, cnt_ref, b, r, rows, k_ref.shape[3], gpu_sync)
+    ref["part"][b, kvh, rows] = acc
+    _sum_if_last(ref["part"], y_ref, ref["counters"], b, r, rows, n_kv, gpu_sync)
+
+
+def _attend(ref, b, kvh, r, *, group, group_pad, page_size, block_t, scale, entry_stride,
+            trash_page, split, n_splits):
+    """KV head kvh's attention for row b: over every key (returns o [Gp, hd] fp32) or, with
+    split, over split r of them (returns (o, lse)). The r = 0 program writes the new token's
+    K/V; every program (split: split 0) folds the new key in from registers."""
+    q_ref, k_ref, v_ref = ref["qkv"], ref["k_cache"], ref["v_cache"]
+    hd = q_ref.shape[-1]
+    entry = plane_index(ref["base"], ref["off"], entry_stride)
+    kv_len = ref["kv_lens"][b]
+    cached = jnp.maximum(kv_len - 1, 0)  # the new key comes from registers, not the cache
+    rope = "cos" in ref
+    swap = (lax.iota(jnp.int32, hd) + hd // 2) % hd if rope else None
+    kout_ref, vout_ref = ref["k_out"], ref["v_out"]
+    k_new, v_new, cos, sin = new_token_kv(q_ref, ref.get("cos"), ref.get("sin"), b, kvh,
+                                          k_ref.shape[3], kout_ref.dtype, swap)
+    page = ref["page"][b]
+
+    @pl.when((r == 0) & (page != trash_page))
+    def _():
+        slot = ref["slot"][b]
+        kout_ref[entry, page, slot, kvh, :] = k_new
+        vout_ref[entry, page, slot, kvh, :] = v_new
+
+    qt = query_tile(q_ref, b, kvh, group, group_pad, (swap, cos, sin) if rope else None)
+    start, end, n_blocks = (split_range(cached, r, n_splits, block_t) if split
+                            else (0, cached, cdiv(cached, block_t)))
+    offs = lax.iota(jnp.int32, block_t)
+
+    def block(i):
+        t = start + i * block_t + offs
+        k, v = load_kv_block(k_ref, v_ref, ref["block_tables"], entry, b, kvh, t, end - 1,
+                             page_size)
+        return k, v, lambda: (t < end)[None, :]
+
+    def extra(m, l, acc):  # padding rows (trash page) attend to nothing new, as in decode
+        use = lambda: (((r == 0) if split else True) & (kv_len > 0) & (page != trash_page))
+        return fold_new_key(qt, k_new, v_new, use, scale, m, l, acc)
+
+    o, lse = flash_tile(qt, n_blocks, block, scale, extra)  # [Gp, hd] fp32, [Gp]
+    return (o, lse) if split else o
+
+
+def _wait_for_head(cnt_ref, b, kvh, r, n_splits, n_kv: int):
+    """split_keys: wait until all n_splits programs of (b, kvh) have stored their partials.
+    The "counter" barrier of _common.grid_barrier among them, on word [b, R + kvh] of the
+    counters (it only grows, by COUNTER_STEP per call); a program that re-reads SPIN_LIMIT
+    times without seeing it arrive adds 1 to word [b, R + n_kv + kvh] and goes on (a broken
+    handover shows as a count and wrong results, not as a hung GPU). Needs every program of
+    the grid resident at once (the 1.4B grid is 256 programs at ~170 registers: 3 per SM)."""
+    from pallas_kernels.ref_ptx import gpu_load
+    zero = jnp.int32(0)
+    col = n_splits + kvh
+    plt.debug_barrier()  # every warp's partial stores before the arrival (release)
+    weight = 1 + (r == 0).astype(jnp.int32) * (COUNTER_STEP - n_splits)
+    before = plt.atomic_add(cnt_ref, (b, col), weight)
+    target = counter_target(before)
+    flat = b * cnt_ref.shape[1] + col
+    seen, _ = lax.while_loop(  # (seen - target) < 0: right across the int32 wrap
+        lambda c: (c[0] - target < 0) & (c[1] < SPIN_LIMIT),
+        lambda c: (gpu_load(cnt_ref, flat + 0 * c[1], sem="acquire"), c[1] + 1),
+        (before + weight, zero))
+    plt.atomic_add(cnt_ref, (b, col + n_kv), (seen - target < 0).astype(jnp.int32))
+    plt.debug_barrier()
+
+
+def _merge_head(o_ref, lse_ref, b, kvh, heads, n_splits):
+    """split_keys: the attention of (b, kvh) [Gp, hd] from its n_splits normalised partials,
+    in split order with _common.combine_splits' math (split_merge.merge_if_last's loops)."""
+    m = lax.fori_loop(1, n_splits, lambda s, m: jnp.maximum(m, lse_ref[b, kvh, s, heads]),
+                      lse_ref[b, kvh, 0, heads])
+
+    def add(s, carry):  # all-empty rows: every w == 1 and every o == 0 -> 0
+        num, den = carry
+        w = jnp.exp(lse_ref[b, kvh, s, heads] - m)
+        return num + w[:, None] * o_ref[b, kvh, s, heads, :], den + w
+
+    hd = o_ref.shape[-1]
+    num, den = lax.fori_loop(0, n_splits, add, (jnp.zeros((heads.shape[0], hd), jnp.float32),
+                                                jnp.zeros(heads.shape, jnp.float32)))
+    return num / den[:, None]
 
 
 def _sum_if_last(part_ref, y_ref, cnt_ref, b, r, rows, n_kv: int, gpu_sync: bool):
@@ -119,30 +200,37 @@ def _sum_if_last(part_ref, y_ref, cnt_ref, b, r, rows, n_kv: int, gpu_sync: bool
 
 def config(n_out: int, **tuning) -> dict:
     """The tuning a call runs with: explicit keys, then TUNING, then DEFAULTS; block_n is
-    shrunk to a power of two dividing n_out."""
+    shrunk to a power of two dividing n_out; block_t None: 16 with split_keys, else 32."""
     unknown = set(tuning) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"decode_attention_o: unknown tuning keys {sorted(unknown)}; "
                          f"known: {sorted(DEFAULTS)}")
     cfg = {k: tuning[k] if tuning.get(k) is not None else TUNING.get(k, v)
            for k, v in DEFAULTS.items()}
+    cfg["split_keys"] = bool(cfg["split_keys"])
+    cfg["w_early"] = bool(cfg["w_early"])
+    if cfg["block_t"] is None:
+        cfg["block_t"] = 16 if cfg["split_keys"] else 32
     for key in ("block_n", "block_t", "num_warps"):
         v = cfg[key]
         if not isinstance(v, int) or v < 1 or v & (v - 1):
             raise ValueError(f"decode_attention_o: {key} must be a positive power of two, got {v!r}")
     while n_out % cfg["block_n"]:
         cfg["block_n"] //= 2
-    cfg["w_early"] = bool(cfg["w_early"])
     return cfg
 
 
-def counters_for(batch: int, n_out: int, **tuning) -> jax.Array:
-    """The int32 [batch, n_out // block_n] zeros a call with this tuning takes (donate them;
-    every call leaves them at zero, so one array serves a whole forward block)."""
-    return jnp.zeros((batch, n_out // config(n_out, **tuning)["block_n"]), jnp.int32)
+def counters_for(batch: int, n_out: int, n_kv: int, **tuning) -> jax.Array:
+    """The int32 zeros a call with this tuning takes (donate them; one array serves a whole
+    forward block): [batch, R] with R = n_out // block_n, the row blocks' arrivals, which every
+    call leaves at zero; with split_keys [batch, R + 2 n_kv], then each KV head's handover
+    word (grows by COUNTER_STEP per call) and its give-up count (0 unless a handover broke)."""
+    cfg = config(n_out, **tuning)
+    r = n_out // cfg["block_n"]
+    return jnp.zeros((batch, r + 2 * n_kv if cfg["split_keys"] else r), jnp.int32)
 
 
-def _check(qkv, k_cache, w_o, block_tables, kv_lens, page, slot, counters, rope, block_n):
+def _check(qkv, k_cache, w_o, block_tables, kv_lens, page, slot, counters, rope, cfg):
     bsz, rows, hd = qkv.shape
     kvh, hd_c = k_cache.shape[3], k_cache.shape[4]
     h = rows - 2 * kvh
@@ -158,10 +246,11 @@ def _check(qkv, k_cache, w_o, block_tables, kv_lens, page, slot, counters, rope,
     if block_tables.ndim != 2 or block_tables.shape[0] != bsz:
         raise ValueError(f"decode_attention_o: block_tables {block_tables.shape} must be "
                          f"[{bsz}, max_pages]")
-    want = (bsz, w_o.shape[0] // block_n)
+    want = counters_for(bsz, w_o.shape[0], kvh, **cfg).shape
     if counters.shape != want or counters.dtype != jnp.int32:
         raise ValueError(f"decode_attention_o: counters must be int32 {list(want)} (block_n "
-                         f"{block_n}; see counters_for), got {counters.dtype} {counters.shape}")
+                         f"{cfg['block_n']}, split_keys {cfg['split_keys']}; see "
+                         f"counters_for), got {counters.dtype} {counters.shape}")
     if rope is not None and any(c.shape != (bsz, hd) for c in rope):
         raise ValueError(f"decode_attention_o: cos / sin {[c.shape for c in rope]} must be "
                          f"[{bsz}, {hd}]")
@@ -175,37 +264,68 @@ def decode_attention_o(qkv, k_cache, v_cache, entry, block_tables, kv_lens, page
 
     qkv, k_cache, v_cache, entry, block_tables, kv_lens, page, slot, rope, trash_page and
     entry_stride as pallas_kernels.decode.paged_decode_attention_qkv; w_o [N, H * hd] (the HF
-    layout); counters: counters_for(B, N, **tuning) (donate). Returns (y [B, N] in qkv's
-    dtype, k_cache, v_cache, counters): the caches hold the new K/V (aliased, updated in
-    place) and the counters are back at zero. tuning: DEFAULTS' keys."""
+    layout); counters: counters_for(B, N, KVH, **tuning) (donate). Returns (y [B, N] in
+    qkv's dtype, k_cache, v_cache, counters): the caches hold the new K/V (aliased, updated
+    in place) and the counters are as counters_for describes. tuning: DEFAULTS' keys."""
     cfg = config(w_o.shape[0], **tuning)
     bsz, h, kvh, hd = _check(qkv, k_cache, w_o, block_tables, kv_lens, page, slot, counters,
-                             rope, cfg["block_n"])
-    group = h // kvh
+                             rope, cfg)
     n_out, dt = w_o.shape[0], qkv.dtype
-    extra = () if rope is None else tuple(c.astype(dt) for c in rope)
-    operands = (*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
-                kv_lens.astype(jnp.int32), qkv, k_cache, v_cache, *extra,
-                page.astype(jnp.int32), slot.astype(jnp.int32), w_o.astype(dt), counters)
-    kernel = functools.partial(
-        _kernel, group=group, group_pad=max(16, next_pow2(group)), page_size=k_cache.shape[2],
-        block_t=cfg["block_t"], block_n=cfg["block_n"], scale=float(hd) ** -0.5,
-        entry_stride=entry_stride, rope=rope is not None,
-        trash_page=-1 if trash_page is None else int(trash_page), gpu_sync=not interpret,
-        w_early=cfg["w_early"])
+    n_r = n_out // cfg["block_n"]
+    inputs = dict(zip(("base", "off"), plane_operands(entry, entry_stride)))
+    inputs.update(block_tables=block_tables.astype(jnp.int32), kv_lens=kv_lens.astype(jnp.int32),
+                  qkv=qkv, k_cache=k_cache, v_cache=v_cache)
+    if rope is not None:
+        inputs.update(cos=rope[0].astype(dt), sin=rope[1].astype(dt))
+    inputs.update(page=page.astype(jnp.int32), slot=slot.astype(jnp.int32), w_o=w_o.astype(dt),
+                  counters=counters)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    # split_keys: each split's normalised partial and log-sum-exp per query head (scratch)
+    att = dict(att_o=f32(bsz, kvh, n_r, h // kvh, hd), att_lse=f32(bsz, kvh, n_r, h // kvh))
     sd = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-    part, kc, vc, y, cnt = pl.pallas_call(
+    caches = dict(k_out=(sd(k_cache), "k_cache"), v_out=(sd(v_cache), "v_cache"))
+    project = dict(part=(f32(bsz, kvh, n_out), None),
+                   y=(jax.ShapeDtypeStruct((bsz, n_out), dt), None),
+                   counters=(sd(counters), "counters"))
+    call = functools.partial(_call, cfg=cfg, group=h // kvh, hd=hd, page_size=k_cache.shape[2],
+                             entry_stride=entry_stride, interpret=interpret, grid=(bsz, kvh, n_r),
+                             trash_page=-1 if trash_page is None else int(trash_page))
+    if not (cfg["split_keys"] and interpret):
+        outs = dict(caches, **project, **({k: (v, None) for k, v in att.items()}
+                                          if cfg["split_keys"] else {}))
+        out = call(inputs, outs, "both")
+        return out["y"], out["k_out"], out["v_out"], out["counters"]
+    # Interpret mode runs programs one after another, so the split-keys handover (a spin
+    # wait on the other programs of the head) cannot run: the same kernel as two calls.
+    first = call(inputs, dict(caches, **{k: (v, None) for k, v in att.items()}), "attend")
+    inputs.update(k_cache=first["k_out"], v_cache=first["v_out"], att_o=first["att_o"],
+                  att_lse=first["att_lse"])
+    out = call(inputs, project, "project")
+    return out["y"], first["k_out"], first["v_out"], out["counters"]
+
+
+def _call(inputs: dict, outputs: dict, phase: str, *, cfg, group, hd, page_size, entry_stride,
+          interpret, grid, trash_page):
+    """One pallas_call of _kernel. outputs: name -> (shape dtype, the input it aliases or
+    None). Returns the outputs by name."""
+    names = tuple(inputs) + tuple(outputs)
+    in_index = {k: i for i, k in enumerate(inputs)}
+    aliases = {in_index[src]: j for j, (_, src) in enumerate(outputs.values()) if src}
+    kernel = functools.partial(
+        _kernel, names=names, group=group, group_pad=max(16, next_pow2(group)),
+        page_size=page_size, block_t=cfg["block_t"], block_n=cfg["block_n"],
+        scale=float(hd) ** -0.5, entry_stride=entry_stride, trash_page=trash_page,
+        gpu_sync=not interpret, w_early=cfg["w_early"], split=cfg["split_keys"], phase=phase)
+    out = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((bsz, kvh, n_out), jnp.float32), sd(k_cache),
-                   sd(v_cache), jax.ShapeDtypeStruct((bsz, n_out), dt), sd(counters)),
-        grid=(bsz, kvh, n_out // cfg["block_n"]),
-        input_output_aliases={5: 1, 6: 2, len(operands) - 1: 4},
+        out_shape=tuple(sd for sd, _ in outputs.values()),
+        grid=grid,
+        input_output_aliases=aliases,
         compiler_params=compiler_params(cfg["num_warps"], cfg["num_stages"]),
         interpret=interpret,
-        name="decode_attention_o",
-    )(*operands)
-    del part  # the per-head partial sums: scratch
-    return y, kc, vc, cnt
+        name="decode_attention_o" + ("" if phase == "both" else "_" + phase),
+    )(*inputs.values())
+    return dict(zip(outputs, out))
 
 
 __all__ = ["decode_attention_o", "counters_for", "config", "DEFAULTS", "TUNING"]

@@ -49,7 +49,7 @@ def fused(args, counters=None, **kw):
     qkv, k, v, entry, bt, lens, page, slot, w_o = args
     tuning = {key: kw.pop(key) for key in list(kw) if key in ao.DEFAULTS}
     if counters is None:
-        counters = ao.counters_for(qkv.shape[0], w_o.shape[0], **tuning)
+        counters = ao.counters_for(qkv.shape[0], w_o.shape[0], k.shape[3], **tuning)
     return ao.decode_attention_o(qkv, k, v, entry, bt, lens, page, slot, w_o, counters,
                                  trash_page=0, interpret=True, **tuning, **kw)
 
@@ -58,11 +58,13 @@ def as_f32(a):
     return np.asarray(jnp.asarray(a, jnp.float32))
 
 
-@pytest.mark.parametrize("dtype,kvh,group,block_n,w_early", [
-    (jnp.float32, 2, 1, 8, True), (jnp.float32, 2, 4, 16, False),
-    (jnp.bfloat16, 2, 1, 8, False), (jnp.bfloat16, 2, 4, 32, True),
+@pytest.mark.parametrize("dtype,kvh,group,block_n,w_early,split", [
+    (jnp.float32, 2, 1, 8, True, False), (jnp.float32, 2, 4, 16, False, False),
+    (jnp.bfloat16, 2, 1, 8, False, False), (jnp.bfloat16, 2, 4, 32, True, False),
+    (jnp.float32, 2, 1, 8, True, True), (jnp.float32, 2, 4, 16, False, True),
+    (jnp.bfloat16, 2, 1, 4, True, True),
 ])
-def test_matches_the_unfused_kernels(dtype, kvh, group, block_n, w_early):
+def test_matches_the_unfused_kernels(dtype, kvh, group, block_n, w_early, split):
     """y equals the decode kernel (one split: the same key order) + projection to fp32
     rounding, in bf16 bit for bit but for rare one-ulp flips from the projection's other
     summation order (skipping the attention output's bf16 rounding flips ~30%); it matches
@@ -70,10 +72,12 @@ def test_matches_the_unfused_kernels(dtype, kvh, group, block_n, w_early):
     exactly as the decode kernel writes them; the padding row (kv_len 0, trash page) gives
     zeros; the counters come back at zero."""
     args, (q, k_want, v_want) = case(dtype, kvh, group)
-    y, kc, vc, cnt = fused(args, block_n=block_n, block_t=4, w_early=w_early)
-    y_ref, kc_ref, vc_ref = unfused(args, block_t=4, num_splits=1)
+    y, kc, vc, cnt = fused(args, block_n=block_n, block_t=4, w_early=w_early, split_keys=split)
+    # split_keys: R = 32 // block_n key splits per head, merged as the decode kernel merges
+    y_ref, kc_ref, vc_ref = unfused(args, block_t=4, num_splits=32 // block_n if split else 1)
     assert y.shape == (len(KV_LENS), 32) and y.dtype == dtype
-    assert not np.any(np.asarray(cnt)) and cnt.shape == (len(KV_LENS), 32 // block_n)
+    assert not np.any(np.asarray(cnt))  # (interpret mode: no handover words move)
+    assert cnt.shape == (len(KV_LENS), 32 // block_n + (2 * kvh if split else 0))
     np.testing.assert_array_equal(as_f32(kc), as_f32(kc_ref))
     np.testing.assert_array_equal(as_f32(vc), as_f32(vc_ref))
     np.testing.assert_array_equal(as_f32(kc), as_f32(k_want))
@@ -133,7 +137,7 @@ def test_every_head_reaches_the_sum():
 def test_bad_input_is_refused():
     args, _ = case(jnp.float32, 2, 1)
     qkv, k, v, entry, bt, lens, page, slot, w_o = args
-    good = ao.counters_for(6, 32, block_n=8)
+    good = ao.counters_for(6, 32, 2, block_n=8)
     call = lambda *a, **kw: ao.decode_attention_o(*a, interpret=True, **kw)
     with pytest.raises(ValueError, match="counters must be int32 \\[6, 4\\]"):
         call(qkv, k, v, entry, bt, lens, page, slot, w_o, good[:, :2], block_n=8)
@@ -151,7 +155,9 @@ def test_bad_input_is_refused():
 
 def test_block_n_shrinks_to_divide_the_output():
     assert ao.config(48, block_n=32)["block_n"] == 16
-    assert ao.counters_for(2, 48, block_n=32).shape == (2, 3)
+    assert ao.counters_for(2, 48, 4, block_n=32).shape == (2, 3)
+    assert ao.counters_for(2, 48, 4, block_n=32, split_keys=True).shape == (2, 3 + 8)
+    assert ao.config(48)["block_t"] == 32 and ao.config(48, split_keys=True)["block_t"] == 16
 
 
 def _ir_1p4b(**tuning):
@@ -161,10 +167,11 @@ def _ir_1p4b(**tuning):
         qkv, kc, vc, (jnp.int32(1), 3), bt, lens, page, slot, w, cnt, rope=(cos, sin),
         trash_page=0, entry_stride=24, **tuning)
     i32 = lambda *s: S(s, jnp.int32)
-    n_r = 2048 // ao.config(2048, **tuning)["block_n"]
+    cnt = ao.counters_for(1, 2048, 16, **tuning)
     (ir,) = triton_ir(f, S((1, 48, 128), bf), S((96, 64, 16, 16, 128), bf),
                       S((96, 64, 16, 16, 128), bf), i32(1, 16), i32(1), i32(1), i32(1),
-                      S((2048, 2048), bf), i32(1, n_r), S((1, 128), bf), S((1, 128), bf))
+                      S((2048, 2048), bf), S(cnt.shape, cnt.dtype), S((1, 128), bf),
+                      S((1, 128), bf))
     return ir
 
 
@@ -179,6 +186,19 @@ def test_lowers_for_the_gpu_at_the_1p4b_shape(w_early):
                   if re.search(r"tt\.load .*tensor<128x128x!tt\.ptr<bf16>>", line))
     loop = next(i for i, line in enumerate(lines) if "scf.for" in line)
     assert (w_load < loop) == w_early
+
+
+def test_split_keys_lowers_to_one_kernel_with_its_handover():
+    """split_keys on the GPU is one kernel: the handover's arrival, its give-up count and the
+    row block's arrival (three atomics), the acquire-load spin in a loop, and the o weight's
+    load still ahead of the key loop."""
+    ir = _ir_1p4b(split_keys=True)
+    assert len(re.findall(r"tt\.atomic_rmw", ir)) == 3
+    assert "ld.acquire.gpu.global.b32" in ir and "scf.while" in ir
+    lines = ir.splitlines()
+    w_load = next(i for i, line in enumerate(lines)
+                  if re.search(r"tt\.load .*tensor<128x128x!tt\.ptr<bf16>>", line))
+    assert w_load < next(i for i, line in enumerate(lines) if "scf.for" in line)
 
 
 # ---------------------------------------------------------------- the engine
@@ -201,26 +221,28 @@ def test_engine_fuse_o_generates_the_same_tokens(monkeypatch):
     kernel = pk.decode_attention_o
     monkeypatch.setattr(pk, "decode_attention_o", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     runs = []
-    for attention, tuning in (("xla", {}), ("pallas", dict(fuse_o=1, block_t=4))):
+    for attention, tuning in (("xla", {}), ("pallas", dict(fuse_o=1, block_t=4)),
+                              ("pallas", dict(fuse_o=1, block_t=4, o_split=1, o_block_n=16))):
         monkeypatch.setattr(decode, "TUNING", tuning)
         llm = Ouro(cfg, params, None, page_size=4, attention=attention)
         runs.append([[o.token_ids for o in llm.generate(prompts, sp, speculative=s).outputs]
                      for s in (None, SpeculativeConfig(k=2, draft_loops=2))])
         assert len(llm._planes) == 2
-    assert runs[1] == runs[0]
+    assert runs[1] == runs[0] and runs[2] == runs[0]
     assert calls
 
 
 # ---------------------------------------------------------------- the GPU
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("kvh,group,tuning", [(16, 1, {}), (16, 1, dict(block_n=64, w_early=False)),
-                                              (4, 4, {})])
+@pytest.mark.parametrize("kvh,group,tuning", [
+    (16, 1, {}), (16, 1, dict(block_n=64, w_early=False)), (4, 4, {}),
+    (16, 1, dict(split_keys=True)), (4, 4, dict(split_keys=True, block_n=64))])
 def test_matches_the_unfused_kernels_gpu(kvh, group, tuning):
     """The compiled kernel (atomics, CTA barriers) over 20 calls with a fresh qkv each (a
     partial read before its store landed would hold the previous call's values), batch 1
     and 4: y within two bf16 ulps of the decode kernel + projection, counters back at zero,
-    caches as the decode kernel writes them."""
+    caches as the decode kernel writes them; split_keys: no handover gave up."""
     dtype = jnp.bfloat16
     kv_lens = [0, 17, 130, 191]
     args, _ = case(dtype, kvh, group, n_out=2048, seed=9, kv_lens=kv_lens, hd=128)
@@ -233,13 +255,15 @@ def test_matches_the_unfused_kernels_gpu(kvh, group, tuning):
                                                                      **tuning))
         ref = jax.jit(lambda q, k, v, e, bt, lens, page, slot, w: _unfused_gpu(
             q, k, v, e, bt, lens, page, slot, w))
-        counters = ao.counters_for(lens[rows].shape[0], 2048, **tuning)
+        counters = ao.counters_for(lens[rows].shape[0], 2048, kvh, **tuning)
+        n_r = 2048 // ao.config(2048, **tuning)["block_n"]
         for _ in range(20):
             q = jnp.asarray(rng.standard_normal(qkv[rows].shape), dtype)
             y, kc, vc, counters = f(q, counters, *rest)
             y_ref, kc_ref, vc_ref = ref(q, *rest)
             np.testing.assert_allclose(as_f32(y), as_f32(y_ref), rtol=2 ** -6, atol=2e-2)
-            assert not np.any(np.asarray(counters))
+            cnt = np.asarray(counters)
+            assert not np.any(cnt[:, :n_r]) and not np.any(cnt[:, n_r + kvh:])  # give-ups
             np.testing.assert_array_equal(as_f32(kc), as_f32(kc_ref))
 
 
