@@ -48,6 +48,17 @@ def _fused_o_tuning() -> dict:
     return {ours: t[key] for key, ours in names.items() if key in t}
 
 
+# Unsplit, every program of a head of the fused kernel attends over all of the row's keys
+# (the head's K/V is read R = 16 times, from L2 after the first): past this many keys of
+# block-table capacity the engine keeps the decode kernel. split_keys has no such cost.
+FUSE_O_MAX_KEYS = 1024
+
+
+def _fused_o_fits(capacity: int) -> bool:
+    from pallas_kernels.attention_o import config
+    return capacity <= FUSE_O_MAX_KEYS or config(1, **_fused_o_tuning())["split_keys"]
+
+
 def _fused_o_counters(cfg: OuroConfig, batch: int) -> jax.Array:
     from pallas_kernels.attention_o import counters_for
     return counters_for(batch, cfg.hidden_size, cfg.num_key_value_heads, **_fused_o_tuning())
@@ -111,7 +122,8 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
 
         if c == 1 and fused_kv_write:
             last_combine = bool(pk.decode.TUNING.get("last_combine", LAST_COMBINE))
-            fuse_o = bool(pk.decode.TUNING.get("fuse_o", FUSE_O)) and b == 1
+            fuse_o = (bool(pk.decode.TUNING.get("fuse_o", FUSE_O)) and b == 1
+                      and _fused_o_fits(block_tables.shape[1] * page_size))
             if fuse_o and last_combine:
                 raise ValueError("decode kernel tuning: fuse_o and last_combine are "
                                  "alternatives (the fused kernel sums its own partials); "

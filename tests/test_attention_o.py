@@ -278,8 +278,9 @@ def _unfused_gpu(qkv, k, v, entry, bt, lens, page, slot, w_o):
 
 def test_engine_passes_the_decode_tuning_to_the_fused_kernel(monkeypatch):
     """fuse_o's tuning comes from the decode kernel's overrides (block_t, num_warps,
-    num_stages, o_block_n, o_w_early), the counters are sized by o_block_n, batches above
-    one row keep the decode kernel, and fuse_o with last_combine is refused."""
+    num_stages, o_block_n, o_w_early, o_split), the counters are sized by o_block_n, batches
+    above one row keep the decode kernel, so do tables past FUSE_O_MAX_KEYS unless the keys
+    are split, and fuse_o with last_combine is refused."""
     import pallas_kernels.decode as decode
     from ouro_jax.attention import _fused_o_tuning, make_paged_attend
     from ouro_jax.config import PRESETS
@@ -294,6 +295,10 @@ def test_engine_passes_the_decode_tuning_to_the_fused_kernel(monkeypatch):
     two = make_paged_attend(cfg, np.ones((2, 3), np.int32), np.zeros((2, 1), np.int32), 4,
                             "pallas")
     assert not hasattr(two, "qkv_o") and hasattr(two, "qkv")
+    long = np.ones((1, 1024 // 4 + 1), np.int32)  # past FUSE_O_MAX_KEYS of capacity
+    assert not hasattr(make_paged_attend(cfg, long, pos, 4, "pallas"), "qkv_o")
+    monkeypatch.setattr(decode, "TUNING", dict(fuse_o=1, o_split=1))
+    assert hasattr(make_paged_attend(cfg, long, pos, 4, "pallas"), "qkv_o")
     monkeypatch.setattr(decode, "TUNING", dict(fuse_o=1, last_combine=1))
     with pytest.raises(ValueError, match="fuse_o and last_combine are alternatives"):
         make_paged_attend(cfg, tables, pos, 4, "pallas")
