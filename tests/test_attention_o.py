@@ -232,6 +232,20 @@ def test_engine_fuse_o_generates_the_same_tokens(monkeypatch):
     assert calls
 
 
+@pytest.mark.parametrize("argv,msg", [
+    (["--decode-kernel", "fuse_o=1", "--attention", "xla"], "fuse_o=1 needs --attention pallas"),
+    (["--decode-kernel", "fuse_o=1", "--attention", "pallas", "--kv-write", "xla"],
+     "fuse_o=1 needs --attention pallas"),
+    (["--decode-kernel", "fuse_o=1", "--attention", "pallas", "--batch", "8"],
+     "changes one-row decode only"),
+    (["--decode-kernel", "o_split=1", "--attention", "pallas"], "need fuse_o=1"),
+])
+def test_the_decode_benchmark_refuses_fuse_o_where_it_would_change_nothing(argv, msg):
+    from benchmarks.decode import main
+    with pytest.raises(SystemExit, match=msg):
+        main(argv)
+
+
 # ---------------------------------------------------------------- the GPU
 @gpu
 @pytest.mark.gpu
