@@ -210,6 +210,12 @@ def check_fuse_o_run(args) -> None:
     if "1" not in [b.strip() for b in args.batch.split(",")]:
         raise SystemExit("--decode-kernel fuse_o=1 changes one-row decode only: give --batch 1 "
                          "(other batch sizes run the default kernels)")
+    from ouro_jax.attention import FUSE_O_MAX_KEYS
+    if ("o_split=1" not in args.decode_kernel.replace(" ", "")
+            and args.prompt_len + args.new_tokens + 16 > FUSE_O_MAX_KEYS):
+        raise SystemExit(f"--decode-kernel fuse_o=1 runs unsplit only up to {FUSE_O_MAX_KEYS} "
+                         f"keys (ouro_jax.attention.FUSE_O_MAX_KEYS); give o_split=1 or a "
+                         f"shorter --prompt-len / --new-tokens")
 
 
 def token_digest(result) -> str:

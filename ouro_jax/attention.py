@@ -122,12 +122,12 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
 
         if c == 1 and fused_kv_write:
             last_combine = bool(pk.decode.TUNING.get("last_combine", LAST_COMBINE))
-            fuse_o = (bool(pk.decode.TUNING.get("fuse_o", FUSE_O)) and b == 1
-                      and _fused_o_fits(block_tables.shape[1] * page_size))
+            fuse_o = bool(pk.decode.TUNING.get("fuse_o", FUSE_O))
             if fuse_o and last_combine:
                 raise ValueError("decode kernel tuning: fuse_o and last_combine are "
                                  "alternatives (the fused kernel sums its own partials); "
                                  "set one of them")
+            fuse_o = fuse_o and b == 1 and _fused_o_fits(block_tables.shape[1] * page_size)
 
             def attend_qkv(qkv, cos, sin, planes, loop, layer):
                 counters = dict(counters=planes[2]) if last_combine else {}

@@ -3,8 +3,8 @@
 At one row the engine runs a layer's attention as three kernels: the decode kernel (RoPE,
 the K/V write, flash-decoding splits), the XLA split combine, and the o projection's
 streaming GEMV (~4.4 + 1.3 + 4.0 us of the ~43 us layer application on the H200, plus two
-kernel boundaries; docs/performance.md). This kernel does all of it in one launch, and no
-program ever waits for another:
+kernel boundaries; docs/performance.md). This kernel does all of it in one launch; by
+default no program ever waits for another (split_keys, below, waits among a head's):
 
 * Grid (B, KVH, R). Program (b, h, r) computes KV head h's whole attention for row b, over
   every key (no splits), then multiplies it by the o weight's tile [rows of block r, the
@@ -24,8 +24,9 @@ program ever waits for another:
   log-sum-exp, and arrives on a counter of (b, h); it then waits (acquire loads) until all R
   have arrived and merges the R partials in split order, with the split combine's math, before
   its projection. One short wait among R programs replaces the unsplit attention's long key
-  loop; it needs the whole grid resident at once (checked on the GPU by a give-up count, see
-  _wait_for_head), and interpret mode runs it as two calls of the same kernel.
+  loop; it needs the whole grid resident at once (refused past resident_programs; a give-up
+  count shows a broken wait, see _wait_for_head), and interpret mode runs it as two calls
+  of the same kernel.
 
 Numerics: the attention output is rounded to the activation dtype before the projection, as
 the model rounds it; the projection accumulates in fp32 (per head a sum over hd, then the
@@ -54,6 +55,9 @@ DEFAULTS = dict(block_n=128, block_t=None, num_warps=4, num_stages=2, w_early=Tr
                 split_keys=False)
 TUNING: dict = {}
 PHASES = ("both", "attend", "project")
+# split_keys: each KV head's handover word and give-up count sit WORD_STRIDE int32s apart
+# (128 bytes, an L2 line each), so the 16 heads' spinning programs do not share lines.
+WORD_STRIDE = 32
 
 
 def _kernel(*refs, names: tuple, group: int, group_pad: int, page_size: int, block_t: int,
@@ -83,7 +87,9 @@ def _kernel(*refs, names: tuple, group: int, group_pad: int, page_size: int, blo
             return
         if gpu_sync:
             _wait_for_head(ref["counters"], b, kvh, r, pl.num_programs(2), n_kv)
-        o = _merge_head(ref["att_o"], ref["att_lse"], b, kvh, heads, pl.num_programs(2))
+        # the real heads only (1 row for MHA), not the dot tile's padding to 16
+        real = jnp.minimum(lax.iota(jnp.int32, next_pow2(group)), group - 1)
+        o = _merge_head(ref["att_o"], ref["att_lse"], b, kvh, real, pl.num_programs(2))
     if w_tiles is None:
         w_tiles = load_w()
     head_of = lax.broadcasted_iota(jnp.int32, o.shape, 0)
@@ -141,14 +147,15 @@ def _attend(ref, b, kvh, r, *, group, group_pad, page_size, block_t, scale, entr
 
 def _wait_for_head(cnt_ref, b, kvh, r, n_splits, n_kv: int):
     """split_keys: wait until all n_splits programs of (b, kvh) have stored their partials.
-    The "counter" barrier of _common.grid_barrier among them, on word [b, R + kvh] of the
-    counters (it only grows, by COUNTER_STEP per call); a program that re-reads SPIN_LIMIT
-    times without seeing it arrive adds 1 to word [b, R + n_kv + kvh] and goes on (a broken
-    handover shows as a count and wrong results, not as a hung GPU). Needs every program of
-    the grid resident at once (the 1.4B grid is 256 programs at ~170 registers: 3 per SM)."""
+    The "counter" barrier of _common.grid_barrier among them, on word [b, R + kvh *
+    WORD_STRIDE] of the counters (it only grows, by COUNTER_STEP per call); a program that
+    re-reads SPIN_LIMIT times without seeing it arrive adds 1 to word [b, R + (n_kv + kvh) *
+    WORD_STRIDE] and goes on (a broken handover shows as a count and wrong results, not as a
+    hung GPU). Needs every program of the grid resident at once (resident_programs; the 1.4B
+    grid is 256 programs at 168 registers: 3 per SM)."""
     from pallas_kernels.ref_ptx import gpu_load
     zero = jnp.int32(0)
-    col = n_splits + kvh
+    col = n_splits + kvh * WORD_STRIDE
     plt.debug_barrier()  # every warp's partial stores before the arrival (release)
     weight = 1 + (r == 0).astype(jnp.int32) * (COUNTER_STEP - n_splits)
     before = plt.atomic_add(cnt_ref, (b, col), weight)
@@ -158,7 +165,7 @@ def _wait_for_head(cnt_ref, b, kvh, r, n_splits, n_kv: int):
         lambda c: (c[0] - target < 0) & (c[1] < SPIN_LIMIT),
         lambda c: (gpu_load(cnt_ref, flat + 0 * c[1], sem="acquire"), c[1] + 1),
         (before + weight, zero))
-    plt.atomic_add(cnt_ref, (b, col + n_kv), (seen - target < 0).astype(jnp.int32))
+    plt.atomic_add(cnt_ref, (b, col + n_kv * WORD_STRIDE), (seen - target < 0).astype(jnp.int32))
     plt.debug_barrier()
 
 
@@ -223,11 +230,29 @@ def config(n_out: int, **tuning) -> dict:
 def counters_for(batch: int, n_out: int, n_kv: int, **tuning) -> jax.Array:
     """The int32 zeros a call with this tuning takes (donate them; one array serves a whole
     forward block): [batch, R] with R = n_out // block_n, the row blocks' arrivals, which every
-    call leaves at zero; with split_keys [batch, R + 2 n_kv], then each KV head's handover
-    word (grows by COUNTER_STEP per call) and its give-up count (0 unless a handover broke)."""
+    call leaves at zero; with split_keys [batch, R + 2 n_kv WORD_STRIDE], then every
+    WORD_STRIDE-th word each KV head's handover word (grows by COUNTER_STEP per call) and then
+    its give-up count (0 unless a handover broke; see give_ups)."""
     cfg = config(n_out, **tuning)
     r = n_out // cfg["block_n"]
-    return jnp.zeros((batch, r + 2 * n_kv if cfg["split_keys"] else r), jnp.int32)
+    return jnp.zeros((batch, r + 2 * n_kv * WORD_STRIDE if cfg["split_keys"] else r), jnp.int32)
+
+
+def give_ups(counters, n_out: int, n_kv: int, **tuning):
+    """split_keys: the give-up counts [batch, n_kv] in counters (nonzero: a program of that
+    head waited SPIN_LIMIT re-reads and went on with partials it had not seen arrive)."""
+    r = n_out // config(n_out, **tuning)["block_n"]
+    return counters[:, r + n_kv * WORD_STRIDE::WORD_STRIDE]
+
+
+def resident_programs(num_warps: int) -> int:
+    """How many programs of a split_keys grid are surely resident at once: two per SM at 4
+    warps (any register count up to 255 fits twice in the 64K registers), scaled by the warps;
+    the SM count from the GPU (132, an H200's, when there is none, e.g. when lowering on a
+    CPU)."""
+    dev = jax.devices()[0]
+    sms = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+    return (sms or 132) * max(1, 8 // num_warps)
 
 
 def _check(qkv, k_cache, w_o, block_tables, kv_lens, page, slot, counters, rope, cfg):
@@ -272,6 +297,14 @@ def decode_attention_o(qkv, k_cache, v_cache, entry, block_tables, kv_lens, page
                              rope, cfg)
     n_out, dt = w_o.shape[0], qkv.dtype
     n_r = n_out // cfg["block_n"]
+    if cfg["split_keys"] and not interpret:
+        limit = resident_programs(cfg["num_warps"])
+        if bsz * kvh * n_r > limit or n_r > COUNTER_STEP:
+            raise ValueError(
+                f"decode_attention_o: split_keys needs every program resident at once (its "
+                f"programs wait for each other): {bsz} x {kvh} x {n_r} = {bsz * kvh * n_r} "
+                f"programs at {cfg['num_warps']} warps, at most {limit} here (and at most "
+                f"{COUNTER_STEP} splits); use fewer rows, a larger block_n or split_keys=False")
     inputs = dict(zip(("base", "off"), plane_operands(entry, entry_stride)))
     inputs.update(block_tables=block_tables.astype(jnp.int32), kv_lens=kv_lens.astype(jnp.int32),
                   qkv=qkv, k_cache=k_cache, v_cache=v_cache)
@@ -328,4 +361,5 @@ def _call(inputs: dict, outputs: dict, phase: str, *, cfg, group, hd, page_size,
     return dict(zip(outputs, out))
 
 
-__all__ = ["decode_attention_o", "counters_for", "config", "DEFAULTS", "TUNING"]
+__all__ = ["decode_attention_o", "counters_for", "give_ups", "resident_programs", "config",
+           "DEFAULTS", "TUNING"]
