@@ -62,7 +62,7 @@ WORD_STRIDE = 32
 
 def _kernel(*refs, names: tuple, group: int, group_pad: int, page_size: int, block_t: int,
             block_n: int, scale: float, entry_stride: int, trash_page: int, gpu_sync: bool,
-            w_early: bool, split: bool, phase: str):
+            w_early: bool, split: bool, phase: str, n_splits: int):
     """names: the refs' names in order (see _operands). phase "both" is the kernel; with
     split_keys interpret mode runs it as "attend" then "project" (two calls), because its
     programs hand over through a spin wait that needs them to run at once."""
@@ -77,7 +77,7 @@ def _kernel(*refs, names: tuple, group: int, group_pad: int, page_size: int, blo
     if phase != "project":
         o = _attend(ref, b, kvh, r, group=group, group_pad=group_pad, page_size=page_size,
                     block_t=block_t, scale=scale, entry_stride=entry_stride,
-                    trash_page=trash_page, split=split, n_splits=pl.num_programs(2))
+                    trash_page=trash_page, split=split, n_splits=n_splits)
     if split:
         heads = jnp.minimum(lax.iota(jnp.int32, group_pad), group - 1)
         if phase != "project":
@@ -86,10 +86,10 @@ def _kernel(*refs, names: tuple, group: int, group_pad: int, page_size: int, blo
         if phase == "attend":
             return
         if gpu_sync:
-            _wait_for_head(ref["counters"], b, kvh, r, pl.num_programs(2), n_kv)
+            _wait_for_head(ref["counters"], b, kvh, r, n_splits, n_kv)
         # the real heads only (1 row for MHA), not the dot tile's padding to 16
         real = jnp.minimum(lax.iota(jnp.int32, next_pow2(group)), group - 1)
-        o = _merge_head(ref["att_o"], ref["att_lse"], b, kvh, real, pl.num_programs(2))
+        o = _merge_head(ref["att_o"], ref["att_lse"], b, kvh, real, n_splits)
     if w_tiles is None:
         w_tiles = load_w()
     head_of = lax.broadcasted_iota(jnp.int32, o.shape, 0)
@@ -169,28 +169,29 @@ def _wait_for_head(cnt_ref, b, kvh, r, n_splits, n_kv: int):
     plt.debug_barrier()
 
 
-def _merge_head(o_ref, lse_ref, b, kvh, heads, n_splits):
-    """split_keys: the attention of (b, kvh) [Gp, hd] from its n_splits normalised partials,
-    in split order with _common.combine_splits' math (split_merge.merge_if_last's loops)."""
-    m = lax.fori_loop(1, n_splits, lambda s, m: jnp.maximum(m, lse_ref[b, kvh, s, heads]),
-                      lse_ref[b, kvh, 0, heads])
-
-    def add(s, carry):  # all-empty rows: every w == 1 and every o == 0 -> 0
-        num, den = carry
-        w = jnp.exp(lse_ref[b, kvh, s, heads] - m)
-        return num + w[:, None] * o_ref[b, kvh, s, heads, :], den + w
-
-    hd = o_ref.shape[-1]
-    num, den = lax.fori_loop(0, n_splits, add, (jnp.zeros((heads.shape[0], hd), jnp.float32),
-                                                jnp.zeros(heads.shape, jnp.float32)))
+def _merge_head(o_ref, lse_ref, b, kvh, heads, n_splits: int):
+    """split_keys: the attention of (b, kvh) [len(heads), hd] from its n_splits normalised
+    partials, in split order with _common.combine_splits' math. Unrolled: every partial's
+    loads are requested at once (one L2 round trip, not n_splits dependent ones)."""
+    lses = [lse_ref[b, kvh, s, heads] for s in range(n_splits)]
+    parts = [o_ref[b, kvh, s, heads, :] for s in range(n_splits)]
+    m = lses[0]
+    for lse in lses[1:]:
+        m = jnp.maximum(m, lse)
+    num = jnp.zeros(parts[0].shape, jnp.float32)
+    den = jnp.zeros(lses[0].shape, jnp.float32)
+    for lse, part in zip(lses, parts):  # all-empty rows: every w == 1 and every o == 0 -> 0
+        w = jnp.exp(lse - m)
+        num, den = num + w[:, None] * part, den + w
     return num / den[:, None]
 
 
 def _sum_if_last(part_ref, y_ref, cnt_ref, b, r, rows, n_kv: int, gpu_sync: bool):
     """The last of the n_kv programs of (b, r) to arrive adds their partials in head order and
-    stores y's rows. Memory ordering as split_merge.merge_if_last: a CTA barrier orders every
-    warp's partial stores before one thread's acq_rel atomic, a second orders the last
-    program's acquire before its warps' loads. Interpret mode runs programs in turn."""
+    stores y's rows (the loads unrolled, as in _merge_head). Memory ordering as
+    split_merge.merge_if_last: a CTA barrier orders every warp's partial stores before one
+    thread's acq_rel atomic, a second orders the last program's acquire before its warps'
+    loads. Interpret mode runs programs in turn."""
     if gpu_sync:
         plt.debug_barrier()
     old = plt.atomic_add(cnt_ref, (b, r), jnp.int32(1))
@@ -199,8 +200,10 @@ def _sum_if_last(part_ref, y_ref, cnt_ref, b, r, rows, n_kv: int, gpu_sync: bool
     def _():
         if gpu_sync:
             plt.debug_barrier()
-        total = lax.fori_loop(1, n_kv, lambda j, s: s + part_ref[b, j, rows],
-                              part_ref[b, 0, rows])
+        parts = [part_ref[b, j, rows] for j in range(n_kv)]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
         y_ref[b, rows] = total.astype(y_ref.dtype)
         cnt_ref[b, r] = jnp.int32(0)
 
@@ -348,7 +351,8 @@ def _call(inputs: dict, outputs: dict, phase: str, *, cfg, group, hd, page_size,
         _kernel, names=names, group=group, group_pad=max(16, next_pow2(group)),
         page_size=page_size, block_t=cfg["block_t"], block_n=cfg["block_n"],
         scale=float(hd) ** -0.5, entry_stride=entry_stride, trash_page=trash_page,
-        gpu_sync=not interpret, w_early=cfg["w_early"], split=cfg["split_keys"], phase=phase)
+        gpu_sync=not interpret, w_early=cfg["w_early"], split=cfg["split_keys"], phase=phase,
+        n_splits=grid[2])
     out = pl.pallas_call(
         kernel,
         out_shape=tuple(sd for sd, _ in outputs.values()),
