@@ -58,6 +58,10 @@ PHASES = ("both", "attend", "project")
 # split_keys: each KV head's handover word and give-up count sit WORD_STRIDE int32s apart
 # (128 bytes, an L2 line each), so the 16 heads' spinning programs do not share lines.
 WORD_STRIDE = 32
+# The head-order sum and the split merge request every partial at once (unrolled): their
+# registers grow with the count, so both are capped (the decode kernel's merge went back to
+# loops in session 9 when 64 unrolled splits spilled).
+MAX_UNROLL = 32
 
 
 def _kernel(*refs, names: tuple, group: int, group_pad: int, page_size: int, block_t: int,
@@ -300,6 +304,11 @@ def decode_attention_o(qkv, k_cache, v_cache, entry, block_tables, kv_lens, page
                              rope, cfg)
     n_out, dt = w_o.shape[0], qkv.dtype
     n_r = n_out // cfg["block_n"]
+    if kvh > MAX_UNROLL or (cfg["split_keys"] and n_r > MAX_UNROLL):
+        raise ValueError(f"decode_attention_o: the head-order sum and the split merge are "
+                         f"unrolled, up to {MAX_UNROLL} KV heads / splits; this call has {kvh} "
+                         f"KV heads and {n_r} splits (block_n {cfg['block_n']}): use a larger "
+                         f"block_n or the decode kernel")
     if cfg["split_keys"] and not interpret:
         limit = resident_programs(cfg["num_warps"])
         if bsz * kvh * n_r > limit or n_r > COUNTER_STEP:

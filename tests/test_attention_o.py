@@ -148,6 +148,10 @@ def test_bad_input_is_refused():
         call(qkv, k, v, entry, bt, lens, page[:2], slot, w_o, good, block_n=8)
     with pytest.raises(ValueError, match="unknown tuning keys \\['num_splits'\\]"):
         call(qkv, k, v, entry, bt, lens, page, slot, w_o, good, num_splits=2)
+    with pytest.raises(ValueError, match="up to 32 KV heads / splits; this call has 2 KV heads "
+                       "and 64 splits"):
+        call(qkv, k, v, entry, bt, lens, page, slot, jnp.zeros((64, 32)),
+             ao.counters_for(6, 64, 2, block_n=1, split_keys=True), block_n=1, split_keys=True)
     with pytest.raises(ValueError, match="block_n must be a positive power of two"):
         call(qkv, k, v, entry, bt, lens, page, slot, w_o, good, block_n=12)
     with pytest.raises(ValueError, match="does not hold H \\+ 2 KVH"):
