@@ -88,3 +88,20 @@ def pallas_call_names(fn, *args) -> list:
         info = e.params.get("name_and_src_info", e.params.get("name", ""))
         out.append(str(getattr(info, "name", info)).split()[0])
     return out
+
+
+def tokens_per_decode_tuning(monkeypatch, cfg, params, prompts, sp, arms) -> list:
+    """For each (attention backend, pallas_kernels.decode.TUNING) arm, a fresh engine's token
+    ids, plain and speculative (k=2, d=2); each engine must keep only its two KV planes (a
+    kernel's extra state, e.g. counters, never leaks into them)."""
+    import pallas_kernels.decode as decode
+    from ouro_jax.api import Ouro
+    from ouro_jax.speculative import SpeculativeConfig
+    runs = []
+    for attention, tuning in arms:
+        monkeypatch.setattr(decode, "TUNING", tuning)
+        llm = Ouro(cfg, params, None, page_size=4, attention=attention)
+        runs.append([[o.token_ids for o in llm.generate(prompts, sp, speculative=s).outputs]
+                     for s in (None, SpeculativeConfig(k=2, draft_loops=2))])
+        assert len(llm._planes) == 2
+    return runs

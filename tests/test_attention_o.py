@@ -248,12 +248,9 @@ def test_engine_fuse_o_generates_the_same_tokens(monkeypatch):
     """decode.TUNING fuse_o=1: one-row decode steps (and the draft's) run the fused kernel;
     greedy tokens equal the xla backend's in fp32, plain and speculative, and the counters
     never leak into the planes the engine keeps."""
-    from engine_helpers import load, ragged_prompts, tiny_checkpoint
-    from ouro_jax.api import Ouro
+    from engine_helpers import load, ragged_prompts, tiny_checkpoint, tokens_per_decode_tuning
     from ouro_jax.sampling import SamplingParams
-    from ouro_jax.speculative import SpeculativeConfig
     import pallas_kernels as pk
-    import pallas_kernels.decode as decode
 
     folder = tiny_checkpoint("tiny-gqa", branch_scale=0.3)
     cfg, params = load(folder)
@@ -262,14 +259,9 @@ def test_engine_fuse_o_generates_the_same_tokens(monkeypatch):
     calls = []
     kernel = pk.decode_attention_o
     monkeypatch.setattr(pk, "decode_attention_o", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    runs = []
-    for attention, tuning in (("xla", {}), ("pallas", dict(fuse_o=1, block_t=4)),
-                              ("pallas", dict(fuse_o=1, block_t=4, o_split=1, o_block_n=16))):
-        monkeypatch.setattr(decode, "TUNING", tuning)
-        llm = Ouro(cfg, params, None, page_size=4, attention=attention)
-        runs.append([[o.token_ids for o in llm.generate(prompts, sp, speculative=s).outputs]
-                     for s in (None, SpeculativeConfig(k=2, draft_loops=2))])
-        assert len(llm._planes) == 2
+    runs = tokens_per_decode_tuning(monkeypatch, cfg, params, prompts, sp, [
+        ("xla", {}), ("pallas", dict(fuse_o=1, block_t=4)),
+        ("pallas", dict(fuse_o=1, block_t=4, o_split=1, o_block_n=16))])
     assert runs[1] == runs[0] and runs[2] == runs[0]
     assert calls
 

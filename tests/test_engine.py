@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from convert.torch_reference import load_reference
-from engine_helpers import load, ragged_prompts, reference_greedy, tiny_checkpoint
+from engine_helpers import (load, ragged_prompts, reference_greedy, tiny_checkpoint,
+                            tokens_per_decode_tuning)
 from ouro_jax.api import Ouro
 from ouro_jax.kv_cache import KVPoolExhausted
 from ouro_jax.sampling import SamplingParams
@@ -210,7 +211,6 @@ def test_decode_kernel_merging_its_splits_matches_end_to_end(monkeypatch):
     speculative; the counters never leak into the planes the engine keeps."""
     import pallas_kernels.decode as decode
     from ouro_jax.attention import make_paged_attend
-    from ouro_jax.speculative import SpeculativeConfig
 
     folder = tiny_checkpoint("tiny-gqa", branch_scale=0.3)
     cfg, params = load(folder)
@@ -220,14 +220,8 @@ def test_decode_kernel_merging_its_splits_matches_end_to_end(monkeypatch):
     merges = []
     merge = decode._merge_if_last
     monkeypatch.setattr(decode, "_merge_if_last", lambda *a: merges.append(1) or merge(*a))
-    runs = []
-    for attention, tuning in (("xla", {}), ("pallas", split),
-                              ("pallas", dict(split, last_combine=1))):
-        monkeypatch.setattr(decode, "TUNING", tuning)
-        llm = Ouro(cfg, params, None, page_size=4, attention=attention)
-        runs.append([[o.token_ids for o in llm.generate(prompts, sp, speculative=s).outputs]
-                     for s in (None, SpeculativeConfig(k=2, draft_loops=2))])
-        assert len(llm._planes) == 2
+    runs = tokens_per_decode_tuning(monkeypatch, cfg, params, prompts, sp, [
+        ("xla", {}), ("pallas", split), ("pallas", dict(split, last_combine=1))])
     assert runs[1] == runs[0] and runs[2] == runs[0]
     assert merges  # traced only in the last run: that run's kernels merged their splits
     tables, pos = np.ones((2, 3), np.int32), np.zeros((2, 1), np.int32)
