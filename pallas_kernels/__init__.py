@@ -17,5 +17,6 @@ from pallas_kernels.ragged import ragged_paged_attention
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       ragged_paged_attention_reference)
 
-__all__ = ["decode_attention_o", "paged_decode_attention", "paged_decode_attention_qkv", "ragged_paged_attention", "paged_decode_attention_reference",
+__all__ = ["decode_attention_o", "paged_decode_attention", "paged_decode_attention_qkv",
+           "ragged_paged_attention", "paged_decode_attention_reference",
            "ragged_paged_attention_reference"]

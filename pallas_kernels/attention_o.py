@@ -67,9 +67,10 @@ MAX_UNROLL = 32
 def _kernel(*refs, names: tuple, group: int, group_pad: int, page_size: int, block_t: int,
             block_n: int, scale: float, entry_stride: int, trash_page: int, gpu_sync: bool,
             w_early: bool, split: bool, phase: str, n_splits: int):
-    """names: the refs' names in order (see _operands). phase "both" is the kernel; with
-    split_keys interpret mode runs it as "attend" then "project" (two calls), because its
-    programs hand over through a spin wait that needs them to run at once."""
+    """names: the refs' names in order (decode_attention_o's inputs, then the outputs).
+    phase (PHASES): "both" is the kernel; with split_keys interpret mode runs it as "attend"
+    then "project" (two calls), because its programs hand over through a spin wait that
+    needs them to run at once."""
     ref = dict(zip(names, refs))
     b, kvh, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_ref, k_ref = ref["qkv"], ref["k_cache"]
@@ -353,6 +354,7 @@ def _call(inputs: dict, outputs: dict, phase: str, *, cfg, group, hd, page_size,
           interpret, grid, trash_page):
     """One pallas_call of _kernel. outputs: name -> (shape dtype, the input it aliases or
     None). Returns the outputs by name."""
+    assert phase in PHASES, phase
     names = tuple(inputs) + tuple(outputs)
     in_index = {k: i for i, k in enumerate(inputs)}
     aliases = {in_index[src]: j for j, (_, src) in enumerate(outputs.values()) if src}
