@@ -54,9 +54,10 @@ def _fused_o_tuning() -> dict:
 FUSE_O_MAX_KEYS = 1024
 
 
-def _fused_o_fits(capacity: int) -> bool:
+def _fused_o_fits(cfg: OuroConfig, capacity: int) -> bool:
     from pallas_kernels.attention_o import config
-    return capacity <= FUSE_O_MAX_KEYS or config(1, **_fused_o_tuning())["split_keys"]
+    return (capacity <= FUSE_O_MAX_KEYS
+            or config(cfg.hidden_size, **_fused_o_tuning())["split_keys"])
 
 
 def _fused_o_counters(cfg: OuroConfig, batch: int) -> jax.Array:
@@ -127,7 +128,7 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
                 raise ValueError("decode kernel tuning: fuse_o and last_combine are "
                                  "alternatives (the fused kernel sums its own partials); "
                                  "set one of them")
-            fuse_o = fuse_o and b == 1 and _fused_o_fits(block_tables.shape[1] * page_size)
+            fuse_o = fuse_o and b == 1 and _fused_o_fits(cfg, block_tables.shape[1] * page_size)
 
             def attend_qkv(qkv, cos, sin, planes, loop, layer):
                 counters = dict(counters=planes[2]) if last_combine else {}

@@ -144,9 +144,10 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
     by relaxed GPU-scope loads in every thread (then one atomic re-read: the acquire, and a
     give-up decision that is the program's, not each thread's), until it moves, and a second
     CTA barrier holds their other warps until then. spin: one of SPIN_MODES; None reads
-    BARRIER. A program that re-reads SPIN_LIMIT times without seeing it move (some program never arrived: the grid was not all resident) counts
-    itself in the third word and goes on, so a broken barrier shows as a nonzero count and
-    wrong results, not as a hung GPU. Returns the generation this barrier passed.
+    BARRIER. A program that re-reads SPIN_LIMIT times without seeing it move (some program
+    never arrived: the grid was not all resident) counts itself in the third word and goes
+    on, so a broken barrier shows as a nonzero count and wrong results, not as a hung GPU.
+    Returns the generation this barrier passed.
 
     Deadlock-free only if every program of the grid is resident at once (at most the SM
     count times the programs an SM holds): the caller sizes the grid for that. Interpret
@@ -207,25 +208,33 @@ def grid_barrier(state_ref, programs, *, gpu_sync: bool = True, spin: str | None
     return gen
 
 
-def _counter_barrier(state_ref, programs, gpu_sync, program):
-    """grid_barrier's "counter" spin, after the first CTA barrier."""
+def _counter_barrier(state_ref, programs, gpu_sync, program, *, word=None, give_up=None,
+                     flat=None):
+    """grid_barrier's "counter" spin, after the first CTA barrier: `programs` programs (this
+    one is `program`) arrive on the arrivals word state_ref[word] and wait for each other;
+    one that gives up counts itself in state_ref[give_up]. Defaults: words 0 and 2 of a
+    1-D state; another caller (attention_o's per-head handover) names its words, with `flat`
+    the arrivals word's flat element offset (for the spin's loads)."""
     zero, two = jnp.int32(0), jnp.int32(2)
+    word = (zero,) if word is None else word
+    give_up = (two,) if give_up is None else give_up
     # program 0: COUNTER_STEP - programs + 1, the others 1
     weight = 1 + (program == 0).astype(jnp.int32) * (COUNTER_STEP - programs)
-    before = plt.atomic_add(state_ref, (zero,), weight)
+    before = plt.atomic_add(state_ref, word, weight)
     target = counter_target(before)
     if not gpu_sync:
         return target
     from pallas_kernels.ref_ptx import gpu_load
+    at = (lambda i: 0 * i) if flat is None else (lambda i: flat + 0 * i)
     # (seen - target) < 0 rather than seen < target: right across the int32 wrap
     seen, _ = lax.while_loop(
         lambda c: (c[0] - target < 0) & (c[1] < SPIN_LIMIT),
-        lambda c: (gpu_load(state_ref, 0 * c[1], sem="acquire"), c[1] + 1),
+        lambda c: (gpu_load(state_ref, at(c[1]), sem="acquire"), c[1] + 1),
         (before + weight, zero))
     # The give-up count as an unconditional add (0 when the barrier held): every thread takes
     # the same path (threads may disagree at SPIN_LIMIT), and with its result unused the add
     # need not wait for a reply.
-    plt.atomic_add(state_ref, (two,), (seen - target < 0).astype(jnp.int32))
+    plt.atomic_add(state_ref, give_up, (seen - target < 0).astype(jnp.int32))
     plt.debug_barrier()
     return target
 

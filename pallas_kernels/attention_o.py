@@ -42,9 +42,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (COUNTER_STEP, SPIN_LIMIT, cdiv, compiler_params,
-                                    counter_target, flash_tile, load_kv_block, next_pow2, pl,
-                                    plane_index, plane_operands, plt, split_range)
+from pallas_kernels._common import (COUNTER_STEP, _counter_barrier, cdiv, compiler_params,
+                                    flash_tile, load_kv_block, next_pow2, pl, plane_index,
+                                    plane_operands, plt, split_range)
 from pallas_kernels.decode import fold_new_key, new_token_kv, query_tile
 
 # Defaults, unmeasured: 16 programs per KV head (256 at the 1.4B shape, two per SM), 32-key
@@ -151,27 +151,18 @@ def _attend(ref, b, kvh, r, *, group, group_pad, page_size, block_t, scale, entr
 
 
 def _wait_for_head(cnt_ref, b, kvh, r, n_splits, n_kv: int):
-    """split_keys: wait until all n_splits programs of (b, kvh) have stored their partials.
-    The "counter" barrier of _common.grid_barrier among them, on word [b, R + kvh *
-    WORD_STRIDE] of the counters (it only grows, by COUNTER_STEP per call); a program that
-    re-reads SPIN_LIMIT times without seeing it arrive adds 1 to word [b, R + (n_kv + kvh) *
-    WORD_STRIDE] and goes on (a broken handover shows as a count and wrong results, not as a
-    hung GPU). Needs every program of the grid resident at once (resident_programs; the 1.4B
-    grid is 256 programs at 168 registers: 3 per SM)."""
-    from pallas_kernels.ref_ptx import gpu_load
-    zero = jnp.int32(0)
+    """split_keys: wait until all n_splits programs of (b, kvh) have stored their partials:
+    a CTA barrier (every warp's partial stores before the arrival, the release), then
+    grid_barrier's "counter" spin among them (_common._counter_barrier) on word [b, R + kvh *
+    WORD_STRIDE] of the counters (it only grows, by COUNTER_STEP per call). A program that
+    re-reads SPIN_LIMIT times without seeing the others arrive adds 1 to word [b, R + (n_kv +
+    kvh) * WORD_STRIDE] and goes on (a broken handover shows as a count and wrong results,
+    not as a hung GPU). Needs every program of the grid resident at once (resident_programs;
+    the 1.4B grid is 256 programs at 168 registers: 3 per SM)."""
     col = n_splits + kvh * WORD_STRIDE
-    plt.debug_barrier()  # every warp's partial stores before the arrival (release)
-    weight = 1 + (r == 0).astype(jnp.int32) * (COUNTER_STEP - n_splits)
-    before = plt.atomic_add(cnt_ref, (b, col), weight)
-    target = counter_target(before)
-    flat = b * cnt_ref.shape[1] + col
-    seen, _ = lax.while_loop(  # (seen - target) < 0: right across the int32 wrap
-        lambda c: (c[0] - target < 0) & (c[1] < SPIN_LIMIT),
-        lambda c: (gpu_load(cnt_ref, flat + 0 * c[1], sem="acquire"), c[1] + 1),
-        (before + weight, zero))
-    plt.atomic_add(cnt_ref, (b, col + n_kv * WORD_STRIDE), (seen - target < 0).astype(jnp.int32))
     plt.debug_barrier()
+    _counter_barrier(cnt_ref, n_splits, True, r, word=(b, col),
+                     give_up=(b, col + n_kv * WORD_STRIDE), flat=b * cnt_ref.shape[1] + col)
 
 
 def _merge_head(o_ref, lse_ref, b, kvh, heads, n_splits: int):

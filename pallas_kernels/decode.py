@@ -87,8 +87,8 @@ def fold_new_key(qt, k_new, v_new, use, scale: float, m, l, acc):
     cdt = k_new.dtype
     qf = qt.astype(cdt).astype(jnp.float32)
     sc = jnp.sum(qf * k_new.astype(jnp.float32)[None, :], axis=1) * scale  # [Gp]
-    use = use()
-    m, alpha, p, l = online_softmax_step(m, l, sc[:, None], use)  # p [Gp, 1]
+    valid = use()
+    m, alpha, p, l = online_softmax_step(m, l, sc[:, None], valid)  # p [Gp, 1]
     pv = p.astype(cdt).astype(jnp.float32) * v_new.astype(jnp.float32)[None, :]
     return m, l, acc * alpha[:, None] + pv
 

@@ -116,8 +116,8 @@ def pack(w: jax.Array, block_k: int = BLOCK_K) -> Packed12:
 def decode_words(lo_word, code_word, base7, p: int, bits: bool = False):
     """The four weights (as fp32) in each of plane p's low-byte words: one [...] uint32 array
     of low bytes, its code words and the chunk's base7 ([...] uint32, broadcastable). Returns
-    [fp32 for byte i in 0..3] (bits: their uint32 bit patterns instead). The kernel and unpack share this, so the test of the round trip
-    tests the kernel's arithmetic too."""
+    [fp32 for byte i in 0..3] (bits: their uint32 bit patterns instead). The kernel and
+    unpack share this, so the test of the round trip tests the kernel's arithmetic too."""
     c = (code_word >> (4 * p)) & 0x0F0F0F0F
     h = ((c & 0x08080808) << 4) | ((c & 0x07070707) + base7 * 0x01010101)  # 4 high bytes
     out = []

@@ -33,12 +33,12 @@ def case(dtype, kvh, group, n_out=32, seed=7, kv_lens=KV_LENS, hd=16):
     return (qkv, k, v, jnp.int32(2), bt, lens, page, slot, w_o), (q, k_want, v_want)
 
 
-def unfused(args, **kw):
+def unfused(args, interpret=True, **kw):
     """The engine's three kernels: decode attention with the fused write, then the
     projection of the attention output (rounded to the activation dtype) in fp32."""
     qkv, k, v, entry, bt, lens, page, slot, w_o = args
     attn, kc, vc = paged_decode_attention_qkv(qkv, k, v, entry, bt, lens, page, slot,
-                                              trash_page=0, interpret=True, **kw)
+                                              trash_page=0, interpret=interpret, **kw)
     flat = attn.reshape(attn.shape[0], -1).astype(jnp.float32)
     y = jnp.einsum("bk,nk->bn", flat, w_o.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
@@ -306,11 +306,8 @@ def test_matches_the_unfused_kernels_gpu(kvh, group, tuning):
                 ao.resident_programs(ao.config(2048, **tuning)["num_warps"]):
             continue
         rest = (k, v, entry, bt[rows], lens[rows], page[rows], slot[rows], w_o)
-        f = jax.jit(lambda q, c, k, v, e, *a: ao.decode_attention_o(q, k, v, e, *a[:-1],
-                                                                     a[-1], c, trash_page=0,
-                                                                     **tuning))
-        ref = jax.jit(lambda q, k, v, e, bt, lens, page, slot, w: _unfused_gpu(
-            q, k, v, e, bt, lens, page, slot, w))
+        f = jax.jit(lambda q, c, *a: ao.decode_attention_o(q, *a, c, trash_page=0, **tuning))
+        ref = jax.jit(lambda q, *a: unfused((q, *a), interpret=False))
         counters = ao.counters_for(lens[rows].shape[0], 2048, kvh, **tuning)
         for _ in range(20):
             q = jnp.asarray(rng.standard_normal(qkv[rows].shape), dtype)
@@ -322,39 +319,3 @@ def test_matches_the_unfused_kernels_gpu(kvh, group, tuning):
                 assert not np.any(np.asarray(ao.give_ups(counters, 2048, kvh, **tuning)))
             np.testing.assert_array_equal(as_f32(kc), as_f32(kc_ref))
 
-
-def _unfused_gpu(qkv, k, v, entry, bt, lens, page, slot, w_o):
-    attn, kc, vc = paged_decode_attention_qkv(qkv, k, v, entry, bt, lens, page, slot,
-                                              trash_page=0)
-    flat = attn.reshape(attn.shape[0], -1).astype(jnp.float32)
-    y = jnp.einsum("bk,nk->bn", flat, w_o.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
-    return y.astype(qkv.dtype), kc, vc
-
-
-def test_engine_passes_the_decode_tuning_to_the_fused_kernel(monkeypatch):
-    """fuse_o's tuning comes from the decode kernel's overrides (block_t, num_warps,
-    num_stages, o_block_n, o_w_early, o_split), the counters are sized by o_block_n, batches
-    above one row keep the decode kernel, so do tables past FUSE_O_MAX_KEYS unless the keys
-    are split, and fuse_o with last_combine is refused."""
-    import pallas_kernels.decode as decode
-    from ouro_jax.attention import _fused_o_tuning, make_paged_attend
-    from ouro_jax.config import PRESETS
-    cfg = PRESETS["tiny-gqa"]
-    monkeypatch.setattr(decode, "TUNING", dict(fuse_o=1, block_t=8, num_splits=3, o_block_n=4,
-                                               o_w_early=0))
-    assert _fused_o_tuning() == dict(block_t=8, block_n=4, w_early=0)
-    tables, pos = np.ones((1, 3), np.int32), np.zeros((1, 1), np.int32)
-    attend = make_paged_attend(cfg, tables, pos, 4, "pallas")
-    assert hasattr(attend, "qkv_o")
-    assert attend.wrap((1, 2))[2].shape == (1, cfg.hidden_size // 4)
-    two = make_paged_attend(cfg, np.ones((2, 3), np.int32), np.zeros((2, 1), np.int32), 4,
-                            "pallas")
-    assert not hasattr(two, "qkv_o") and hasattr(two, "qkv")
-    long = np.ones((1, 1024 // 4 + 1), np.int32)  # past FUSE_O_MAX_KEYS of capacity
-    assert not hasattr(make_paged_attend(cfg, long, pos, 4, "pallas"), "qkv_o")
-    monkeypatch.setattr(decode, "TUNING", dict(fuse_o=1, o_split=1))
-    assert hasattr(make_paged_attend(cfg, long, pos, 4, "pallas"), "qkv_o")
-    monkeypatch.setattr(decode, "TUNING", dict(fuse_o=1, last_combine=1))
-    with pytest.raises(ValueError, match="fuse_o and last_combine are alternatives"):
-        make_paged_attend(cfg, tables, pos, 4, "pallas")
