@@ -319,3 +319,31 @@ def test_matches_the_unfused_kernels_gpu(kvh, group, tuning):
                 assert not np.any(np.asarray(ao.give_ups(counters, 2048, kvh, **tuning)))
             np.testing.assert_array_equal(as_f32(kc), as_f32(kc_ref))
 
+
+
+def test_engine_passes_the_decode_tuning_to_the_fused_kernel(monkeypatch):
+    """fuse_o's tuning comes from the decode kernel's overrides (block_t, num_warps,
+    num_stages, o_block_n, o_w_early, o_split), the counters are sized by o_block_n, batches
+    above one row keep the decode kernel, so do tables past FUSE_O_MAX_KEYS unless the keys
+    are split, and fuse_o with last_combine is refused."""
+    import pallas_kernels.decode as decode
+    from ouro_jax.attention import _fused_o_tuning, make_paged_attend
+    from ouro_jax.config import PRESETS
+    cfg = PRESETS["tiny-gqa"]
+    monkeypatch.setattr(decode, "TUNING", dict(fuse_o=1, block_t=8, num_splits=3, o_block_n=4,
+                                               o_w_early=0))
+    assert _fused_o_tuning() == dict(block_t=8, block_n=4, w_early=0)
+    tables, pos = np.ones((1, 3), np.int32), np.zeros((1, 1), np.int32)
+    attend = make_paged_attend(cfg, tables, pos, 4, "pallas")
+    assert hasattr(attend, "qkv_o")
+    assert attend.wrap((1, 2))[2].shape == (1, cfg.hidden_size // 4)
+    two = make_paged_attend(cfg, np.ones((2, 3), np.int32), np.zeros((2, 1), np.int32), 4,
+                            "pallas")
+    assert not hasattr(two, "qkv_o") and hasattr(two, "qkv")
+    long = np.ones((1, 1024 // 4 + 1), np.int32)  # past FUSE_O_MAX_KEYS of capacity
+    assert not hasattr(make_paged_attend(cfg, long, pos, 4, "pallas"), "qkv_o")
+    monkeypatch.setattr(decode, "TUNING", dict(fuse_o=1, o_split=1))
+    assert hasattr(make_paged_attend(cfg, long, pos, 4, "pallas"), "qkv_o")
+    monkeypatch.setattr(decode, "TUNING", dict(fuse_o=1, last_combine=1))
+    with pytest.raises(ValueError, match="fuse_o and last_combine are alternatives"):
+        make_paged_attend(cfg, tables, pos, 4, "pallas")
