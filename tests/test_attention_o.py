@@ -320,7 +320,6 @@ def test_matches_the_unfused_kernels_gpu(kvh, group, tuning):
             np.testing.assert_array_equal(as_f32(kc), as_f32(kc_ref))
 
 
-
 def test_engine_passes_the_decode_tuning_to_the_fused_kernel(monkeypatch):
     """fuse_o's tuning comes from the decode kernel's overrides (block_t, num_warps,
     num_stages, o_block_n, o_w_early, o_split), the counters are sized by o_block_n, batches
