@@ -19,11 +19,18 @@
 #           unfused kernels; split_keys checks its give-up counts), then batch-1 native
 #           greedy pass 1: default; fuse_o at block_t 32 / 64 / 128; split_keys at
 #           block_n 128 and at 256 with 8 warps.
-#   PART=2: pass 2 of the same arms in reverse order.
+#   PART=2: pass 2 of the same arms in reverse order, and the default with
+#           OURO_JAX_TRACE_ONCE=0 (session 18: every kernel call traced anew, as before; the
+#           program XLA compiles should be the same, so should tok/s and the tokens' digest).
 #   PART=3: k=4 d=2 greedy, default against fuse_o (the draft runs the one-row kernels;
 #           FO_BEST: the tuning keys of the best arm, e.g. o_split=1; default the shipped
 #           tuning), and a kernel trace of batch-1 native with it (the fused kernel's time
 #           per layer application).
+#   PART=4 (session 18): trace, lowering and XLA compile times of the batch-1 prefill,
+#           decode and k=4 programs with and without ouro_jax.trace_once, each in a fresh
+#           process, then with the persistent cache twice (the second process is the CLI's
+#           cached start). On the CPU here: decode 10.7 -> 0.76 s, k=4 23.9 -> 1.7 s.
+# Run order if device time is short: 1, 2, 4, 3.
 # Usage on the GPU machine: PART=1 OUT=dir bash benchmarks/gpu_next_session_fuse_o.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -42,6 +49,7 @@ arms() {  # the arms in the given order
       fo_t128) run fo_t128 --k 0 $FO,block_t=128 ;;
       fos) run fos --k 0 $FO,o_split=1 ;;
       fos256w8) run fos256w8 --k 0 $FO,o_split=1,o_block_n=256,num_warps=8 ;;
+      noshare) OURO_JAX_TRACE_ONCE=0 run noshare --k 0 ;;
     esac
   done
 }
@@ -53,7 +61,7 @@ case $PART in
     pass=1; arms default fo fo_t64 fo_t128 fos fos256w8
     python3 -m benchmarks.ab_arms $A $OUT/ab_fuse_o_b1_p1_h200.json ;;
   2)
-    pass=2; arms fos256w8 fos fo_t128 fo_t64 fo default
+    pass=2; arms fos256w8 fos fo_t128 fo_t64 fo default noshare
     python3 -m benchmarks.ab_arms $A $OUT/ab_fuse_o_b1_p2_h200.json ;;
   3)
     F="$FO${FO_BEST:+,$FO_BEST}"
@@ -63,5 +71,11 @@ case $PART in
     timeout 100 python3 -m benchmarks.kernel_trace --attention pallas --batch 1 --k 0 --top 10 \
       --decode-kernel ${F#--decode-kernel } --out $OUT/kernel_trace_b1_fuse_o_h200.json 2>&1 \
       | grep -E "kernels_per_unit|us  |rror" | cut -c1-160 ;;
+  4)
+    L="python3 -m benchmarks.lower_time --k 0,4 --compile"
+    timeout 330 $L --compare-sharing --out $OUT/lower_time_h200.json 2>&1 | grep -E "run|rror"
+    rm -rf /tmp/cc_lt
+    timeout 200 $L --runs 2 --compile-cache /tmp/cc_lt --out $OUT/lower_time_cached_h200.json \
+      2>&1 | grep -E "run|rror" ;;
 esac
 rm -rf $A

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ouro_jax import trace_once
 from ouro_jax.config import OuroConfig
 from ouro_jax.kv_cache import TRASH_PAGE, gather_kv, slot_indices, write_kv
 from ouro_jax.model import attention_core
@@ -81,6 +83,13 @@ def _pallas_available() -> bool:
     return True
 
 
+def _entry(loop, layer):
+    """The kernels' (base, offset) plane operands. A Python int goes as an int32 numpy array:
+    the kernels take it as an operand either way (a constant in the program), and as an
+    array it is not part of trace_once's key, so the 24 layers share one traced kernel."""
+    return tuple(np.asarray(x, np.int32) if isinstance(x, int) else x for x in (loop, layer))
+
+
 def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.Array,
                       page_size: int, backend: str = "xla", fused_kv_write: bool = True):
     """attend(q, k, v, planes, loop, layer) over query positions [B, C] (all rows have C).
@@ -107,17 +116,17 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
             planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
             # The kernels compute the plane from (loop, layer) themselves: handing them a
             # precomputed index costs one tiny XLA kernel per layer application on the GPU.
-            plane = dict(entry=(loop, layer), entry_stride=num_layers)
+            plane = dict(entry=_entry(loop, layer), entry_stride=num_layers)
             if c == 1:
-                out = pk.paged_decode_attention(q[:, 0], planes[0], planes[1],
-                                                block_tables=block_tables, kv_lens=kv_lens,
-                                                interpret=interpret, **plane)[:, None]
+                out = trace_once.call(pk.paged_decode_attention, q[:, 0], planes[0],
+                                      planes[1], block_tables=block_tables, kv_lens=kv_lens,
+                                      interpret=interpret, **plane)[:, None]
             else:
                 cu = jnp.arange(b + 1, dtype=jnp.int32) * c
-                out = pk.ragged_paged_attention(q.reshape(b * c, *q.shape[2:]), planes[0],
-                                                planes[1], block_tables=block_tables,
-                                                kv_lens=kv_lens, cu_q_lens=cu,
-                                                interpret=interpret, **plane)
+                out = trace_once.call(pk.ragged_paged_attention,
+                                      q.reshape(b * c, *q.shape[2:]), planes[0], planes[1],
+                                      block_tables=block_tables, kv_lens=kv_lens,
+                                      cu_q_lens=cu, interpret=interpret, **plane)
                 out = out.reshape(q.shape)
             return out, planes
 
@@ -132,10 +141,11 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
 
             def attend_qkv(qkv, cos, sin, planes, loop, layer):
                 counters = dict(counters=planes[2]) if last_combine else {}
-                out, kc, vc, *cnt = pk.paged_decode_attention_qkv(
-                    qkv[:, 0], planes[0], planes[1], (loop, layer), block_tables, kv_lens,
-                    page[:, 0], slot[:, 0], rope=(cos[:, 0], sin[:, 0]), trash_page=TRASH_PAGE,
-                    interpret=interpret, entry_stride=num_layers, **counters)
+                out, kc, vc, *cnt = trace_once.call(
+                    pk.paged_decode_attention_qkv, qkv[:, 0], planes[0], planes[1],
+                    _entry(loop, layer), block_tables, kv_lens, page[:, 0], slot[:, 0],
+                    rope=(cos[:, 0], sin[:, 0]), trash_page=TRASH_PAGE, interpret=interpret,
+                    entry_stride=num_layers, **counters)
                 return out[:, None], (kc, vc, *cnt)
 
             if last_combine or fuse_o:
@@ -155,11 +165,12 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
             attend.qkv = attend_qkv
             if fuse_o:
                 def attend_qkv_o(qkv, w_o, cos, sin, state, loop, layer):
-                    y, kc, vc, cnt = pk.decode_attention_o(
-                        qkv[:, 0], state[0], state[1], (loop, layer), block_tables, kv_lens,
-                        page[:, 0], slot[:, 0], w_o, state[2], rope=(cos[:, 0], sin[:, 0]),
-                        trash_page=TRASH_PAGE, interpret=interpret, entry_stride=num_layers,
-                        **_fused_o_tuning())
+                    y, kc, vc, cnt = trace_once.call(
+                        pk.decode_attention_o, qkv[:, 0], state[0], state[1],
+                        _entry(loop, layer),
+                        block_tables, kv_lens, page[:, 0], slot[:, 0], w_o, state[2],
+                        rope=(cos[:, 0], sin[:, 0]), trash_page=TRASH_PAGE, interpret=interpret,
+                        entry_stride=num_layers, **_fused_o_tuning())
                     return y[:, None], (kc, vc, cnt)
                 attend.qkv_o = attend_qkv_o
         return attend

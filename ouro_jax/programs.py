@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import jax
 
+from ouro_jax import trace_once
+
 
 def _shape_key(args) -> tuple:
     leaves, treedef = jax.tree_util.tree_flatten(args)
@@ -33,7 +35,9 @@ class ProgramCache:
         if prog is None:
             t0 = time.perf_counter()
             jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
-            prog = jitted.lower(*args).compile()
+            with trace_once.scope():  # each distinct kernel call traced once
+                lowered = jitted.lower(*args)
+            prog = lowered.compile()
             self.compile_seconds += time.perf_counter() - t0
             self.compiles += 1
             self._programs[key] = prog
@@ -42,4 +46,6 @@ class ProgramCache:
     def lowered_text(self, fn: Callable, static: dict, donate: tuple[int, ...], *args) -> str:
         """The optimized HLO of a program, for inspection (e.g. one while loop, no callbacks)."""
         jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
-        return jitted.lower(*args).compile().as_text()
+        with trace_once.scope():
+            lowered = jitted.lower(*args)
+        return lowered.compile().as_text()

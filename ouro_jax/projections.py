@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import jax
 
+from ouro_jax import trace_once
 # The tables and fits live in projection_tuning; re-exported here, where callers and
 # benchmarks.tuning have always found them (the same dict objects).
 from ouro_jax.projection_tuning import (  # noqa: F401
@@ -190,15 +191,16 @@ class PallasGemv(XLA):
         n_out = w.shape[0] // 2 if gated else w.shape[0]
         if self._mgpus(name, x):
             from pallas_kernels.gemv_mgpu_normed import gemv_mgpu_plain
-            y = gemv_mgpu_plain(x.reshape(1, k), w, gated=gated, interpret=interpret,
+            y = trace_once.call(gemv_mgpu_plain, x.reshape(1, k), w, gated=gated,
+                                interpret=interpret,
                                 **self._mgpu_tuning(name, n_out, k, w.dtype, False))
         elif self._streams(x):
-            y = gemv_stream(x.reshape(-1, k), w, gated=gated, interpret=interpret,
-                            **_next_operand(name, next_weight),
+            y = trace_once.call(gemv_stream, x.reshape(-1, k), w, gated=gated,
+                                interpret=interpret, **_next_operand(name, next_weight),
                             **fit_stream_tuning(STREAM_TUNING[name], n_out, k))
         else:
-            y = gemv(x.reshape(-1, k), w, gated=gated, interpret=interpret,
-                     **self.tuning(name, n_out, k))
+            y = trace_once.call(gemv, x.reshape(-1, k), w, gated=gated, interpret=interpret,
+                                **self.tuning(name, n_out, k))
         return y.reshape(*lead, y.shape[-1])
 
     def _gemm(self, name, x, w, gated=False):
@@ -206,8 +208,9 @@ class PallasGemv(XLA):
         lead = x.shape[:-1]
         interpret = jax.default_backend() != "gpu"
         n_out = w.shape[0] // 2 if gated else w.shape[0]
-        y = gemm(x.reshape(-1, x.shape[-1]), w, gated=gated, interpret=interpret,
-                 **fit_gemm_tuning(GEMM_TUNING[name], n_out, x.shape[-1]))
+        y = trace_once.call(gemm, x.reshape(-1, x.shape[-1]), w, gated=gated,
+                            interpret=interpret,
+                            **fit_gemm_tuning(GEMM_TUNING[name], n_out, x.shape[-1]))
         return y.reshape(*lead, y.shape[-1])
 
     def _fuses(self, name, x) -> bool:
@@ -232,8 +235,9 @@ class PallasGemv(XLA):
             tuning.update(_next_operand(name, next_weight))
         else:
             fn, tuning = gemv_normed, self.tuning(name, n_out, k)
-        y, x_new = fn(resid.reshape(-1, k), norm_w, w, eps=eps, gated=gated,
-                      interpret=jax.default_backend() != "gpu", **branch, **tuning)
+        y, x_new = trace_once.call(fn, resid.reshape(-1, k), norm_w, w, eps=eps, gated=gated,
+                                   interpret=jax.default_backend() != "gpu", **branch,
+                                   **tuning)
         return y.reshape(*lead, n_out), x_new.reshape(*lead, k)
 
     def residual(self, h, m, w, eps):
