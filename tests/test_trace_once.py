@@ -148,7 +148,11 @@ def test_gpu_programs_run_the_same_kernels_as_many_times(k):
 
 def test_engine_tokens_do_not_depend_on_sharing(monkeypatch):
     """The pallas backend (interpret mode), plain and speculative: the same greedy tokens with
-    and without trace_once, and with it each kernel is traced once per program."""
+    and without trace_once, with it each kernel is traced once per program, and XLA inlines
+    the shared calls: no call is left in the compiled programs and they copy the KV planes
+    exactly as often as without sharing (interpret mode's own copies; none on the GPU)."""
+    import re
+    from benchmarks.hlo_copies import plane_copies
     from engine_helpers import load, ragged_prompts, tiny_checkpoint
     import pallas_kernels as pk
     from ouro_jax.api import Ouro
@@ -168,7 +172,11 @@ def test_engine_tokens_do_not_depend_on_sharing(monkeypatch):
         runs[enabled] = [[o.token_ids for o in llm.generate(prompts, sp, speculative=s).outputs]
                          for s in (None, SpeculativeConfig(k=2, draft_loops=2))]
         runs[enabled, "traces"] = len(traces)
+        runs[enabled, "copies"] = [(r["program"], r["plane_copies"]) for r in plane_copies(llm)]
+        texts = [prog.as_text() for prog in llm.programs._programs.values()]
+        assert len(texts) >= 4 and not any(re.search(r" call\(", t) for t in texts)
     assert runs[True] == runs[False]
+    assert runs[True, "copies"] == runs[False, "copies"]
     # The one-row kernel is called from three places, each once per layer: the native decode
     # step, and in the speculative program the draft's loop body and its last offset
     # (verification runs many rows per sequence, on the other kernel). Shared: one trace per
