@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import has_gpu
-from test_pallas_kernels import check, fused_write_case
+from paged_cases import check, fused_write_case
 from test_pdl import triton_ir
 from pallas_kernels import attention_o as ao
 from pallas_kernels import paged_decode_attention_qkv, paged_decode_attention_reference

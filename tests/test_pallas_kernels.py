@@ -3,7 +3,8 @@
 CPU: the Pallas kernels run in interpret mode on tiny shapes. Every test poisons the trash
 page 0 and every slot at or past kv_len with NaN, so a kernel that reads a slot it must not
 (or lets 0 * NaN through) fails. The GPU tests (marked `gpu`) compiling the real Triton
-kernels are in test_pallas_kernels_gpu.py.
+kernels are in test_pallas_kernels_gpu.py, the decode kernel's fused K/V write, RoPE and
+split merge in test_decode_fused_write.py, the shared cases in paged_cases.py.
 """
 
 from __future__ import annotations
@@ -14,70 +15,9 @@ import numpy as np
 import pytest
 
 from engine_helpers import pallas_call_eqns
-from pallas_kernels import (paged_decode_attention, paged_decode_attention_qkv,
-                            paged_decode_attention_reference, ragged_paged_attention,
-                            ragged_paged_attention_reference)
-
-
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
-
-
-def make_case(rng, *, kv_lens, kvh, group, hd, page_size, dtype, planes=3, n_q=None,
-              spare_pages=3):
-    """Cache [E, P, ps, KVH, hd] with shuffled non-contiguous pages; NaN in page 0 and past kv_len."""
-    kv_lens = np.asarray(kv_lens, np.int32)
-    nseq = len(kv_lens)
-    max_pages = max(1, int(-(-kv_lens.max() // page_size))) + 1  # one spare table column
-    n_pages = 1 + nseq * max_pages + spare_pages
-    shape = (planes, n_pages, page_size, kvh, hd)
-    k = rng.standard_normal(shape, dtype=np.float32)
-    v = rng.standard_normal(shape, dtype=np.float32)
-    perm = rng.permutation(np.arange(1, n_pages))[: nseq * max_pages]
-    tables = perm.reshape(nseq, max_pages).astype(np.int32)
-    for b in range(nseq):  # unused table columns point at the trash page, as in the engine
-        tables[b, -(-kv_lens[b] // page_size):] = 0
-        stale = np.arange(kv_lens[b], max_pages * page_size)
-        pages, slots = tables[b, stale // page_size], stale % page_size
-        k[:, pages, slots] = np.nan  # stale slots of the last page (page 0 gets NaN below)
-        v[:, pages, slots] = np.nan
-    k[:, 0] = np.nan
-    v[:, 0] = np.nan
-    h = kvh * group
-    q_shape = (nseq, h, hd) if n_q is None else (n_q, h, hd)
-    q = rng.standard_normal(q_shape, dtype=np.float32)
-    cast = lambda x: jnp.asarray(x, dtype)
-    return cast(q), cast(k), cast(v), jnp.asarray(tables), jnp.asarray(kv_lens)
-
-
-def numpy_attention(q_rows, positions, k_seq, v_seq, group):
-    """fp64 oracle for one sequence: q_rows [n, H, hd] at positions [n]; k/v [T, KVH, hd]."""
-    n, h, hd = q_rows.shape
-    out = np.zeros((n, h, hd))
-    for i in range(n):
-        for head in range(h):
-            keys = k_seq[: positions[i] + 1, head // group].astype(np.float64)
-            vals = v_seq[: positions[i] + 1, head // group].astype(np.float64)
-            if len(keys) == 0:
-                continue
-            s = keys @ q_rows[i, head].astype(np.float64) * hd ** -0.5
-            p = np.exp(s - s.max())
-            out[i, head] = (p / p.sum()) @ vals
-    return out
-
-
-def seq_kv(cache, entry, tables, b, length):
-    ps = cache.shape[2]
-    c = np.asarray(cache.astype(jnp.float32))
-    return np.stack([c[entry, tables[b, p // ps], p % ps] for p in range(length)]) if length else \
-        np.zeros((0,) + c.shape[3:])
-
-
-def check(out, ref, dtype):
-    out = np.asarray(jnp.asarray(out, jnp.float32))
-    ref = np.asarray(jnp.asarray(ref, jnp.float32))
-    assert np.all(np.isfinite(out)), "non-finite output"
-    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-6)
-    assert err < TOL[dtype], err
+from paged_cases import check, make_case, numpy_attention, seq_kv
+from pallas_kernels import (paged_decode_attention, paged_decode_attention_reference,
+                            ragged_paged_attention, ragged_paged_attention_reference)
 
 
 # ---------------------------------------------------------------- reference vs NumPy oracle
@@ -134,154 +74,6 @@ def test_decode_kernel_interpret(dtype, kvh, group, kw):
     assert out.shape == q.shape and out.dtype == q.dtype
     check(out, paged_decode_attention_reference(q, k, v, 2, bt, lens), dtype)
     assert np.all(np.asarray(out[0], np.float32) == 0)  # kv_len 0 -> zeros
-
-
-def fused_write_case(rng, dtype, kvh, group, kv_lens, hd, page_size):
-    """A decode case whose newest token (kv_len - 1) is not in the cache yet: its slot holds
-    NaN. Returns the case with q replaced by the packed qkv [B, H + 2 KVH, hd] of the new
-    token, its (page, slot) (trash page for rows with kv_len 0), and the cache as it should
-    be after the write."""
-    q, k, v, bt, lens = make_case(rng, kv_lens=kv_lens, kvh=kvh, group=group, hd=hd,
-                                  page_size=page_size, dtype=dtype)
-    pos = np.maximum(np.asarray(kv_lens) - 1, 0)
-    real = np.asarray(kv_lens) > 0
-    page = np.where(real, np.asarray(bt)[np.arange(len(pos)), pos // page_size], 0)
-    page, slot = page.astype(np.int32), (pos % page_size).astype(np.int32)
-    k_new = jnp.where(real[:, None, None], k[2, page, slot], 0)  # the true values
-    v_new = jnp.where(real[:, None, None], v[2, page, slot], 0)
-    poisoned = lambda c: c.at[2, page[real], slot[real]].set(jnp.nan)
-    qkv = jnp.concatenate([q, k_new, v_new], axis=1)
-    return (qkv, poisoned(k), poisoned(v), bt, lens), (page, slot), (q, k, v)
-
-
-@pytest.mark.parametrize("dtype,kvh,group,kw", [
-    (jnp.float32, 2, 1, dict(block_t=4, num_splits=3)),
-    (jnp.bfloat16, 2, 4, dict(block_t=4, num_splits=2)),
-    (jnp.bfloat16, 2, 1, dict(block_t=4, num_splits=1)),
-])
-def test_decode_kernel_with_fused_kv_write(dtype, kvh, group, kw):
-    """paged_decode_attention_qkv writes the new token's K/V into the cache (the slot held
-    NaN, so reading it instead of using the registers would poison the output) and attends to
-    it; the result matches attention over the written cache, every other slot is untouched,
-    and the padding row (kv_len 0, trash page) writes nothing and gives zeros."""
-    rng = np.random.default_rng(7)
-    (qkv, k, v, bt, lens), (page, slot), (q, k_want, v_want) = fused_write_case(
-        rng, dtype, kvh, group, [0, 1, 4, 8, 13, 23], hd=16, page_size=4)
-    out, k2, v2 = paged_decode_attention_qkv(qkv, k, v, jnp.int32(2), bt, lens, page, slot,
-                                             trash_page=0, interpret=True, **kw)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    check(out, paged_decode_attention_reference(q, k_want, v_want, 2, bt, lens), dtype)
-    assert np.all(np.asarray(out[0], np.float32) == 0)
-    for got, want in ((k2, k_want), (v2, v_want)):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-@pytest.mark.parametrize("dtype,kvh,group,splits", [
-    (jnp.float32, 2, 1, 3), (jnp.bfloat16, 2, 4, 2), (jnp.bfloat16, 2, 1, 4),
-    (jnp.bfloat16, 2, 1, 1),
-])
-def test_decode_kernel_merges_splits_itself(dtype, kvh, group, splits):
-    """counters: the last split program merges the partials (no XLA combine). The output
-    matches the reference (and the XLA combine's result to fp32 rounding: the same math in
-    another summation order), the cache is written as before, and the counters come back at
-    zero for the next call (one split: nothing to merge, the counters pass through)."""
-    rng = np.random.default_rng(5)
-    (qkv, k, v, bt, lens), (page, slot), (q, k_want, v_want) = fused_write_case(
-        rng, dtype, kvh, group, [0, 1, 4, 8, 13, 23], hd=16, page_size=4)
-    args = (qkv, k, v, jnp.int32(2), bt, lens, page, slot)
-    kw = dict(trash_page=0, interpret=True, block_t=4, num_splits=splits)
-    counters = jnp.zeros((6, kvh), jnp.int32)
-    out, k2, v2, cnt = paged_decode_attention_qkv(*args, counters=counters, **kw)
-    xla_out, _, _ = paged_decode_attention_qkv(*args, **kw)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    np.testing.assert_array_equal(np.asarray(cnt), np.zeros((6, kvh), np.int32))
-    check(out, paged_decode_attention_reference(q, k_want, v_want, 2, bt, lens), dtype)
-    tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(xla_out, np.float32),
-                               rtol=tol, atol=tol)
-    assert np.all(np.asarray(out[0], np.float32) == 0)
-    for got, want in ((k2, k_want), (v2, v_want)):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-def test_decode_kernel_counters_are_checked():
-    rng = np.random.default_rng(5)
-    (qkv, k, v, bt, lens), (page, slot), _ = fused_write_case(
-        rng, jnp.float32, 2, 1, [1, 4], hd=16, page_size=4)
-    with pytest.raises(ValueError, match="counters must be int32 \\[2, 2\\]"):
-        paged_decode_attention_qkv(qkv, k, v, jnp.int32(2), bt, lens, page, slot,
-                                   counters=jnp.zeros((2, 1), jnp.int32), interpret=True)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_kernel_with_fused_rope(dtype):
-    """rope=(cos, sin): q and the new k arrive unrotated; the kernel rotates both as
-    model.apply_rope does (the written key: see assert_rope_equal) and attends as the
-    unfused path would."""
-    from ouro_jax.model import apply_rope, rope_cos_sin
-    rng = np.random.default_rng(11)
-    kv_lens = [0, 1, 4, 8, 13, 23]
-    (qkv, k, v, bt, lens), (page, slot), (q, k_want, v_want) = fused_write_case(
-        rng, dtype, 2, 2, kv_lens, hd=16, page_size=4)
-    cos, sin = rope_cos_sin(jnp.asarray(np.maximum(np.asarray(kv_lens) - 1, 0)), 16, 10000.0,
-                            dtype)
-    h = q.shape[1]
-    out, k2, _ = paged_decode_attention_qkv(qkv, k, v, jnp.int32(2), bt, lens, page, slot,
-                                            rope=(cos, sin), trash_page=0, interpret=True,
-                                            block_t=4)
-    # The oracle is the jitted model function (XLA's fusion of it), as the +kvxla path runs it.
-    rot = jax.jit(lambda x: apply_rope(x[:, None], cos[:, None], sin[:, None])[:, 0])
-    q_rot, k_rot = rot(qkv[:, :h]), rot(qkv[:, h:h + 2])
-    real = np.asarray(kv_lens) > 0
-    assert_rope_equal(k2[2, page[real], slot[real]], k_rot[real], dtype)
-    k_want = k_want.at[2, page[real], slot[real]].set(k_rot[real])
-    check(out, paged_decode_attention_reference(q_rot, k_want, v_want, 2, bt, lens), dtype)
-
-
-def assert_rope_equal(got, want, dtype):
-    """bf16: bit-identical (every op is rounded to bf16 in both). fp32: XLA may contract
-    x*cos + r*sin into an FMA, so within an ulp or two."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    if dtype == jnp.bfloat16:
-        np.testing.assert_array_equal(got, want)
-    else:
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-
-
-def test_fused_kv_write_padding_rows_and_trash_page_none():
-    """A padding row (trash page) with kv_len 1 writes nothing and attends to nothing, as on
-    the XLA path (output 0); with trash_page=None page 0 is an ordinary page and is written."""
-    rng = np.random.default_rng(12)
-    (qkv, k, v, bt, lens), (page, slot), (q, k_want, v_want) = fused_write_case(
-        rng, jnp.float32, 2, 1, [1, 6], hd=16, page_size=4)
-    trash = jnp.asarray([0, page[1]], jnp.int32)  # row 0 aimed at the trash page
-    out, k2, _ = paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, trash, slot, trash_page=0,
-                                            interpret=True)
-    assert np.all(np.asarray(out[0]) == 0)
-    assert np.isnan(np.asarray(k2[2, 0])).all()  # trash page untouched (still NaN)
-    _, k3, _ = paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, trash, slot, interpret=True)
-    np.testing.assert_array_equal(np.asarray(k3[2, 0, slot[0]]), np.asarray(qkv[0, 2:4]))
-
-
-def test_fused_kv_write_rejects_bad_input():
-    rng = np.random.default_rng(8)
-    (qkv, k, v, bt, lens), (page, slot), _ = fused_write_case(
-        rng, jnp.float32, 2, 1, [3, 5], hd=16, page_size=4)
-    with pytest.raises(ValueError, match="H \\+ 2 KVH"):
-        paged_decode_attention_qkv(qkv[:, :3], k, v, 2, bt, lens, page, slot, interpret=True)
-    with pytest.raises(ValueError, match="page .* and slot"):
-        paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, page[:1], slot, interpret=True)
-    with pytest.raises(ValueError, match="tensor-core path"):
-        paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, page, slot, interpret=True,
-                                   use_dot=False)
-    with pytest.raises(ValueError, match="batch size"):
-        paged_decode_attention_qkv(qkv, k, v, 2, bt, lens[:1], page, slot, interpret=True)
-    with pytest.raises(ValueError, match="rowwise=False"):
-        paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, page, slot, interpret=True,
-                                   rowwise=True)
-    with pytest.raises(ValueError, match="cos"):
-        paged_decode_attention_qkv(qkv, k, v, 2, bt, lens, page, slot, interpret=True,
-                                   rope=(jnp.ones((2, 8)), jnp.ones((2, 8))))
 
 
 RAGGED_CASES = [

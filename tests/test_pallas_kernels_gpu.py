@@ -14,7 +14,7 @@ from engine_helpers import has_gpu
 from pallas_kernels import (paged_decode_attention, paged_decode_attention_qkv,
                             paged_decode_attention_reference, ragged_paged_attention,
                             ragged_paged_attention_reference)
-from test_pallas_kernels import assert_rope_equal, check, fused_write_case, make_case
+from paged_cases import assert_rope_equal, check, fused_write_case, make_case
 
 gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 
