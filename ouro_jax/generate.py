@@ -133,6 +133,15 @@ class _Streamer:
                 print(delta, end="", flush=True)
 
 
+def _compile_progress(name: str, seconds) -> None:
+    """Stderr progress while a device program compiles (or loads from the persistent cache),
+    which happens before any token is streamed."""
+    if seconds is None:
+        print(f"(compiling {name} ...", end="", file=sys.stderr, flush=True)
+    else:
+        print(f" {seconds:.2f}s)", file=sys.stderr, flush=True)
+
+
 def enable_compile_cache(folder: str) -> None:
     import jax
 
@@ -168,6 +177,8 @@ def main(argv=None) -> int:
                   f"see ouro_jax/demo_model/README.md)", file=sys.stderr)
         echo = prompts[0] if len(prompts) == 1 and isinstance(prompts[0], str) else ""
         streamer = None if args.json else _Streamer(llm, len(prompts), echo)
+        if not args.json:  # a first compile of the 1.4B programs takes tens of seconds
+            llm.programs.on_compile = _compile_progress
         res = llm.generate(prompts, params, exit_at_step=args.exit_at_step,
                            exit_threshold=args.exit_threshold, weighted_exit=args.weighted_exit,
                            speculative=spec, on_chunk=streamer)

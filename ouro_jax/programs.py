@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 
@@ -27,20 +27,29 @@ class ProgramCache:
         self._programs: dict[Any, Any] = {}
         self.compiles = 0
         self.compile_seconds = 0.0
+        # on_compile(name, seconds): called with None before a program compiles and with its
+        # compile time after (the CLI prints progress through it); None: silent
+        self.on_compile: Optional[Callable[[str, Optional[float]], None]] = None
 
     def call(self, fn: Callable, static: dict, donate: tuple[int, ...], *args):
         """Runs fn(*args, **static), compiled once per (fn, static, shapes)."""
         key = (fn, tuple(sorted(static.items())), donate, _shape_key(args))
         prog = self._programs.get(key)
         if prog is None:
+            name = getattr(fn, "__name__", "program")
+            if self.on_compile is not None:
+                self.on_compile(name, None)
             t0 = time.perf_counter()
             jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
             with trace_once.scope():  # each distinct kernel call traced once
                 lowered = jitted.lower(*args)
             prog = lowered.compile()
-            self.compile_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.compile_seconds += seconds
             self.compiles += 1
             self._programs[key] = prog
+            if self.on_compile is not None:
+                self.on_compile(name, seconds)
         return prog(*args)
 
     def lowered_text(self, fn: Callable, static: dict, donate: tuple[int, ...], *args) -> str:

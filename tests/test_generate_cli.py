@@ -35,6 +35,10 @@ def test_demo_model_streams_text_and_prints_stats(capsys):
     assert rc == 0
     assert out.startswith("And God said") and len(out.strip()) > len("And God said")
     assert "stats: prompt tokens" in err and "decode" in err and "compile" in err
+    # progress for each program compiled, before the text: "(compiling NAME ... 0.12s)"
+    import re
+    assert re.search(r"\(compiling prefill_chunk \.\.\. \d+\.\d\ds\)\n", err), err
+    assert re.search(r"\(compiling (decode|spec)_chunk \.\.\. \d+\.\d\ds\)\n", err), err
 
 
 def test_errors_are_clear_and_exit_2(capsys):
