@@ -29,7 +29,9 @@
 #   PART=4 (session 18): trace, lowering and XLA compile times of the batch-1 prefill,
 #           decode and k=4 programs with and without ouro_jax.trace_once, each in a fresh
 #           process, then with the persistent cache twice (the second process is the CLI's
-#           cached start). On the CPU here: decode 10.7 -> 0.76 s, k=4 23.9 -> 1.7 s.
+#           cached start). On the CPU here, trace + lower: decode 10.41 -> 0.78 s, k=4
+#           23.03 -> 1.71 s (lower_time_cuda_cpu_jax0102.json). Each row's compiled_digest
+#           (the compiled HLO without names and metadata) should match across sharing.
 # Run order if device time is short: 1, 2, 4, 3.
 # Usage on the GPU machine: PART=1 OUT=dir bash benchmarks/gpu_next_session_fuse_o.sh
 set -u

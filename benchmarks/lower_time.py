@@ -14,7 +14,10 @@ every process pays trace + lower again: on a cached start this is the wait.
 JAX lowers Pallas-Triton kernels without a GPU, and the engine is told it runs on one.
 --compare-sharing runs every arm twice, with and without ouro_jax.trace_once (each kernel
 call traced once per program), each arm in a fresh process, since JAX's caches would favour
-whichever ran second.
+whichever ran second. The first program timed in a process (prefill) also carries one-off
+costs (imports inside the lowering), as a real start does. With --compile, each row also has
+a digest of the compiled program's text with names and metadata taken out
+(`compiled_digest`): sharing should leave it unchanged, XLA inlining the shared calls.
 """
 
 from __future__ import annotations
@@ -114,13 +117,27 @@ def build(args):
     return llm, out
 
 
+def normalized_digest(hlo_text: str) -> str:
+    """A digest of compiled HLO text without its names and metadata (which name the nested
+    jits): two programs with the same instructions in the same order share it."""
+    lines = []
+    for line in hlo_text.splitlines():
+        line = re.sub(r", metadata=\{[^{}]*\}", "", line)
+        line = re.sub(r"%[\w.\-]+", "%v", line)
+        line = re.sub(r"(?<![\w])[A-Za-z_][\w\-]*(\.\d+)+", "N", line).strip()
+        if line and not line.startswith("HloModule"):
+            lines.append(line)
+    return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:16]
+
+
 def time_program(fn, static, donate, call_args, *, platform, share, compile_):
     import functools
     import jax
     from ouro_jax import trace_once
     jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
     ctx = trace_once.scope() if share else contextlib.nullcontext()
-    row = {}
+    # OURO_JAX_TRACE_ONCE=0 makes scopes no-ops: the row says what really ran
+    row = {"shared": bool(share and trace_once.ENABLED)}
     with ctx:
         t0 = time.perf_counter()
         traced = jitted.trace(*call_args)
@@ -136,8 +153,9 @@ def time_program(fn, static, donate, call_args, *, platform, share, compile_):
                kernel_calls=sum(calls.values()), distinct_kernels=len(calls))
     if compile_:
         t3 = time.perf_counter()
-        lowered.compile()
+        compiled = lowered.compile()
         row["compile_s"] = round(time.perf_counter() - t3, 3)
+        row["compiled_digest"] = normalized_digest(compiled.as_text())
     return row
 
 
@@ -181,8 +199,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", help="JSON file for the results")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.batch < 1 or args.runs < 1 or args.prompt_len < 1 or args.new_tokens < 1:
-        ap.error("--batch, --runs, --prompt-len and --new-tokens must be positive")
+    if min(args.batch, args.runs, args.prompt_len, args.new_tokens, args.draft_loops) < 1:
+        ap.error("--batch, --runs, --prompt-len, --new-tokens and --draft-loops must be "
+                 "positive")
     try:
         args.k_list = [int(k) for k in args.k.split(",")]
     except ValueError:
@@ -227,6 +246,7 @@ def main(argv=None) -> int:
             runs = [run_child(args, k, share) for _ in range(args.runs)]
             for name in runs[0]:
                 rows = [r[name] for r in runs]
+                share = rows[0]["shared"]
                 row = dict(program=name, k=k, share=share, runs=rows,
                            **{key: rows[0][key] for key in ("backend", "kernels_lowered",
                                                             "kernel_calls", "distinct_kernels")})
@@ -240,8 +260,8 @@ def main(argv=None) -> int:
                           + (f"  compile {r['compile_s']:6.2f} s" if "compile_s" in r else "")
                           + f"  kernels lowered {row['kernels_lowered']} for "
                           f"{row['kernel_calls']} calls", flush=True)
-    if args.out:
-        write_json(args, results)
+            if args.out:  # after every arm: a time limit or a failing child keeps the rest
+                write_json(args, results)
     return 0
 
 
@@ -249,7 +269,8 @@ def write_json(args, results):
     import platform
 
     import jax
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
+                            capture_output=True, text=True)
     doc = dict(command="python -m benchmarks.lower_time " + " ".join(sys.argv[1:]),
                git_commit=commit.stdout.strip(), jax=jax.__version__,
                machine=platform.node(), cpu_count=os.cpu_count(),

@@ -84,10 +84,11 @@ def _pallas_available() -> bool:
 
 
 def _entry(loop, layer):
-    """The kernels' (base, offset) plane operands. A Python int goes as an int32 numpy array:
+    """The kernels' (base, offset) plane operands. An integer goes as an int32 numpy array:
     the kernels take it as an operand either way (a constant in the program), and as an
     array it is not part of trace_once's key, so the 24 layers share one traced kernel."""
-    return tuple(np.asarray(x, np.int32) if isinstance(x, int) else x for x in (loop, layer))
+    return tuple(np.asarray(x, np.int32) if isinstance(x, (int, np.integer)) else x
+                 for x in (loop, layer))
 
 
 def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.Array,

@@ -3,10 +3,10 @@
 Why: a decode program calls the same few kernels once per layer (the batch-1 decode chunk of
 the 1.4B model: 120 pallas_calls, 5 per layer), with the same shapes and settings and only
 other weights. JAX traces each call's kernel body and lowers it to Triton IR anew, and that
-was nearly all of the program's trace and lowering time: 3.3 s + 7.1 s on a 2-core CPU
-(`python -m benchmarks.lower_time`). That time is paid again by every process, the
-persistent compilation cache notwithstanding (it keys on the lowered program), so it was
-most of a cached start of the CLI (10.5-14.5 s on the H200).
+was nearly all of the program's trace and lowering time: 3.6 s + 6.8 s on a 2-core CPU
+for the GPU program (`python -m benchmarks.lower_time --platform cuda`,
+benchmarks/results/lower_time_cuda_cpu_jax0102.json). Every process pays it again, the
+persistent compilation cache notwithstanding (that cache keys on the lowered program).
 
 Inside `scope()` (programs.ProgramCache opens one for every program it builds), `call(fn,
 *args, **kwargs)` sends each kernel call through a `jax.jit` shared by every call with the
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import threading
 from typing import Any, Callable
 
@@ -55,15 +56,15 @@ def call(fn: Callable, *args, **kwargs) -> Any:
     """fn(*args, **kwargs), through a jit shared with equal calls when a scope is active.
 
     Arrays (traced or not) are the jit's arguments; every other leaf of the arguments
-    (ints, floats, strings, tuples of them) is part of the key and reaches fn as it was.
-    A call with an unhashable non-array leaf is made directly."""
+    (ints, floats, strings, tuples of them) is part of the key, with its type (_exact), and
+    reaches fn as it was. A call with an unhashable non-array leaf is made directly."""
     jits = getattr(_state, "jits", None)
     if jits is None:
         return fn(*args, **kwargs)
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     is_array = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
     statics = tuple(x for x, a in zip(leaves, is_array) if not a)
-    key = (fn, treedef, is_array, statics)
+    key = (fn, treedef, is_array, tuple(_exact(x) for x in statics))
     try:
         jitted = jits.get(key)
     except TypeError:  # an unhashable setting: no sharing for this call
@@ -71,6 +72,16 @@ def call(fn: Callable, *args, **kwargs) -> Any:
     if jitted is None:
         jitted = jits[key] = jax.jit(_rebuilder(fn, treedef, is_array, statics))
     return jitted(*[x for x, a in zip(leaves, is_array) if a])
+
+
+def _exact(x):
+    """A setting's key part: values that compare equal but act differently stay apart (True
+    and 1, 2.0 and np.float32(2), 0.0 and -0.0): the type, and floats by their bits."""
+    if isinstance(x, float):
+        return float, struct.pack("<d", x)
+    if isinstance(x, np.generic):
+        return type(x), x.tobytes()
+    return type(x), x
 
 
 def _rebuilder(fn, treedef, is_array, statics):

@@ -78,6 +78,26 @@ def test_arrays_are_arguments_and_other_leaves_are_kept_as_given():
     np.testing.assert_array_equal(np.stack(out), [[0, 0], [1, 1], [2, 2]])
 
 
+def test_settings_equal_in_value_but_not_in_kind_get_their_own_traces():
+    """True == 1 == 1.0, 2.0 == np.float32(2) and 0.0 == -0.0 as dict keys, but a kernel
+    may act differently on each (dtype promotion, signs): each keeps its own trace."""
+    seen = []
+
+    def kernel(x, *, s):
+        seen.append(s)
+        return x * s + jnp.copysign(1.0, s)
+
+    x = jnp.ones(2, jnp.bfloat16)
+    settings = [1, True, 1.0, 2.0, np.float32(2), 0.0, -0.0]
+    with trace_once.scope():
+        outs = jax.jit(lambda x: [trace_once.call(kernel, x, s=s) for s in settings])(x)
+    assert len(seen) == len(settings)
+    assert [type(v) for v in seen] == [type(v) for v in settings]
+    assert outs[3].dtype == jnp.bfloat16 and outs[4].dtype == jnp.float32
+    np.testing.assert_array_equal(outs[5], [1, 1])
+    np.testing.assert_array_equal(outs[6], [-1, -1])
+
+
 def test_an_unhashable_setting_is_called_directly():
     kernel, traces = _counting()
     with trace_once.scope():
