@@ -65,17 +65,18 @@ def test_a_new_scope_traces_again():
 def test_arrays_are_arguments_and_other_leaves_are_kept_as_given():
     seen = []
 
-    def kernel(x, entry, *, table, name):
-        seen.append((type(entry[0]).__name__, isinstance(entry[1], jax.core.Tracer), table, name))
-        return x + entry[1]
+    def kernel(x, entry, *, table, name, bias):
+        seen.append((type(entry[0]).__name__, isinstance(entry[1], jax.core.Tracer), table, name,
+                     isinstance(bias, jax.core.Tracer)))
+        return x + entry[1] + bias
 
     with trace_once.scope():
         f = jax.jit(lambda x: [trace_once.call(kernel, x, (7, np.asarray(layer, np.int32)),
-                                               table={"a": (1, 2)}, name="k")
+                                               table={"a": (1, 2)}, name="k", bias=x * layer)
                                for layer in range(3)])
-        out = f(jnp.zeros(2))
-    assert seen == [("int", True, {"a": (1, 2)}, "k")]  # one trace for the three layers
-    np.testing.assert_array_equal(np.stack(out), [[0, 0], [1, 1], [2, 2]])
+        out = f(jnp.ones(2))
+    assert seen == [("int", True, {"a": (1, 2)}, "k", True)]  # one trace for the three layers
+    np.testing.assert_array_equal(np.stack(out), [[1, 1], [3, 3], [5, 5]])
 
 
 def test_settings_equal_in_value_but_not_in_kind_get_their_own_traces():
