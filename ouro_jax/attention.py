@@ -104,78 +104,99 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     tok/s, 8 1,488.5 vs 1,442.9, 16 2,741.8 vs 2,636.8, 32 4,873.0 vs 4,716.4, 64 7,607.4
     vs 7,498.5. fused_kv_write=False (engine option '+kvxla') keeps the XLA path."""
     page, slot = slot_indices(block_tables, positions, page_size)
-    num_layers = cfg.num_hidden_layers
-
     if backend == "pallas":
-        import pallas_kernels as pk
-
-        b, c = positions.shape
-        kv_lens = positions[:, -1] + 1
-        interpret = jax.default_backend() != "gpu"  # CPU: the kernels' interpret mode
-
-        def attend(q, k, v, planes, loop, layer):
-            planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
-            # The kernels compute the plane from (loop, layer) themselves: handing them a
-            # precomputed index costs one tiny XLA kernel per layer application on the GPU.
-            plane = dict(entry=_entry(loop, layer), entry_stride=num_layers)
-            if c == 1:
-                out = trace_once.call(pk.paged_decode_attention, q[:, 0], planes[0],
-                                      planes[1], block_tables=block_tables, kv_lens=kv_lens,
-                                      interpret=interpret, **plane)[:, None]
-            else:
-                cu = jnp.arange(b + 1, dtype=jnp.int32) * c
-                out = trace_once.call(pk.ragged_paged_attention,
-                                      q.reshape(b * c, *q.shape[2:]), planes[0], planes[1],
-                                      block_tables=block_tables, kv_lens=kv_lens,
-                                      cu_q_lens=cu, interpret=interpret, **plane)
-                out = out.reshape(q.shape)
-            return out, planes
-
-        if c == 1 and fused_kv_write:
-            last_combine = bool(pk.decode.TUNING.get("last_combine", LAST_COMBINE))
-            fuse_o = bool(pk.decode.TUNING.get("fuse_o", FUSE_O))
-            if fuse_o and last_combine:
-                raise ValueError("decode kernel tuning: fuse_o and last_combine are "
-                                 "alternatives (the fused kernel sums its own partials); "
-                                 "set one of them")
-            fuse_o = fuse_o and b == 1 and _fused_o_fits(cfg, block_tables.shape[1] * page_size)
-
-            def attend_qkv(qkv, cos, sin, planes, loop, layer):
-                counters = dict(counters=planes[2]) if last_combine else {}
-                out, kc, vc, *cnt = trace_once.call(
-                    pk.paged_decode_attention_qkv, qkv[:, 0], planes[0], planes[1],
-                    _entry(loop, layer), block_tables, kv_lens, page[:, 0], slot[:, 0],
-                    rope=(cos[:, 0], sin[:, 0]), trash_page=TRASH_PAGE, interpret=interpret,
-                    entry_stride=num_layers, **counters)
-                return out[:, None], (kc, vc, *cnt)
-
-            if last_combine or fuse_o:
-                # The decode kernel merges its splits itself (or the fused kernel sums its
-                # heads' partials); its counters (zeros, left at zero by every call) ride
-                # along with the planes through the layers and loops, so each forward block
-                # makes them once (one memset).
-                counters = (_fused_o_counters(cfg, b) if fuse_o else
-                            jnp.zeros((b, cfg.num_key_value_heads), jnp.int32))
-                plain = attend
-
-                def attend(q, k, v, state, loop, layer):  # noqa: F811 (same, counters kept)
-                    out, planes = plain(q, k, v, state[:2], loop, layer)
-                    return out, (*planes, *state[2:])
-                attend.wrap = lambda planes: (*planes, counters)
-                attend.unwrap = lambda state: state[:2]
-            attend.qkv = attend_qkv
-            if fuse_o:
-                def attend_qkv_o(qkv, w_o, cos, sin, state, loop, layer):
-                    y, kc, vc, cnt = trace_once.call(
-                        pk.decode_attention_o, qkv[:, 0], state[0], state[1],
-                        _entry(loop, layer),
-                        block_tables, kv_lens, page[:, 0], slot[:, 0], w_o, state[2],
-                        rope=(cos[:, 0], sin[:, 0]), trash_page=TRASH_PAGE, interpret=interpret,
-                        entry_stride=num_layers, **_fused_o_tuning())
-                    return y[:, None], (kc, vc, cnt)
-                attend.qkv_o = attend_qkv_o
+        attend = _pallas_attend(cfg, block_tables, positions, page, slot)
+        if positions.shape[1] == 1 and fused_kv_write:
+            attend = _with_fused_decode(attend, cfg, block_tables, positions, page_size, page,
+                                        slot)
         return attend
+    return _xla_attend(cfg, block_tables, positions, page_size, page, slot)
 
+
+def _pallas_attend(cfg, block_tables, positions, page, slot):
+    """The Pallas kernels over K/V written by XLA: decode (C == 1) or ragged (C > 1)."""
+    import pallas_kernels as pk
+
+    b, c = positions.shape
+    kv_lens = positions[:, -1] + 1
+    num_layers = cfg.num_hidden_layers
+    interpret = jax.default_backend() != "gpu"  # CPU: the kernels' interpret mode
+
+    def attend(q, k, v, planes, loop, layer):
+        planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
+        # The kernels compute the plane from (loop, layer) themselves: handing them a
+        # precomputed index costs one tiny XLA kernel per layer application on the GPU.
+        plane = dict(entry=_entry(loop, layer), entry_stride=num_layers)
+        if c == 1:
+            out = trace_once.call(pk.paged_decode_attention, q[:, 0], planes[0], planes[1],
+                                  block_tables=block_tables, kv_lens=kv_lens,
+                                  interpret=interpret, **plane)[:, None]
+        else:
+            cu = jnp.arange(b + 1, dtype=jnp.int32) * c
+            out = trace_once.call(pk.ragged_paged_attention, q.reshape(b * c, *q.shape[2:]),
+                                  planes[0], planes[1], block_tables=block_tables,
+                                  kv_lens=kv_lens, cu_q_lens=cu, interpret=interpret, **plane)
+            out = out.reshape(q.shape)
+        return out, planes
+    return attend
+
+
+def _with_fused_decode(attend, cfg, block_tables, positions, page_size, page, slot):
+    """Adds attend.qkv (the decode kernel with RoPE and the K/V write) and, with fuse_o at
+    one row, attend.qkv_o (the kernel fused with the o projection); with last_combine or
+    fuse_o, their counters ride along with the planes (attend.wrap / unwrap)."""
+    import pallas_kernels as pk
+
+    b = positions.shape[0]
+    kv_lens = positions[:, -1] + 1
+    num_layers = cfg.num_hidden_layers
+    interpret = jax.default_backend() != "gpu"
+    last_combine = bool(pk.decode.TUNING.get("last_combine", LAST_COMBINE))
+    fuse_o = bool(pk.decode.TUNING.get("fuse_o", FUSE_O))
+    if fuse_o and last_combine:
+        raise ValueError("decode kernel tuning: fuse_o and last_combine are alternatives (the "
+                         "fused kernel sums its own partials); set one of them")
+    fuse_o = fuse_o and b == 1 and _fused_o_fits(cfg, block_tables.shape[1] * page_size)
+    new_token = dict(rope=None, trash_page=TRASH_PAGE, interpret=interpret,
+                     entry_stride=num_layers)
+
+    def attend_qkv(qkv, cos, sin, planes, loop, layer):
+        counters = dict(counters=planes[2]) if last_combine else {}
+        out, kc, vc, *cnt = trace_once.call(
+            pk.paged_decode_attention_qkv, qkv[:, 0], planes[0], planes[1],
+            _entry(loop, layer), block_tables, kv_lens, page[:, 0], slot[:, 0],
+            **dict(new_token, rope=(cos[:, 0], sin[:, 0])), **counters)
+        return out[:, None], (kc, vc, *cnt)
+
+    if last_combine or fuse_o:
+        # The decode kernel merges its splits itself (or the fused kernel sums its heads'
+        # partials); its counters (zeros, left at zero by every call) ride along with the
+        # planes through the layers and loops, so each forward block makes them once (one
+        # memset).
+        counters = (_fused_o_counters(cfg, b) if fuse_o else
+                    jnp.zeros((b, cfg.num_key_value_heads), jnp.int32))
+        plain = attend
+
+        def attend(q, k, v, state, loop, layer):  # same, counters kept
+            out, planes = plain(q, k, v, state[:2], loop, layer)
+            return out, (*planes, *state[2:])
+        attend.wrap = lambda planes: (*planes, counters)
+        attend.unwrap = lambda state: state[:2]
+    attend.qkv = attend_qkv
+    if fuse_o:
+        def attend_qkv_o(qkv, w_o, cos, sin, state, loop, layer):
+            y, kc, vc, cnt = trace_once.call(
+                pk.decode_attention_o, qkv[:, 0], state[0], state[1], _entry(loop, layer),
+                block_tables, kv_lens, page[:, 0], slot[:, 0], w_o, state[2],
+                **dict(new_token, rope=(cos[:, 0], sin[:, 0])), **_fused_o_tuning())
+            return y[:, None], (kc, vc, cnt)
+        attend.qkv_o = attend_qkv_o
+    return attend
+
+
+def _xla_attend(cfg, block_tables, positions, page_size, page, slot):
+    """Plain JAX: gather the sequence's keys and values, masked attention."""
+    num_layers = cfg.num_hidden_layers
     key_pos = jnp.arange(block_tables.shape[1] * page_size, dtype=jnp.int32)
     mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, C, S]
     # Slots no query may see (stale, trash) are zeroed in V: a masked probability is exactly 0,
