@@ -105,20 +105,20 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     vs 7,498.5. fused_kv_write=False (engine option '+kvxla') keeps the XLA path."""
     page, slot = slot_indices(block_tables, positions, page_size)
     if backend == "pallas":
-        attend = _pallas_attend(cfg, block_tables, positions, page, slot)
+        kv_lens = positions[:, -1] + 1
+        attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot)
         if positions.shape[1] == 1 and fused_kv_write:
-            attend = _with_fused_decode(attend, cfg, block_tables, positions, page_size, page,
+            attend = _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page,
                                         slot)
         return attend
     return _xla_attend(cfg, block_tables, positions, page_size, page, slot)
 
 
-def _pallas_attend(cfg, block_tables, positions, page, slot):
+def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot):
     """The Pallas kernels over K/V written by XLA: decode (C == 1) or ragged (C > 1)."""
     import pallas_kernels as pk
 
     b, c = positions.shape
-    kv_lens = positions[:, -1] + 1
     num_layers = cfg.num_hidden_layers
     interpret = jax.default_backend() != "gpu"  # CPU: the kernels' interpret mode
 
@@ -141,14 +141,13 @@ def _pallas_attend(cfg, block_tables, positions, page, slot):
     return attend
 
 
-def _with_fused_decode(attend, cfg, block_tables, positions, page_size, page, slot):
+def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot):
     """Adds attend.qkv (the decode kernel with RoPE and the K/V write) and, with fuse_o at
     one row, attend.qkv_o (the kernel fused with the o projection); with last_combine or
     fuse_o, their counters ride along with the planes (attend.wrap / unwrap)."""
     import pallas_kernels as pk
 
-    b = positions.shape[0]
-    kv_lens = positions[:, -1] + 1
+    b = kv_lens.shape[0]
     num_layers = cfg.num_hidden_layers
     interpret = jax.default_backend() != "gpu"
     last_combine = bool(pk.decode.TUNING.get("last_combine", LAST_COMBINE))
