@@ -138,6 +138,8 @@ def _compile_progress(name: str, seconds) -> None:
     which happens before any token is streamed."""
     if seconds is None:
         print(f"(compiling {name} ...", end="", file=sys.stderr, flush=True)
+    elif seconds != seconds:  # NaN: the compile raised; its error follows on a new line
+        print(" failed)", file=sys.stderr, flush=True)
     else:
         print(f" {seconds:.2f}s)", file=sys.stderr, flush=True)
 

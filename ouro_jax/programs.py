@@ -27,8 +27,9 @@ class ProgramCache:
         self._programs: dict[Any, Any] = {}
         self.compiles = 0
         self.compile_seconds = 0.0
-        # on_compile(name, seconds): called with None before a program compiles and with its
-        # compile time after (the CLI prints progress through it); None: silent
+        # on_compile(name, seconds): called with None before a program compiles, then with
+        # its compile time, or NaN if the compile raised (the CLI prints progress through
+        # it); None: silent
         self.on_compile: Optional[Callable[[str, Optional[float]], None]] = None
 
     def call(self, fn: Callable, static: dict, donate: tuple[int, ...], *args):
@@ -41,9 +42,14 @@ class ProgramCache:
                 self.on_compile(name, None)
             t0 = time.perf_counter()
             jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
-            with trace_once.scope():  # each distinct kernel call traced once
-                lowered = jitted.lower(*args)
-            prog = lowered.compile()
+            try:
+                with trace_once.scope():  # each distinct kernel call traced once
+                    lowered = jitted.lower(*args)
+                prog = lowered.compile()
+            except BaseException:
+                if self.on_compile is not None:
+                    self.on_compile(name, float("nan"))
+                raise
             seconds = time.perf_counter() - t0
             self.compile_seconds += seconds
             self.compiles += 1

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 
 from ouro_jax import trace_once
+
 # The tables and fits live in projection_tuning; re-exported here, where callers and
 # benchmarks.tuning have always found them (the same dict objects).
 from ouro_jax.projection_tuning import (  # noqa: F401
@@ -197,7 +198,7 @@ class PallasGemv(XLA):
         elif self._streams(x):
             y = trace_once.call(gemv_stream, x.reshape(-1, k), w, gated=gated,
                                 interpret=interpret, **_next_operand(name, next_weight),
-                            **fit_stream_tuning(STREAM_TUNING[name], n_out, k))
+                                **fit_stream_tuning(STREAM_TUNING[name], n_out, k))
         else:
             y = trace_once.call(gemv, x.reshape(-1, k), w, gated=gated, interpret=interpret,
                                 **self.tuning(name, n_out, k))

@@ -55,3 +55,20 @@ def test_errors_are_clear_and_exit_2(capsys):
         rc, out, err = _run(capsys, *argv)
         assert rc == 2 and msg in err, (argv, err)
         assert out == ""
+
+
+def test_a_failing_compile_closes_its_progress_line(capsys):
+    """The progress line of a program whose compile raises ends with 'failed)', so the error
+    the CLI prints starts on its own line."""
+    from ouro_jax.programs import ProgramCache
+
+    def bad(x):
+        raise ValueError("no such program")
+
+    cache = ProgramCache()
+    cache.on_compile = generate._compile_progress
+    import numpy as np
+    import pytest
+    with pytest.raises(ValueError, match="no such program"):
+        cache.call(bad, {}, (), np.zeros(2, np.float32))
+    assert capsys.readouterr().err == "(compiling bad ... failed)\n"
