@@ -178,7 +178,8 @@ def one_arm(args) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="1.4b")
+    from ouro_jax.config import PRESETS
+    ap.add_argument("--preset", default="1.4b", choices=sorted(PRESETS))
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--k", default="0,4", help="0: native decode; else speculative k")
