@@ -32,7 +32,11 @@
 #           cached start). On the CPU here, trace + lower: decode 10.41 -> 0.78 s, k=4
 #           23.03 -> 1.71 s (lower_time_cuda_cpu_jax0102.json). Each row's compiled_digest
 #           (the compiled HLO without names and metadata) should match across sharing.
-# Run order if device time is short: 1, 2, 4, 3.
+#   PART=5 (session 18, optional): the user's view of start-up: `python -m ouro_jax.generate`
+#           on a synthesized 1.4B bf16 checkpoint, twice with a fresh persistent cache (the
+#           second run is a cached start), native then k=4; wall time and the JSON stats
+#           (load_s, compile_s) per run -> cli_start_h200.txt.
+# Run order if device time is short: 1, 2, 4, 3, 5.
 # Usage on the GPU machine: PART=1 OUT=dir bash benchmarks/gpu_next_session_fuse_o.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -79,5 +83,18 @@ case $PART in
     rm -rf /tmp/cc_lt
     timeout 200 $L --runs 2 --compile-cache /tmp/cc_lt --out $OUT/lower_time_cached_h200.json \
       2>&1 | grep -E "run|rror" ;;
+  5)
+    M=/tmp/ouro_1p4b; C=/tmp/cc_cli; rm -rf $C
+    [ -f $M/config.json ] || timeout 200 python3 -m convert.synthesize --preset 1.4b \
+      --dtype bf16 --branch-scale 0.003 --norm-jitter 0 --out $M | tail -1
+    G="python3 -m ouro_jax.generate --model $M --compile-cache $C --max-tokens 64 --ignore-eos
+       --json --prompt-ids $(seq -s, 1 128)"
+    TIMEFORMAT="wall %R s"
+    for k in 0 4; do
+      for run in 1 2; do
+        echo "k=$k run $run"
+        { time timeout 150 $G --speculative-k $k 2>&1 | tail -1 | cut -c1-400 ; } 2>&1
+      done
+    done | tee $OUT/cli_start_h200.txt ;;
 esac
 rm -rf $A
