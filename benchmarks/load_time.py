@@ -44,12 +44,16 @@ def drop_page_cache(folder: str, files: list[str]) -> bool:
     return True
 
 
-def timed_load(folder: str, dtype: str) -> float:
+def timed_load(folder: str, dtype: str, layout: str = "stacked", unstack: bool = False) -> float:
+    """Seconds to load (layout: load_checkpoint's); unstack: then model.unstack_layers(fuse=
+    True), which is what Ouro.load did with the stacked layout before session 18."""
+    from ouro_jax.model import unstack_layers
     t0 = time.perf_counter()
-    ck = L.load_checkpoint(folder, dtype)
-    jax.block_until_ready(ck.params)
+    ck = L.load_checkpoint(folder, dtype, layout=layout)
+    params = unstack_layers(ck.params, fuse=True) if unstack else ck.params
+    jax.block_until_ready(params)
     seconds = time.perf_counter() - t0
-    del ck
+    del ck, params
     return seconds
 
 
@@ -104,18 +108,28 @@ def main(argv=None) -> int:
                 break
             cold.append(timed_load(folder, args.dtype))
         breakdown = phases(folder, args.dtype)
+        # what the engine loads: Ouro.load before session 18 (stacked, then unstacked and
+        # fused on the device) and since (the engine layout, built on the host)
+        engine = {"stacked_then_unstack_s": [timed_load(folder, args.dtype, unstack=True)
+                                             for _ in range(args.runs)],
+                  "engine_layout_s": [timed_load(folder, args.dtype, "engine")
+                                      for _ in range(args.runs)]}
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
     result = {
-        "what": "convert.load.load_checkpoint wall time, median of runs",
+        "what": "convert.load.load_checkpoint wall time (stacked layout), median of runs; "
+                "engine_load_*: the engine's weights, stacked then unstacked on the device "
+                "against the engine layout built on the host",
         "checkpoint": args.checkpoint or f"synthetic --preset {args.preset} bf16 (seed 0)",
         "weight_files": files, "weight_bytes": nbytes, "load_dtype": args.dtype,
         "warm_page_cache_s": statistics.median(warm), "warm_runs_s": warm,
         "cold_page_cache_s": statistics.median(cold) if cold else None, "cold_runs_s": cold,
         "warm_GBps": nbytes / statistics.median(warm) / 1e9,
         "phases_one_warm_run": breakdown,
+        "engine_load_warm_median_s": {k: statistics.median(v) for k, v in engine.items()},
+        "engine_load_warm_runs_s": engine,
         "synthesize_s": synth_s,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "jax_device": str(jax.devices()[0]), "jax": jax.__version__,

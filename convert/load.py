@@ -22,7 +22,8 @@ import numpy as np
 
 from convert.safetensors_io import FLOAT_DTYPES, open_tensors, read_header
 from ouro_jax.config import OuroConfig
-from ouro_jax.params import OuroParams, expected_hf_shapes, params_from_hf
+from ouro_jax.params import (OuroParams, engine_params_from_hf, expected_hf_shapes,
+                             params_from_hf)
 
 
 class CheckpointError(ValueError):
@@ -42,6 +43,9 @@ def resolve_dtype(dtype) -> jnp.dtype:
     if d not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"unsupported dtype {d}; choose bfloat16 or float32")
     return d
+
+
+LAYOUTS = ("stacked", "engine", "engine_unfused")
 
 
 @dataclass
@@ -137,8 +141,15 @@ def validate_tensors(meta: dict[str, tuple], cfg: OuroConfig) -> None:
         raise CheckpointError("checkpoint does not match its config:\n" + "\n".join(problems))
 
 
-def load_checkpoint(folder: str | os.PathLike, dtype="bf16") -> LoadedCheckpoint:
-    """Reads config.json and the weights of an HF Ouro folder into device arrays of `dtype`."""
+def load_checkpoint(folder: str | os.PathLike, dtype="bf16",
+                    layout: str = "stacked") -> LoadedCheckpoint:
+    """Reads config.json and the weights of an HF Ouro folder into device arrays of `dtype`.
+
+    layout "stacked": layer weights on an [L] axis (the dense forward, tests, conversion);
+    "engine" / "engine_unfused": one LayerParams per layer, q/k/v and gate/up concatenated
+    (or not), which is what the engine runs (ouro_jax.params.engine_params_from_hf)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
     t0 = time.perf_counter()
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
@@ -148,6 +159,9 @@ def load_checkpoint(folder: str | os.PathLike, dtype="bf16") -> LoadedCheckpoint
     kind, files = _weight_files(folder)
     tensors, meta = (_read_safetensors if kind == "safetensors" else _read_bin)(folder, files)
     validate_tensors(meta, cfg)
-    params = params_from_hf(tensors, cfg, dtype)
+    if layout == "stacked":
+        params = params_from_hf(tensors, cfg, dtype)
+    else:
+        params = engine_params_from_hf(tensors, cfg, dtype, fuse=layout == "engine")
     params.embed_tokens.block_until_ready()
     return LoadedCheckpoint(cfg, params, time.perf_counter() - t0, files)

@@ -162,7 +162,9 @@ class Ouro:
         from convert.load import load_checkpoint
 
         folder = path or DEMO_MODEL_DIR
-        ck = load_checkpoint(folder, dtype)
+        # straight into the engine's per-layer layout: no stacked copy to unstack again
+        ck = load_checkpoint(folder, dtype, layout="engine" if kw.get("fuse_projections", True)
+                             else "engine_unfused")
         tok = Tokenizer.from_folder(folder, ck.config)
         extra = sorted(set(folder_eos_ids(folder, tok)) - set(ck.config.eos_token_ids))
         cfg = ck.config.replace(extra_eos_token_ids=ck.config.extra_eos_token_ids + tuple(extra))

@@ -106,6 +106,26 @@ def test_layouts_load_identically(tmp_path, fmt, shard):
         assert_bits_equal(got[name], tensors[name], name)
 
 
+@pytest.mark.parametrize("file_dtype,dtype", [(BF16, "bf16"), (np.float32, "bf16"),
+                                              (np.float32, "fp32")])
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_engine_layout_is_the_stacked_load_unstacked(tmp_path, fmt, file_dtype, dtype):
+    """layout='engine' (what Ouro.load uses) gives, bit for bit and in the same pytree, what
+    the stacked load followed by model.unstack_layers gives, fused or not; an unknown
+    layout is refused."""
+    cfg = TINY_MQA_ODD
+    save_checkpoint(tensors_for(cfg, file_dtype), cfg, tmp_path, fmt=fmt)
+    stacked = load_checkpoint(tmp_path, dtype).params
+    for layout, fuse in (("engine", True), ("engine_unfused", False)):
+        got = load_checkpoint(tmp_path, dtype, layout=layout).params
+        want = M.unstack_layers(stacked, fuse=fuse)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            assert_bits_equal(np.asarray(a), np.asarray(b), layout)
+    with pytest.raises(ValueError, match="unknown layout 'rows'"):
+        load_checkpoint(tmp_path, dtype, layout="rows")
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_bf16_loads_as_bf16_without_fp32(tmp_path, fmt, monkeypatch):
     cfg = TINY_MQA_ODD
