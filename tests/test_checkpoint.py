@@ -126,6 +126,36 @@ def test_engine_layout_is_the_stacked_load_unstacked(tmp_path, fmt, file_dtype, 
         load_checkpoint(tmp_path, dtype, layout="rows")
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_engine_weights_do_not_alias_a_memory_mapped_file(tmp_path, fuse):
+    """Weights built from memory-mapped tensors keep their values when the file is rewritten
+    in place. On a CPU jax.device_put keeps a view of an aligned input; here every tensor
+    sits at a 64-byte-aligned offset of one file, so a view would see the rewrite."""
+    from ouro_jax.params import engine_params_from_hf
+    cfg = TINY_MQA_ODD
+    path = tmp_path / "raw.bin"
+
+    def write(tensors):
+        offsets, pos = {}, 0
+        with open(path, "r+b" if path.exists() else "wb") as f:
+            for name, arr in sorted(tensors.items()):
+                f.seek(pos)
+                f.write(arr.tobytes())
+                offsets[name] = pos
+                pos += -(-arr.nbytes // 64) * 64
+        return offsets
+
+    first = tensors_for(cfg, BF16)
+    offsets = write(first)
+    mapped = {n: np.memmap(path, BF16, "r", offsets[n], first[n].shape) for n in first}
+    params = engine_params_from_hf(mapped, cfg, jnp.bfloat16, fuse=fuse)
+    before = [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(params)]
+    write(tensors_for(cfg, BF16, seed=1))  # other values, same offsets, in place
+    assert not np.array_equal(np.asarray(mapped[sorted(first)[0]]), first[sorted(first)[0]])
+    for a, b in zip(jax.tree_util.tree_leaves(params), before):
+        assert_bits_equal(np.asarray(a), b)
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_bf16_loads_as_bf16_without_fp32(tmp_path, fmt, monkeypatch):
     cfg = TINY_MQA_ODD
