@@ -127,6 +127,36 @@ def test_engine_layout_is_the_stacked_load_unstacked(tmp_path, fmt, file_dtype, 
 
 
 @pytest.mark.parametrize("fuse", [True, False])
+def test_ouro_load_builds_the_engine_layout_directly(monkeypatch, fuse):
+    """Ouro.load never makes the stacked layout (no params_from_hf) and honours
+    fuse_projections."""
+    from engine_helpers import tiny_checkpoint
+    from ouro_jax.api import Ouro
+
+    def stacked(*a, **k):
+        raise AssertionError("Ouro.load built the stacked layout")
+    monkeypatch.setattr(load_mod, "params_from_hf", stacked)
+    llm = Ouro.load(tiny_checkpoint("tiny-gqa"), "fp32", fuse_projections=fuse)
+    assert isinstance(llm.params.layers, tuple)
+    assert (llm.params.layers[0].qkv_proj is not None) == fuse
+    assert (llm.params.layers[0].q_proj is None) == fuse
+
+
+def test_engine_weights_do_not_alias_a_callers_arrays():
+    """Arrays handed in (same dtype, owned by the caller) are copied: changing them later
+    leaves the weights as they were."""
+    from ouro_jax.params import engine_params_from_hf
+    cfg = TINY_MQA_ODD
+    tensors = tensors_for(cfg, BF16)
+    params = engine_params_from_hf(tensors, cfg, jnp.bfloat16, fuse=False)
+    before = [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(params)]
+    for arr in tensors.values():
+        arr[...] = 7
+    for a, b in zip(jax.tree_util.tree_leaves(params), before):
+        assert_bits_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
 def test_engine_weights_do_not_alias_a_memory_mapped_file(tmp_path, fuse):
     """Weights built from memory-mapped tensors keep their values when the file is rewritten
     in place. On a CPU jax.device_put keeps a view of an aligned input; here every tensor
