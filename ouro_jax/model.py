@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ouro_jax.config import OuroConfig
-from ouro_jax.params import LayerParams, OuroParams
+from ouro_jax.params import FUSED, LayerParams, OuroParams
 from ouro_jax.projections import XLA as _XLAProjections
 from ouro_jax.projections import Residual
 
@@ -211,10 +211,10 @@ def unstack_layers(params: OuroParams, fuse: bool = False) -> OuroParams:
     for i in range(n):
         lp = jax.tree.map(lambda x, i=i: x[i], params.layers)
         if fuse:
-            lp = dataclasses.replace(
-                lp, qkv_proj=jnp.concatenate([lp.q_proj, lp.k_proj, lp.v_proj], axis=0),
-                gate_up_proj=jnp.concatenate([lp.gate_proj, lp.up_proj], axis=0),
-                q_proj=None, k_proj=None, v_proj=None, gate_proj=None, up_proj=None)
+            fused = {name: jnp.concatenate([getattr(lp, n) for n in parts], axis=0)
+                     for name, parts in FUSED.items()}
+            lp = dataclasses.replace(lp, **fused, **{n: None for parts in FUSED.values()
+                                                     for n in parts})
         layers.append(lp)
     return dataclasses.replace(params, layers=tuple(layers))
 

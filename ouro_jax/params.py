@@ -74,6 +74,9 @@ LAYER_TENSORS = {
     "post_attention_layernorm_2.weight": "post_attention_layernorm_2",
 }
 
+# The engine's fused weights and the per-layer weights they concatenate, in order (rows).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
 GLOBAL_TENSORS = {
     "model.embed_tokens.weight": "embed_tokens",
     "model.norm.weight": "norm",
@@ -179,9 +182,8 @@ def engine_params_from_hf(tensors: dict[str, np.ndarray], cfg: OuroConfig, dtype
         t = {field: host(tensors[f"model.layers.{i}.{suffix}"])
              for suffix, field in LAYER_TENSORS.items()}
         if fuse:
-            cat = lambda names: (np.concatenate([t.pop(n)[0] for n in names]), True)
-            t["qkv_proj"] = cat(("q_proj", "k_proj", "v_proj"))
-            t["gate_up_proj"] = cat(("gate_proj", "up_proj"))
+            for name, parts in FUSED.items():
+                t[name] = (np.concatenate([t.pop(n)[0] for n in parts]), True)
         # the fused-away fields stay None, as unstack_layers(fuse=True) leaves them
         layers.append(LayerParams(**(dict.fromkeys(LAYER_TENSORS.values()) |
                                      {k: _to_device(*v) for k, v in t.items()})))
