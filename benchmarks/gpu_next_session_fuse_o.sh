@@ -42,7 +42,7 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
 PART=${PART:-1}
-A=$OUT/arms; mkdir -p $A
+A=${ARMS:-$OUT/arms}; mkdir -p $A  # ARMS: keep the per-arm JSONs elsewhere
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --temperature 0"
 run() { timeout 70 $D "${@:2}" --out $A/$1_p$pass.json 2>&1 | grep -E "rror" ; }
 FO="--decode-kernel fuse_o=1"
@@ -97,4 +97,4 @@ case $PART in
       done
     done | tee $OUT/cli_start_h200.txt ;;
 esac
-rm -rf $A
+[ -z "${ARMS:-}" ] && rm -rf $A
