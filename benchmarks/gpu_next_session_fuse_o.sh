@@ -87,7 +87,7 @@ case $PART in
     M=/tmp/ouro_1p4b; C=/tmp/cc_cli; rm -rf $C
     [ -f $M/config.json ] || timeout 200 python3 -m convert.synthesize --preset 1.4b \
       --dtype bf16 --branch-scale 0.003 --norm-jitter 0 --out $M | tail -1
-    G="python3 -m ouro_jax.generate --model $M --compile-cache $C --max-tokens 64 --ignore-eos
+    G="python3 -m ouro_jax.generate --model $M --dtype bf16 --compile-cache $C --max-tokens 64 --ignore-eos
        --json --prompt-ids $(seq -s, 1 128)"
     TIMEFORMAT="wall %R s"
     for k in 0 4; do

@@ -34,8 +34,9 @@ LAST_COMBINE = False
 
 
 # Pallas decode at one row: the attention and the o projection in one kernel
-# (pallas_kernels.attention_o: no split combine, no separate GEMV launch). Off: not yet
-# measured on a GPU; `benchmarks.decode --decode-kernel fuse_o=1` turns it on for a run,
+# (pallas_kernels.attention_o: no split combine, no separate GEMV launch). Off: slower on
+# the H200 in every tiling tried (session 19: 204-229 against 241 tok/s at batch 1,
+# docs/performance.md); `benchmarks.decode --decode-kernel fuse_o=1` turns it on for a run,
 # with the decode kernel's block_t / num_warps / num_stages and o_block_n / o_w_early /
 # o_split as its tuning. Read when an engine compiles its programs.
 FUSE_O = False
