@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--draft-loops", type=int, default=2)
     sp.add_argument("--rounds-per-fetch", type=int, default=16)
     r = p.add_argument_group("runtime")
-    r.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    r.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                   help="compute dtype (default fp32, exact against the fp32 reference; on a "
+                        "GPU, bf16 reads half the bytes per token)")
     r.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"])
     r.add_argument("--projections", default="auto", type=_projections,
                    help="'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'), 'xla' "
@@ -144,6 +146,24 @@ def _compile_progress(name: str, seconds) -> None:
         print(f" {seconds:.2f}s)", file=sys.stderr, flush=True)
 
 
+def _dtype_hint(folder) -> str:
+    """A note when the dtype was left at its default (fp32) for a bf16 checkpoint on a GPU:
+    decode reads every weight per token, so fp32 runs at about half the speed."""
+    import jax
+
+    if folder is None or jax.devices()[0].platform != "gpu":
+        return ""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            stored = json.load(f).get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if stored != "bfloat16":
+        return ""
+    return ("(note: this bf16 checkpoint runs in fp32, the default; --dtype bf16 reads half "
+            "the weight bytes per token, so decode runs faster: see README, Performance)")
+
+
 def enable_compile_cache(folder: str) -> None:
     import jax
 
@@ -170,10 +190,14 @@ def main(argv=None) -> int:
                                   rounds_per_fetch=args.rounds_per_fetch)
                 if args.speculative_k else None)
         t0 = time.perf_counter()
-        llm = Ouro.load(args.model, args.dtype, page_size=args.page_size, attention=args.attention,
+        llm = Ouro.load(args.model, args.dtype or "fp32", page_size=args.page_size,
+                        attention=args.attention,
                         projections=args.projections,
                         decode_chunk=args.decode_chunk, kv_pool_tokens=args.kv_pool_tokens)
         load_s = time.perf_counter() - t0
+        hint = "" if args.dtype or args.json else _dtype_hint(args.model)
+        if hint:
+            print(hint, file=sys.stderr)
         if args.model is None and not args.json:
             print(f"(embedded demo model: {llm.cfg.num_params() / 1e6:.2f}M parameters; "
                   f"see ouro_jax/demo_model/README.md)", file=sys.stderr)

@@ -72,3 +72,31 @@ def test_a_failing_compile_closes_its_progress_line(capsys):
     with pytest.raises(ValueError, match="no such program"):
         cache.call(bad, {}, (), np.zeros(2, np.float32))
     assert capsys.readouterr().err == "(compiling bad ... failed)\n"
+
+
+def test_dtype_hint_for_a_bf16_checkpoint_left_at_fp32_on_a_gpu(monkeypatch, tmp_path):
+    import types
+
+    import jax
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    gpu = [types.SimpleNamespace(platform="gpu")]
+    for stored, platform, want in [("bfloat16", "gpu", True), ("float32", "gpu", False),
+                                   ("bfloat16", "cpu", False), (None, "gpu", False)]:
+        (folder / "config.json").write_text(json.dumps({"torch_dtype": stored}))
+        monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(platform=platform)])
+        assert bool(generate._dtype_hint(str(folder))) == want, (stored, platform)
+    monkeypatch.setattr(jax, "devices", lambda: gpu)
+    (folder / "config.json").write_text("not json")
+    assert generate._dtype_hint(str(folder)) == ""  # the loader reports a bad config, not this
+    assert generate._dtype_hint(None) == ""  # the embedded demo model
+
+
+def test_dtype_hint_only_when_dtype_is_left_to_its_default(capsys, monkeypatch):
+    folder = tiny_checkpoint("tiny-gqa")
+    monkeypatch.setattr(generate, "_dtype_hint", lambda f: "(note: HINT)")
+    base = ["--model", folder, "--prompt-ids", "1,2", "--max-tokens", "2"]
+    for extra, shown in [([], True), (["--dtype", "fp32"], False), (["--dtype", "bf16"], False),
+                         (["--json"], False)]:
+        rc, _, err = _run(capsys, *base, *extra)
+        assert rc == 0 and ("(note: HINT)" in err) == shown, (extra, err)
