@@ -17,9 +17,7 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -27,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.record import save_record
 from benchmarks.timing import pipelined_rate
 from benchmarks.tuning import (DECODE_TUNING_KEYS, RAGGED_TUNING_KEYS, add_stream_args,
                                apply_kernel_tuning)
@@ -49,55 +48,6 @@ def step_bytes(cfg, batch: int, context: float, dtype_bytes: int = 2) -> float:
     head = cfg.vocab_size * cfg.hidden_size * dtype_bytes
     kv = batch * context * 2 * cfg.kv_entries * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
     return weights + head + kv
-
-
-CODE_DIRS = ("ouro_jax", "pallas_kernels", "convert", "benchmarks")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def git_commit() -> str:
-    """HEAD of this repository, with "+dirty" when the tracked code (CODE_DIRS, not result
-    files) differs from it: a device copy of a working tree can sit on an older HEAD than the
-    code it runs; source_digest pins the code itself."""
-    try:
-        head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=REPO_ROOT,
-                                       stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *CODE_DIRS[:-1],
-                                "benchmarks/*.py"], cwd=REPO_ROOT,
-                               stderr=subprocess.DEVNULL).returncode != 0
-        return head + ("+dirty" if dirty else "")
-    except Exception:
-        return "unknown"
-
-
-def source_digest() -> str:
-    """sha256 (first 16 hex digits) over the Python sources that produce a result, by path
-    and content: equal digests mean the same code, whatever git says."""
-    root = REPO_ROOT
-    h = hashlib.sha256()
-    for d in CODE_DIRS:
-        for dirpath, _, files in sorted(os.walk(os.path.join(root, d))):
-            for name in sorted(f for f in files if f.endswith(".py")):
-                path = os.path.join(dirpath, name)
-                h.update(os.path.relpath(path, root).encode() + b"\0")
-                with open(path, "rb") as f:
-                    h.update(f.read() + b"\0")
-    return h.hexdigest()[:16]
-
-
-def save_record(module: str, argv, out, **fields) -> dict:
-    """The result record every benchmark writes: the command, machine, JAX version and git
-    commit, then the benchmark's own fields; saved as JSON to `out` when given."""
-    record = dict(command=f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
-                  device=jax.devices()[0].device_kind, platform=platform.platform(),
-                  jax_version=jax.__version__, git_commit=git_commit(),
-                  source_sha256=source_digest(),
-                  xla_flags=os.environ.get("XLA_FLAGS", ""), **fields)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(record, f, indent=2)
-    return record
 
 
 def make_engine(args):

@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.decode import save_record
+from benchmarks.record import save_record
 from benchmarks.timing import device_seconds, pipelined_seconds
 from pallas_kernels.gemm import gemm
 from pallas_kernels.gemv import gemv, gemv_reference

@@ -136,7 +136,7 @@ def _freeze(t):
 
 
 def _main(args, argv) -> int:
-    from benchmarks.decode import save_record
+    from benchmarks.record import save_record
     from benchmarks.grid_barrier import time_calls, time_threaded
     from ouro_jax.projections import STREAM_TUNING
     tiling = _tiling(args)  # gemv_chain.TILING with --block-n

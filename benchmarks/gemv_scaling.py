@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.decode import save_record
+from benchmarks.record import save_record
 from benchmarks.gemv import SHAPES
 from benchmarks.timing import device_seconds
 

@@ -141,7 +141,7 @@ def measure(programs: int, counts: list[int], calls: int, trials: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from benchmarks.decode import save_record
+    from benchmarks.record import save_record
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.grid_barrier", description=__doc__)
     ap.add_argument("--programs", default="132", help="grid sizes, comma-separated")

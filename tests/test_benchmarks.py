@@ -70,7 +70,7 @@ def test_result_record_pins_the_code(tmp_path):
     """Every result names its code twice: git HEAD (+dirty) and a digest of the sources."""
     import json
 
-    from benchmarks.decode import save_record, source_digest
+    from benchmarks.record import save_record, source_digest
 
     rec = save_record("benchmarks.x", ["--a", "1"], str(tmp_path / "r.json"), rows=[1])
     saved = json.loads((tmp_path / "r.json").read_text())
@@ -357,3 +357,18 @@ def test_gemv_timeline_kernel_reads_the_timer_around_the_stream():
     # medians over the two kernels: ramp 50 and 100 ns, span 300 and 1,000 ns
     assert res["gap"] == pytest.approx(0.5) and res["ramp"] == pytest.approx(0.075)
     assert res["span"] == pytest.approx(0.65) and res["tail"] == pytest.approx(0.0)
+
+
+def test_start_time_reports_each_phase_and_the_repeated_request(tmp_path, capsys):
+    import json
+    from benchmarks.start_time import main as start_main
+    out = tmp_path / "start.json"
+    assert start_main(["--prompt-len", "5", "--max-tokens", "3", "--speculative-k", "2",
+                       "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert set(rec["phases"]) == {"import_s", "backend_s", "load_s"}
+    assert all(v >= 0 for v in rec["phases"].values())
+    for run in ("first", "again"):
+        assert rec[run]["generated_tokens"] == 3 and rec[run]["spec"]["rounds"] >= 1
+    assert rec["first"]["compiles"] >= 2 and rec["again"]["compiles"] == 0  # nothing new
+    assert rec["model"] == "embedded demo model" and rec["speculative_k"] == 2
