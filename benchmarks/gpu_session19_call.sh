@@ -12,7 +12,8 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
-left() { local l=$((585 - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
+CAP=${CAP:-585}  # seconds the whole call may take
+left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
 timeout $(left 330) $D --batch 1,8,32,64 --k 0,2,4 --temperature 0,0.8 \
   --out $OUT/decode_table_session19_h200.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
@@ -23,7 +24,7 @@ timeout $(left 100) python3 -m convert.synthesize --preset 1.4b --dtype bf16 --b
   --norm-jitter 0 --out $M | tail -1
 S="python3 -m benchmarks.start_time --model $M --dtype bf16"
 for k in 0 4; do rm -rf /tmp/cc_st$k; for r in 1 2; do
-  [ $SECONDS -lt 560 ] || break
+  [ $SECONDS -lt $((CAP - 25)) ] || break
   echo "== start_time k=$k process $r"
   timeout $(left 60) $S --speculative-k $k --compile-cache /tmp/cc_st$k \
     --out $OUT/start_time_bf16_k${k}_p${r}_h200.json | tr -d ' \n' | cut -c1-600; echo
@@ -32,9 +33,9 @@ G="python3 -m ouro_jax.generate --model $M --dtype bf16 --compile-cache /tmp/cc_
    --ignore-eos --json --prompt-ids $(seq -s, 1 128)"
 TIMEFORMAT="wall %R s"
 for r in 1 2; do
-  [ $SECONDS -lt 560 ] || break
+  [ $SECONDS -lt $((CAP - 25)) ] || break
   echo "cli k=0 bf16 run $r"; { time timeout $(left 40) $G 2>&1 | tail -1 | cut -c1-400 ; } 2>&1
 done | tee $OUT/cli_start_bf16_h200.txt
-[ $SECONDS -lt 540 ] && timeout $(left 120) python3 -m benchmarks.load_time --checkpoint $M --runs 3 \
+[ $SECONDS -lt $((CAP - 45)) ] && timeout $(left 120) python3 -m benchmarks.load_time --checkpoint $M --runs 3 \
   --out $OUT/load_time_h200.json | grep -E "warm_page_cache_s|cold_page_cache_s|_s\": [0-9]" | head -12
 echo "elapsed $SECONDS s"
