@@ -9,21 +9,27 @@
 #      CLI run used the default fp32);
 #   4. benchmarks.load_time on the synthesized 1.4B bf16 checkpoint.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session19_call.sh
+# STEPS= picks steps (default 1234); session 20 ran 1-3 with CAP=440, so what is left is
+#   STEPS=34 CAP=300 OUT=dir bash benchmarks/gpu_session19_call.sh
+# (step 3 then also runs the CLI at k=4 d=2: CLI_K="0 4").
 set -u
+STEPS=${STEPS:-1234}
+CLI_K=${CLI_K:-0}
+on() { [[ $STEPS == *$1* ]]; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
 CAP=${CAP:-585}  # seconds the whole call may take
 left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
-timeout $(left 330) $D --batch 1,8,32,64 --k 0,2,4 --temperature 0,0.8 \
+on 1 && timeout $(left 330) $D --batch 1,8,32,64 --k 0,2,4 --temperature 0,0.8 \
   --out $OUT/decode_table_session19_h200.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
-[ -f $OUT/decode_table_session19_h200.json ] && rm -f $OUT/decode_table_session19_h200.json.partial
+on 1 && [ -f $OUT/decode_table_session19_h200.json ] && rm -f $OUT/decode_table_session19_h200.json.partial
 echo "table done at $SECONDS s"
-M=/tmp/ouro_1p4b
-timeout $(left 100) python3 -m convert.synthesize --preset 1.4b --dtype bf16 --branch-scale 0.003 \
+M=${M:-/tmp/ouro_1p4b}; PRESET=${PRESET:-1.4b}
+[ -d $M ] || timeout $(left 100) python3 -m convert.synthesize --preset $PRESET --dtype bf16 --branch-scale 0.003 \
   --norm-jitter 0 --out $M | tail -1
 S="python3 -m benchmarks.start_time --model $M --dtype bf16"
-for k in 0 4; do rm -rf /tmp/cc_st$k; for r in 1 2; do
+on 2 && for k in 0 4; do rm -rf /tmp/cc_st$k; for r in 1 2; do
   [ $SECONDS -lt $((CAP - 25)) ] || break
   echo "== start_time k=$k process $r"
   timeout $(left 60) $S --speculative-k $k --compile-cache /tmp/cc_st$k \
@@ -32,10 +38,11 @@ done; done
 G="python3 -m ouro_jax.generate --model $M --dtype bf16 --compile-cache /tmp/cc_cli --max-tokens 64
    --ignore-eos --json --prompt-ids $(seq -s, 1 128)"
 TIMEFORMAT="wall %R s"
-for r in 1 2; do
+on 3 && for k in $CLI_K; do rm -rf /tmp/cc_cli; for r in 1 2; do
   [ $SECONDS -lt $((CAP - 25)) ] || break
-  echo "cli k=0 bf16 run $r"; { time timeout $(left 40) $G 2>&1 | tail -1 | cut -c1-400 ; } 2>&1
-done | tee $OUT/cli_start_bf16_h200.txt
-[ $SECONDS -lt $((CAP - 45)) ] && timeout $(left 120) python3 -m benchmarks.load_time --checkpoint $M --runs 3 \
+  echo "cli k=$k bf16 run $r"
+  { time timeout $(left 40) $G --speculative-k $k 2>&1 | tail -1 | cut -c1-400 ; } 2>&1
+done; done | tee $OUT/cli_start_bf16_h200.txt
+on 4 && [ $SECONDS -lt $((CAP - 45)) ] && timeout $(left 120) python3 -m benchmarks.load_time --checkpoint $M --runs 3 \
   --out $OUT/load_time_h200.json | grep -E "warm_page_cache_s|cold_page_cache_s|_s\": [0-9]" | head -12
 echo "elapsed $SECONDS s"
