@@ -30,7 +30,7 @@ from ouro_jax.params import OuroParams
 from ouro_jax.programs import ProgramCache
 from ouro_jax.projections import XLA as XLAProjections
 from ouro_jax.projections import parse as parse_projections
-from ouro_jax.sampling import SamplingParams
+from ouro_jax.sampling import SamplingParams, as_int
 from ouro_jax.tokenizer import Tokenizer
 
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(__file__), "demo_model")
@@ -98,16 +98,28 @@ def folder_eos_ids(folder: str, tokenizer: Optional[Tokenizer]) -> list[int]:
     variants), so generation stops where the model's authors meant it to."""
     import json
 
+    def read(name):
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            try:
+                return json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+
     ids = []
-    path = os.path.join(folder, "generation_config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids += [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-    path = os.path.join(folder, "tokenizer_config.json")
-    if tokenizer is not None and os.path.exists(path):
-        with open(path) as f:
-            tok = json.load(f).get("eos_token")
+    gen = read("generation_config.json")
+    if isinstance(gen, dict) and gen.get("eos_token_id") is not None:
+        eos = gen["eos_token_id"]
+        for e in eos if isinstance(eos, list) else [eos]:
+            if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+                raise ValueError(f"{folder}/generation_config.json: eos_token_id {e!r} is not "
+                                 f"a token id")
+            ids.append(e)
+    tok_cfg = read("tokenizer_config.json") if tokenizer is not None else None
+    if isinstance(tok_cfg, dict):
+        tok = tok_cfg.get("eos_token")
         tok = tok.get("content") if isinstance(tok, dict) else tok
         tid = tokenizer.token_to_id(tok) if isinstance(tok, str) else None
         if tid is not None:
@@ -124,8 +136,15 @@ class Ouro:
                  decode_chunk: int = 32, fuse_projections: bool = True,
                  unroll_loops: bool = False, projections: str = "auto",
                  fused_kv_write: bool = True):
+        page_size, prefill_chunk, decode_chunk = (
+            as_int(v, name) for v, name in ((page_size, "page_size"),
+                                            (prefill_chunk, "prefill_chunk"),
+                                            (decode_chunk, "decode_chunk")))
         if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
             raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
+        if kv_pool_tokens is not None and as_int(kv_pool_tokens, "kv_pool_tokens") < 1:
+            raise ValueError(f"kv_pool_tokens must be a positive number of tokens, "
+                             f"got {kv_pool_tokens!r}")
         from ouro_jax.model import unstack_layers
 
         proj = parse_projections(projections)  # validated before anything is built
@@ -167,6 +186,10 @@ class Ouro:
                              else "engine_unfused")
         tok = Tokenizer.from_folder(folder, ck.config)
         extra = sorted(set(folder_eos_ids(folder, tok)) - set(ck.config.eos_token_ids))
+        if extra and extra[-1] >= ck.config.vocab_size:
+            raise ValueError(f"{folder}: end-of-sequence id {extra[-1]} (generation_config.json "
+                             f"or tokenizer_config.json) is not below vocab_size "
+                             f"{ck.config.vocab_size}")
         cfg = ck.config.replace(extra_eos_token_ids=ck.config.extra_eos_token_ids + tuple(extra))
         return cls(cfg, ck.params, tok, **kw)
 
@@ -177,8 +200,10 @@ class Ouro:
                 raise ValueError("this model folder has no tokenizer.json: pass token ids "
                                  "(--prompt-ids) instead of text")
             ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (Sequence, np.ndarray)) and not isinstance(prompt, bytes):
+            ids = [as_int(t, "a prompt's token id") for t in prompt]
         else:
-            ids = [int(t) for t in prompt]
+            raise ValueError(f"a prompt must be text or a sequence of token ids, got {prompt!r}")
         if not ids:
             raise ValueError("empty prompt: give at least one token")
         bad = sorted({t for t in ids if not 0 <= t < self.cfg.vocab_size})
@@ -209,6 +234,8 @@ class Ouro:
 
         if isinstance(prompts, np.ndarray):
             prompts = prompts.tolist()
+        if not isinstance(prompts, (str, Sequence)):
+            raise ValueError(f"prompts must be text, token ids or a list of them, got {prompts!r}")
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if not len(prompts):

@@ -65,6 +65,10 @@ class OuroConfig:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.tie_word_embeddings:
             raise ConfigError("tie_word_embeddings=true is not supported: Ouro has an untied lm_head")
+        for eos in self.eos_token_ids:  # an id outside the vocabulary could never stop a request
+            if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.vocab_size:
+                raise ConfigError(f"eos_token_id {eos!r} is not a token id below vocab_size "
+                                  f"{self.vocab_size}")
         if not 0.0 <= self.early_exit_threshold <= 1.0:
             raise ConfigError(
                 f"early_exit_threshold must be in [0, 1], got {self.early_exit_threshold}")
@@ -117,7 +121,7 @@ class OuroConfig:
                 kwargs[name] = d[name]
         eos = d.get("eos_token_id")
         if isinstance(eos, list):  # HF allows a list: the first is canonical, all of them stop
-            kwargs["extra_eos_token_ids"] = tuple(int(e) for e in eos[1:])
+            kwargs["extra_eos_token_ids"] = tuple(eos[1:])
             eos = eos[0] if eos else None
         if eos is not None:
             kwargs["eos_token_id"] = eos
@@ -130,7 +134,11 @@ class OuroConfig:
         if not os.path.exists(path):
             raise FileNotFoundError(f"no config.json at {path}")
         with open(path) as f:
-            return cls.from_hf_dict(json.load(f))
+            try:
+                d = json.load(f)
+            except ValueError as e:
+                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(d)
 
     @property
     def eos_token_ids(self) -> tuple:

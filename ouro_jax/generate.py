@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--stop-token-ids", type=_int_list, default=[])
     s.add_argument("--logprobs", action="store_true", help="report raw log-probs of chosen tokens")
-    e = p.add_argument_group("exit (default: the reference's threshold rule, all loops run)")
+    e = p.add_argument_group("exit (default: the reference's threshold rule, all loops run; "
+                             "give at most one of these)")
     e.add_argument("--exit-at-step", type=int, default=None, help="use this loop's logits (0-based)")
     e.add_argument("--exit-threshold", type=float, default=None,
                    help="cumulative exit probability threshold (default: config's)")
@@ -61,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mix every loop's logits by the exit probabilities")
     sp = p.add_argument_group("speculative decoding (exact)")
     sp.add_argument("--speculative-k", type=int, default=0, help="draft tokens per round (0 = off)")
-    sp.add_argument("--draft-loops", type=int, default=2)
-    sp.add_argument("--rounds-per-fetch", type=int, default=16)
+    sp.add_argument("--draft-loops", type=int, default=None,
+                    help="loops the draft runs (default 2; needs --speculative-k)")
+    sp.add_argument("--rounds-per-fetch", type=int, default=None,
+                    help="rounds between host fetches (default 16; needs --speculative-k)")
     r = p.add_argument_group("runtime")
     r.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="compute dtype (default fp32, exact against the fp32 reference; on a "
@@ -93,20 +96,53 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_prompts(args) -> list:
     prompts: list = list(args.prompt) + list(args.prompt_ids)
     if args.prompts_file:
-        with open(args.prompts_file) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                obj = json.loads(line)
-                if "prompt" in obj:
-                    prompts.append(obj["prompt"])
-                elif "prompt_ids" in obj:
-                    prompts.append([int(t) for t in obj["prompt_ids"]])
-                else:
-                    raise ValueError(f"{args.prompts_file}:{n}: needs 'prompt' or 'prompt_ids'")
+        try:
+            with open(args.prompts_file) as f:
+                lines = f.readlines()
+        except OSError as e:
+            raise ValueError(f"cannot read --prompts-file {args.prompts_file}: {e}") from e
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                prompts.append(_jsonl_prompt(line, f"{args.prompts_file}:{n}"))
     if not prompts:
         raise ValueError("no prompt given: use --prompt, --prompt-ids or --prompts-file")
     return prompts
+
+
+def _jsonl_prompt(line: str, where: str):
+    """One --prompts-file line: {"prompt": text} or {"prompt_ids": [int, ...]}."""
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from e
+    if not isinstance(obj, dict) or ("prompt" in obj) == ("prompt_ids" in obj):
+        raise ValueError(f"{where}: needs an object with one of 'prompt' or 'prompt_ids'")
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise ValueError(f"{where}: 'prompt' must be a string, got {obj['prompt']!r}")
+        return obj["prompt"]
+    ids = obj["prompt_ids"]
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise ValueError(f"{where}: 'prompt_ids' must be a list of integers, got {ids!r}")
+    return ids
+
+
+def _check_flags(args, num_prompts: int) -> None:
+    """Flags that would otherwise be ignored or fail later with a value the user never gave."""
+    if not args.speculative_k:
+        given = [f for f, v in (("--draft-loops", args.draft_loops),
+                                ("--rounds-per-fetch", args.rounds_per_fetch)) if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: speculative settings, which need "
+                             f"--speculative-k N")
+    exits = [f for f, v in (("--exit-at-step", args.exit_at_step is not None),
+                            ("--exit-threshold", args.exit_threshold is not None),
+                            ("--weighted-exit", args.weighted_exit)) if v]
+    if len(exits) > 1:
+        raise ValueError(f"give at most one of {', '.join(exits)}")
+    if args.seed >= 0 and args.seed + num_prompts - 1 >= 2**32:
+        raise ValueError(f"--seed {args.seed}: prompt i uses seed + i, so seed + "
+                         f"{num_prompts - 1} must be below 2**32")
 
 
 class _Streamer:
@@ -167,7 +203,10 @@ def _dtype_hint(folder) -> str:
 def enable_compile_cache(folder: str) -> None:
     import jax
 
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot use --compile-cache {folder}: {e}") from e
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -175,19 +214,22 @@ def enable_compile_cache(folder: str) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.compile_cache:
-        enable_compile_cache(args.compile_cache)
     from ouro_jax.api import Ouro
     from ouro_jax.speculative import SpeculativeConfig
 
     try:
+        if args.compile_cache:
+            enable_compile_cache(args.compile_cache)
         prompts = _load_prompts(args)
+        _check_flags(args, len(prompts))
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
                                  ignore_eos=args.ignore_eos, stop_token_ids=tuple(args.stop_token_ids),
                                  logprobs=args.logprobs) for i in range(len(prompts))]
-        spec = (SpeculativeConfig(args.speculative_k, args.draft_loops,
-                                  rounds_per_fetch=args.rounds_per_fetch)
+        spec = (SpeculativeConfig(args.speculative_k,
+                                  2 if args.draft_loops is None else args.draft_loops,
+                                  rounds_per_fetch=(16 if args.rounds_per_fetch is None
+                                                    else args.rounds_per_fetch))
                 if args.speculative_k else None)
         t0 = time.perf_counter()
         llm = Ouro.load(args.model, args.dtype or "fp32", page_size=args.page_size,
@@ -208,7 +250,7 @@ def main(argv=None) -> int:
         res = llm.generate(prompts, params, exit_at_step=args.exit_at_step,
                            exit_threshold=args.exit_threshold, weighted_exit=args.weighted_exit,
                            speculative=spec, on_chunk=streamer)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -16,6 +16,7 @@ and applies RoPE and the K/V write in its kernel (ouro_jax.attention.make_paged_
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -323,6 +324,9 @@ class ExitSpec(NamedTuple):
 
     def validate(self, cfg: OuroConfig, num_loops: Optional[int] = None) -> "ExitSpec":
         n = cfg.total_ut_steps if num_loops is None else num_loops
+        if self.exit_at_step is not None and (isinstance(self.exit_at_step, bool)
+                                              or not isinstance(self.exit_at_step, numbers.Integral)):
+            raise ValueError(f"exit_at_step must be an integer, got {self.exit_at_step!r}")
         if self.exit_at_step is not None and not 0 <= self.exit_at_step < n:
             raise ValueError(f"exit_at_step={self.exit_at_step} is outside 0..{n - 1}")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:

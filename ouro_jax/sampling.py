@@ -8,10 +8,12 @@ batch size and padding cannot change them.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Purposes keep draws for the same position independent of each other.
 PURPOSE_SAMPLE = 0
@@ -34,16 +36,47 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        # numpy integers and floats are welcome; values that only look like numbers are not
+        # (a float token id or seed would be truncated without a word)
+        max_tokens = as_int(self.max_tokens, "max_tokens")
+        if max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        temperature = as_real(self.temperature, "temperature")
+        # an infinite (or float32-overflowing) temperature flattens every logit to a tie
+        if not 0.0 <= temperature <= float(np.finfo(np.float32).max):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        top_p = as_real(self.top_p, "top_p")
+        if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        top_k = as_int(self.top_k, "top_k")
+        if top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if not 0 <= int(self.seed) < 2**32:
+        seed = as_int(self.seed, "seed")
+        if not 0 <= seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {stops!r}")
+        stops = tuple(as_int(t, "stop_token_ids entry") for t in stops)
+        for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                            ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                            ("stop_token_ids", stops)):
+            object.__setattr__(self, name, value)
+
+
+def as_int(value, what: str) -> int:
+    """`value` as a Python int when it is an integer (int or numpy integer, not a bool);
+    otherwise a ValueError naming `what`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    return int(value)
+
+
+def as_real(value, what: str) -> float:
+    """`value` as a Python float when it is a real number (not a bool or a string)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    return float(value)
 
 
 class SamplingArrays(NamedTuple):

@@ -33,7 +33,7 @@ from ouro_jax import engine
 from ouro_jax.config import OuroConfig
 from ouro_jax.model import lm_head, select_exit
 from ouro_jax.sampling import (PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_DRAFT, PURPOSE_RESIDUAL,
-                               processed_logits, row_keys, sample, token_logprobs)
+                               as_int, processed_logits, row_keys, sample, token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +46,15 @@ class SpeculativeConfig:
     rounds_per_fetch: int = 16
 
     def __post_init__(self):
-        if not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"speculative k must be an integer >= 1, got {self.k!r}")
-        if not isinstance(self.draft_loops, int) or self.draft_loops < 1:
-            raise ValueError(f"draft_loops must be an integer >= 1, got {self.draft_loops!r}")
-        if not isinstance(self.rounds_per_fetch, int) or self.rounds_per_fetch < 1:
-            raise ValueError(f"rounds_per_fetch must be >= 1, got {self.rounds_per_fetch!r}")
+        # numpy integers are normalised to int (this config is part of a program's key)
+        for name, low, what in (("k", 1, "speculative k"), ("draft_loops", 1, "draft_loops"),
+                                ("rounds_per_fetch", 1, "rounds_per_fetch")):
+            value = as_int(getattr(self, name), what)
+            if value < low:
+                raise ValueError(f"{what} must be an integer >= {low}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
+        if self.target_loops is not None:
+            object.__setattr__(self, "target_loops", as_int(self.target_loops, "target_loops"))
 
     def validate(self, cfg: OuroConfig) -> "SpeculativeConfig":
         t = cfg.total_ut_steps

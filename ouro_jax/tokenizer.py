@@ -22,7 +22,11 @@ class Tokenizer:
             return None
         from tokenizers import Tokenizer as HFTokenizer
 
-        return cls(HFTokenizer.from_file(path), cfg.vocab_size)
+        try:
+            tok = HFTokenizer.from_file(path)
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"{path} is not a readable tokenizer: {e}") from e
+        return cls(tok, cfg.vocab_size)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

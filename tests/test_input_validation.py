@@ -1,0 +1,138 @@
+"""Bad input, found by a review acting as a user: each case is a clear ValueError (rc 2 with
+one `error:` line from the CLI) naming the problem, and the engine still gives the tokens it
+gave before. Before these checks, float ids and seeds were truncated without a word, an
+infinite temperature silently ignored top-k, and several inputs ended in tracebacks."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from engine_helpers import load, tiny_checkpoint
+from ouro_jax import generate
+from ouro_jax.api import DEMO_MODEL_DIR, Ouro
+from ouro_jax.config import PRESETS, ConfigError, OuroConfig
+from ouro_jax.sampling import SamplingParams
+from ouro_jax.speculative import SpeculativeConfig
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(seed=5.7), "seed must be an integer"),
+    (dict(max_tokens=4.0), "max_tokens must be an integer"),
+    (dict(top_k=True), "top_k must be an integer"),
+    (dict(temperature=float("inf")), "temperature must be finite"),
+    (dict(temperature=1e39), "temperature must be finite"),  # inf once cast to float32
+    (dict(temperature="0.5"), "temperature must be a number"),
+    (dict(stop_token_ids=[259.5]), "stop_token_ids entry must be an integer"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a sequence"),
+    (dict(stop_token_ids="5"), "stop_token_ids must be a sequence")])
+def test_sampling_params_reject_what_is_not_the_right_kind_of_number(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
+
+
+def test_numpy_numbers_are_accepted_as_python_numbers():
+    p = SamplingParams(max_tokens=np.int64(4), top_k=np.int32(3), seed=np.uint32(7),
+                       temperature=np.float32(0.5), stop_token_ids=np.array([1, 2]))
+    assert (p.max_tokens, p.top_k, p.seed, p.stop_token_ids) == (4, 3, 7, (1, 2))
+    assert all(type(v) is int for v in (p.max_tokens, p.top_k, p.seed, *p.stop_token_ids))
+    sc = SpeculativeConfig(k=np.int32(2), draft_loops=np.int64(1))
+    assert sc == SpeculativeConfig(k=2, draft_loops=1) and type(sc.k) is int
+    with pytest.raises(ValueError, match="speculative k must be an integer"):
+        SpeculativeConfig(k=2.0)
+
+
+def test_engine_inputs_of_the_wrong_kind_are_errors_and_change_nothing():
+    folder = tiny_checkpoint("tiny-gqa")
+    cfg, params = load(folder)
+    llm = Ouro(cfg, params, None, page_size=4)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    ok = llm.generate([[1, 2, 3]], sp).outputs[0].token_ids
+    cases = [(lambda: llm.generate([[1.9, 2.2, 3.7]], sp), "token id must be an integer"),
+             (lambda: llm.generate([["1", "2"]], sp), "token id must be an integer"),
+             (lambda: llm.generate([[True, 2]], sp), "token id must be an integer"),
+             (lambda: llm.generate(5, sp), "prompts must be text"),
+             (lambda: llm.generate([None], sp), "a prompt must be text"),
+             (lambda: llm.generate([[1, 2]], sp, exit_at_step=1.5), "exit_at_step must be"),
+             (lambda: Ouro(cfg, params, None, page_size=2.5), "page_size must be an integer"),
+             (lambda: Ouro(cfg, params, None, decode_chunk=2.5), "decode_chunk must be an"),
+             (lambda: Ouro(cfg, params, None, kv_pool_tokens=0), "kv_pool_tokens must be"),
+             (lambda: Ouro(cfg, params, None, kv_pool_tokens=-5), "kv_pool_tokens must be")]
+    for call, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    assert llm.generate(np.array([1, 2, 3]), sp).outputs[0].token_ids == ok
+    assert llm.generate([(1, 2, 3)], sp).outputs[0].token_ids == ok
+
+
+def test_end_of_sequence_ids_must_be_token_ids(tmp_path):
+    base = PRESETS["tiny-gqa"].to_hf_dict()
+    for eos, msg in ((base["vocab_size"], "eos_token_id"), ([0, -1], "eos_token_id"),
+                     ([0, "x"], "eos_token_id")):
+        with pytest.raises(ConfigError, match=msg):
+            OuroConfig.from_hf_dict(dict(base, eos_token_id=eos))
+    (tmp_path / "config.json").write_text("{broken")
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
+        OuroConfig.from_json(tmp_path)
+
+
+def _demo_copy(tmp_path, name, text):
+    folder = tmp_path / "m"
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    (folder / name).write_text(text)
+    return str(folder)
+
+
+@pytest.mark.parametrize("name,text,msg", [
+    ("tokenizer.json", '{"broken": ', "is not a readable tokenizer"),
+    ("generation_config.json", "{", "generation_config.json is not valid JSON"),
+    ("generation_config.json", '{"eos_token_id": 99999}', "is not below vocab_size"),
+    ("generation_config.json", '{"eos_token_id": [1, "x"]}', "is not a token id")])
+def test_a_broken_side_file_names_itself(tmp_path, name, text, msg):
+    with pytest.raises(ValueError, match=msg):
+        Ouro.load(_demo_copy(tmp_path, name, text))
+
+
+def _cli(capsys, *argv):
+    rc = generate.main(["--compile-cache", "", "--max-tokens", "3", "--json", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_refuses_ignored_or_conflicting_flags_and_bad_prompt_files(capsys, tmp_path):
+    folder = tiny_checkpoint("tiny-gqa")
+    lines = {"ids_int": {"prompt_ids": 5}, "ids_float": {"prompt_ids": [1.7, 2]},
+             "prompt_int": {"prompt": 5}, "both": {"prompt": "a", "prompt_ids": [1]}}
+    files = {}
+    for name, obj in lines.items():
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text(json.dumps(obj) + "\n")
+    files["not_json"] = tmp_path / "bad.jsonl"
+    files["not_json"].write_text('{"prompt_ids": [1]}\nnope\n')
+    m = ["--model", folder]
+    cases = [
+        (["--prompt-ids", "1", "--compile-cache", str(files["both"])], "cannot use --compile-cache"),
+        (["--prompts-file", str(tmp_path)], "cannot read --prompts-file"),
+        (["--prompts-file", str(files["ids_int"])], "ids_int.jsonl:1: 'prompt_ids' must be a list"),
+        (["--prompts-file", str(files["ids_float"])], "'prompt_ids' must be a list of integers"),
+        (["--prompts-file", str(files["prompt_int"])], "'prompt' must be a string"),
+        (["--prompts-file", str(files["both"])], "one of 'prompt' or 'prompt_ids'"),
+        (["--prompts-file", str(files["not_json"])], "bad.jsonl:2: not JSON"),
+        (["--prompt-ids", "1", "--draft-loops", "1"], "--draft-loops: speculative settings"),
+        (["--prompt-ids", "1", "--rounds-per-fetch", "0"], "--rounds-per-fetch: speculative"),
+        (["--prompt-ids", "1", "--exit-threshold", "0.5", "--weighted-exit"], "at most one of"),
+        (["--prompt-ids", "1", "--exit-at-step", "1", "--weighted-exit"], "at most one of"),
+        (["--prompt-ids", "1", "--prompt-ids", "2", "--seed", str(2**32 - 1)], "seed + 1 must"),
+        (["--prompt-ids", "1", "--temperature", "inf", "--top-k", "1"], "temperature must be"),
+        (["--prompt-ids", "1", "--kv-pool-tokens", "0"], "kv_pool_tokens must be a positive"),
+        (["--prompt-ids", "1", "--speculative-k", "2", "--rounds-per-fetch", "0"],
+         "rounds_per_fetch must be an integer >= 1")]
+    for argv, msg in cases:
+        rc, out, err = _cli(capsys, *m, *argv)
+        assert rc == 2 and msg in err and "Traceback" not in err, (argv, err)
+        assert out == "" and err.count("\n") == 1, (argv, err)
+    # the same flags in the combinations that mean something still run
+    rc, out, err = _cli(capsys, *m, "--prompt-ids", "1,2", "--speculative-k", "2",
+                        "--draft-loops", "1", "--rounds-per-fetch", "2", "--ignore-eos")
+    assert rc == 0 and json.loads(out.splitlines()[-1])["stats"]["spec"]["rounds"] > 0
