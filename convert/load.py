@@ -153,7 +153,9 @@ def load_checkpoint(folder: str | os.PathLike, dtype="bf16",
     t0 = time.perf_counter()
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
-        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+        raise CheckpointError(f"checkpoint folder {folder} "
+                              + ("is a file, not a folder" if os.path.exists(folder)
+                                 else "does not exist"))
     dtype = resolve_dtype(dtype)
     cfg = OuroConfig.from_json(folder)
     kind, files = _weight_files(folder)

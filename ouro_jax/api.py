@@ -287,5 +287,14 @@ class Ouro:
         if self._planes is None or self._planes[0].shape[1] < num_pages:
             self._check_pool_fits(num_pages)
             self._planes = None  # free the old pool before allocating the new one
-            self._planes = init_planes(self.cfg, num_pages, self.page_size, self.params.dtype)
+            try:
+                self._planes = init_planes(self.cfg, num_pages, self.page_size, self.params.dtype)
+            except Exception as e:  # XLA's allocator reports RESOURCE_EXHAUSTED, untyped
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                size = num_pages * self.page_size * kv_bytes_per_token(self.cfg, self.params.dtype)
+                raise KVPoolExhausted(
+                    f"could not allocate a KV pool of {num_pages} pages of {self.page_size} "
+                    f"tokens ({size / 1e9:.1f} GB): the device is out of memory; use a smaller "
+                    f"kv_pool_tokens (--kv-pool-tokens) or fewer or shorter requests") from None
         return self._planes

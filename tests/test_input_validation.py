@@ -136,3 +136,35 @@ def test_cli_refuses_ignored_or_conflicting_flags_and_bad_prompt_files(capsys, t
     rc, out, err = _cli(capsys, *m, "--prompt-ids", "1,2", "--speculative-k", "2",
                         "--draft-loops", "1", "--rounds-per-fetch", "2", "--ignore-eos")
     assert rc == 0 and json.loads(out.splitlines()[-1])["stats"]["spec"]["rounds"] > 0
+
+
+def test_a_pool_the_allocator_refuses_names_the_pool_and_keeps_the_engine(monkeypatch):
+    """XLA reports an allocation failure as an untyped RESOURCE_EXHAUSTED error; the engine
+    turns it into KVPoolExhausted naming the pool's size (patched here: a real 400 GB
+    allocation may be overcommitted instead of refused)."""
+    import ouro_jax.api as api
+    from ouro_jax.kv_cache import KVPoolExhausted
+
+    llm = Ouro.load(kv_pool_tokens=100_000)
+    real = api.init_planes
+
+    def refuse(cfg, num_pages, *a):
+        if num_pages > 1000:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes.")
+        return real(cfg, num_pages, *a)
+
+    monkeypatch.setattr(api, "init_planes", refuse)
+    with pytest.raises(KVPoolExhausted, match=r"could not allocate a KV pool of 6251 pages.*"
+                                              r"kv_pool_tokens"):
+        llm.generate([1, 2], SamplingParams(max_tokens=3))
+    llm.fixed_pool_pages = None  # a pool sized to the batch is still allocated
+    assert len(llm.generate([1, 2], SamplingParams(max_tokens=3)).outputs[0].token_ids) == 3
+
+
+def test_a_file_given_as_the_model_folder_is_named_as_such(tmp_path):
+    from convert.load import CheckpointError
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="is a file, not a folder"):
+        Ouro.load(str(f))
