@@ -200,7 +200,10 @@ class Ouro:
                 raise ValueError("this model folder has no tokenizer.json: pass token ids "
                                  "(--prompt-ids) instead of text")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (Sequence, np.ndarray)) and not isinstance(prompt, bytes):
+        elif hasattr(prompt, "__array__") or (isinstance(prompt, Sequence)
+                                              and not isinstance(prompt, bytes)):
+            if hasattr(prompt, "__array__"):  # numpy or jax: elements as Python scalars
+                prompt = np.asarray(prompt).tolist()
             ids = [as_int(t, "a prompt's token id") for t in prompt]
         else:
             raise ValueError(f"a prompt must be text or a sequence of token ids, got {prompt!r}")
@@ -232,8 +235,8 @@ class Ouro:
         """Generates for a batch. `on_chunk(new_tokens_per_request)` streams each host fetch."""
         from ouro_jax.batch import run_batch
 
-        if isinstance(prompts, np.ndarray):
-            prompts = prompts.tolist()
+        if hasattr(prompts, "__array__"):  # numpy or jax ids: one prompt, or rows of them
+            prompts = np.asarray(prompts).tolist()
         if not isinstance(prompts, (str, Sequence)):
             raise ValueError(f"prompts must be text, token ids or a list of them, got {prompts!r}")
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
@@ -293,8 +296,11 @@ class Ouro:
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
                 size = num_pages * self.page_size * kv_bytes_per_token(self.cfg, self.params.dtype)
+                fix = ("a smaller kv_pool_tokens (--kv-pool-tokens)" if self.fixed_pool_pages
+                       else "fewer or shorter requests, or a smaller max_tokens")
                 raise KVPoolExhausted(
                     f"could not allocate a KV pool of {num_pages} pages of {self.page_size} "
-                    f"tokens ({size / 1e9:.1f} GB): the device is out of memory; use a smaller "
-                    f"kv_pool_tokens (--kv-pool-tokens) or fewer or shorter requests") from None
+                    f"tokens ({size / 1e9:.1f} GB): the device is out of memory; use {fix}, or "
+                    f"let JAX use more of the device (XLA_PYTHON_CLIENT_MEM_FRACTION). "
+                    f"XLA said: {str(e).splitlines()[0][:200]}") from e
         return self._planes

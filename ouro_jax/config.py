@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 from typing import Any
 
@@ -66,9 +67,14 @@ class OuroConfig:
         if self.tie_word_embeddings:
             raise ConfigError("tie_word_embeddings=true is not supported: Ouro has an untied lm_head")
         for eos in self.eos_token_ids:  # an id outside the vocabulary could never stop a request
-            if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.vocab_size:
-                raise ConfigError(f"eos_token_id {eos!r} is not a token id below vocab_size "
+            if isinstance(eos, bool) or not isinstance(eos, numbers.Integral):
+                raise ConfigError(f"eos_token_id must be an integer token id, got {eos!r}")
+            if not 0 <= eos < self.vocab_size:
+                raise ConfigError(f"eos_token_id {int(eos)} is not a token id below vocab_size "
                                   f"{self.vocab_size}")
+        object.__setattr__(self, "eos_token_id", int(self.eos_token_id))
+        object.__setattr__(self, "extra_eos_token_ids",
+                           tuple(int(e) for e in self.extra_eos_token_ids))
         if not 0.0 <= self.early_exit_threshold <= 1.0:
             raise ConfigError(
                 f"early_exit_threshold must be in [0, 1], got {self.early_exit_threshold}")
@@ -98,6 +104,8 @@ class OuroConfig:
     # --- (de)serialisation ---------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "OuroConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
         _reject_unsupported(d)
         unknown = sorted(k for k in d if k not in _IGNORED_KEYS and k not in _FIELD_NAMES)
         if unknown:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Collection
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple, Sequence
 
 import jax
@@ -55,28 +57,43 @@ class SamplingParams:
         if not 0 <= seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
         stops = self.stop_token_ids
-        if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)):
-            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {stops!r}")
+        if hasattr(stops, "__array__"):  # numpy or jax arrays of ids
+            stops = np.asarray(stops).reshape(-1).tolist()
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, Collection):
+            raise ValueError(f"stop_token_ids must be a collection of token ids, got {stops!r}")
         stops = tuple(as_int(t, "stop_token_ids entry") for t in stops)
+        if isinstance(stops, AbstractSet) or isinstance(self.stop_token_ids, AbstractSet):
+            stops = tuple(sorted(stops))  # a set's order is not stable across processes
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
                             ("top_p", top_p), ("top_k", top_k), ("seed", seed),
                             ("stop_token_ids", stops)):
             object.__setattr__(self, name, value)
 
 
+def _scalar(value, kinds: str):
+    """A 0-d numpy or jax array of one of the dtype `kinds` as a Python scalar; else value."""
+    if hasattr(value, "__array__") and getattr(value, "ndim", None) == 0:
+        arr = np.asarray(value)
+        if arr.dtype.kind in kinds:
+            return arr.item()
+    return value
+
+
 def as_int(value, what: str) -> int:
-    """`value` as a Python int when it is an integer (int or numpy integer, not a bool);
-    otherwise a ValueError naming `what`."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    """`value` as a Python int when it is an integer (int, numpy or jax integer, not a
+    bool); otherwise a ValueError naming `what`."""
+    v = _scalar(value, "iu")
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
         raise ValueError(f"{what} must be an integer, got {value!r}")
-    return int(value)
+    return int(v)
 
 
 def as_real(value, what: str) -> float:
     """`value` as a Python float when it is a real number (not a bool or a string)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    v = _scalar(value, "iuf")
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
         raise ValueError(f"{what} must be a number, got {value!r}")
-    return float(value)
+    return float(v)
 
 
 class SamplingArrays(NamedTuple):

@@ -25,8 +25,8 @@ from ouro_jax.speculative import SpeculativeConfig
     (dict(temperature=1e39), "temperature must be finite"),  # inf once cast to float32
     (dict(temperature="0.5"), "temperature must be a number"),
     (dict(stop_token_ids=[259.5]), "stop_token_ids entry must be an integer"),
-    (dict(stop_token_ids=5), "stop_token_ids must be a sequence"),
-    (dict(stop_token_ids="5"), "stop_token_ids must be a sequence")])
+    (dict(stop_token_ids=5), "stop_token_ids must be a collection"),
+    (dict(stop_token_ids="5"), "stop_token_ids must be a collection")])
 def test_sampling_params_reject_what_is_not_the_right_kind_of_number(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
@@ -37,6 +37,14 @@ def test_numpy_numbers_are_accepted_as_python_numbers():
                        temperature=np.float32(0.5), stop_token_ids=np.array([1, 2]))
     assert (p.max_tokens, p.top_k, p.seed, p.stop_token_ids) == (4, 3, 7, (1, 2))
     assert all(type(v) is int for v in (p.max_tokens, p.top_k, p.seed, *p.stop_token_ids))
+    import jax.numpy as jnp
+    q = SamplingParams(temperature=jnp.float32(0.5), seed=jnp.uint32(7), top_p=np.array(0.9),
+                       top_k=np.array(3), stop_token_ids={5, 2, 9})
+    assert (q.temperature, q.seed, q.top_k, q.stop_token_ids) == (0.5, 7, 3, (2, 5, 9))
+    assert abs(q.top_p - 0.9) < 1e-12 and type(q.top_p) is float
+    assert SamplingParams(stop_token_ids=jnp.array([4, 1])).stop_token_ids == (4, 1)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        SamplingParams(seed=np.array(3.0))
     sc = SpeculativeConfig(k=np.int32(2), draft_loops=np.int64(1))
     assert sc == SpeculativeConfig(k=2, draft_loops=1) and type(sc.k) is int
     with pytest.raises(ValueError, match="speculative k must be an integer"):
@@ -62,7 +70,10 @@ def test_engine_inputs_of_the_wrong_kind_are_errors_and_change_nothing():
     for call, msg in cases:
         with pytest.raises(ValueError, match=msg):
             call()
+    import jax.numpy as jnp
     assert llm.generate(np.array([1, 2, 3]), sp).outputs[0].token_ids == ok
+    assert llm.generate([jnp.array([1, 2, 3])], sp).outputs[0].token_ids == ok
+    assert llm.generate(jnp.array([[1, 2, 3]]), sp).outputs[0].token_ids == ok
     assert llm.generate([(1, 2, 3)], sp).outputs[0].token_ids == ok
 
 
@@ -72,6 +83,10 @@ def test_end_of_sequence_ids_must_be_token_ids(tmp_path):
                      ([0, "x"], "eos_token_id")):
         with pytest.raises(ConfigError, match=msg):
             OuroConfig.from_hf_dict(dict(base, eos_token_id=eos))
+    ok = PRESETS["tiny-gqa"].replace(eos_token_id=np.int64(5), extra_eos_token_ids=(np.int32(1),))
+    assert ok.eos_token_ids == (5, 1) and all(type(e) is int for e in ok.eos_token_ids)
+    with pytest.raises(ConfigError, match="must hold a JSON object"):
+        OuroConfig.from_hf_dict([])
     (tmp_path / "config.json").write_text("{broken")
     with pytest.raises(ConfigError, match="config.json is not valid JSON"):
         OuroConfig.from_json(tmp_path)
@@ -155,10 +170,14 @@ def test_a_pool_the_allocator_refuses_names_the_pool_and_keeps_the_engine(monkey
 
     monkeypatch.setattr(api, "init_planes", refuse)
     with pytest.raises(KVPoolExhausted, match=r"could not allocate a KV pool of 6251 pages.*"
-                                              r"kv_pool_tokens"):
+                                              r"kv_pool_tokens.*XLA said: RESOURCE_EXHAUSTED"):
         llm.generate([1, 2], SamplingParams(max_tokens=3))
-    llm.fixed_pool_pages = None  # a pool sized to the batch is still allocated
+    # the engine is not left broken: without the fixed pool, the next batch allocates its own
+    llm.fixed_pool_pages = None
     assert len(llm.generate([1, 2], SamplingParams(max_tokens=3)).outputs[0].token_ids) == 3
+    # a pool sized to the batch names the batch, not a flag the user did not give
+    with pytest.raises(KVPoolExhausted, match="fewer or shorter requests"):
+        llm.generate([[1] * 400] * 40, SamplingParams(max_tokens=1000))
 
 
 def test_a_file_given_as_the_model_folder_is_named_as_such(tmp_path):
