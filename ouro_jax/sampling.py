@@ -62,7 +62,7 @@ class SamplingParams:
         if isinstance(stops, (str, bytes)) or not isinstance(stops, Collection):
             raise ValueError(f"stop_token_ids must be a collection of token ids, got {stops!r}")
         stops = tuple(as_int(t, "stop_token_ids entry") for t in stops)
-        if isinstance(stops, AbstractSet) or isinstance(self.stop_token_ids, AbstractSet):
+        if isinstance(self.stop_token_ids, AbstractSet):
             stops = tuple(sorted(stops))  # a set's order is not stable across processes
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
                             ("top_p", top_p), ("top_k", top_k), ("seed", seed),
