@@ -204,7 +204,9 @@ class Ouro:
                                               and not isinstance(prompt, bytes)):
             if hasattr(prompt, "__array__"):  # numpy or jax: elements as Python scalars
                 prompt = np.asarray(prompt).tolist()
-            ids = [as_int(t, "a prompt's token id") for t in prompt]
+            ids = list(prompt)
+            if not all(type(t) is int for t in ids):  # the per-id check only when needed
+                ids = [as_int(t, "a prompt's token id") for t in ids]
         else:
             raise ValueError(f"a prompt must be text or a sequence of token ids, got {prompt!r}")
         if not ids:

@@ -16,7 +16,6 @@ and applies RoPE and the K/V write in its kernel (ouro_jax.attention.make_paged_
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -27,6 +26,7 @@ from ouro_jax.config import OuroConfig
 from ouro_jax.params import FUSED, LayerParams, OuroParams
 from ouro_jax.projections import XLA as _XLAProjections
 from ouro_jax.projections import Residual
+from ouro_jax.sampling import as_int
 
 XLA_PROJECTIONS = _XLAProjections()
 
@@ -324,10 +324,8 @@ class ExitSpec(NamedTuple):
 
     def validate(self, cfg: OuroConfig, num_loops: Optional[int] = None) -> "ExitSpec":
         n = cfg.total_ut_steps if num_loops is None else num_loops
-        if self.exit_at_step is not None and (isinstance(self.exit_at_step, bool)
-                                              or not isinstance(self.exit_at_step, numbers.Integral)):
-            raise ValueError(f"exit_at_step must be an integer, got {self.exit_at_step!r}")
-        if self.exit_at_step is not None and not 0 <= self.exit_at_step < n:
+        if self.exit_at_step is not None and not 0 <= as_int(self.exit_at_step,
+                                                             "exit_at_step") < n:
             raise ValueError(f"exit_at_step={self.exit_at_step} is outside 0..{n - 1}")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"exit threshold {self.threshold} is outside [0, 1]")
