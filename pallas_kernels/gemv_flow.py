@@ -1,0 +1,329 @@
+"""A chain of streaming GEMVs in one kernel, handed over through completion counters taken in
+ticket order (experimental: batch-1 decode's o -> gate/up -> down [-> the next layer's qkv]).
+
+Batch-1 decode runs a kernel per projection, and each pays a boundary, a ramp and a tail
+(session 15's in-kernel timeline: 0.54-0.58 us gap per kernel, 0.5-1.4 us tail, ~1 us for each
+program's first weights). Session 11/15's persistent kernel (gemv_chain) removed a boundary
+with a grid barrier: every program of a resident grid waited for all, so each phase's tail
+still idled the GPU, and the barrier cost about what the boundary did. This kernel keeps the
+separate kernels' grids, laid end to end, and drops the barrier:
+
+    ticket = atomic_add(state[0], 1)         which program this is, in start order
+    stage s, block q = the ticket's range     stage 0's programs first, then stage 1's, ...
+    request block q's first weight slab       (weights: nothing to wait for)
+    wait until state[s] == programs of s - 1  (every block of the input stored; acquire loads)
+    prologue, stream the blocks, store        (gemv_stream's helpers: the same bits)
+    count itself done in state[1 + s]         (release)
+
+A program waits only for programs holding lower tickets, which took theirs before it, so they
+are running or finished: no deadlock whatever the number of programs or the scheduler's order,
+and the grid need not be resident at once (unlike a grid barrier). What it buys: a stage's
+programs start on free SMs and put their weight requests in flight while the previous stage's
+tail drains, with no kernel boundary in between. The last program of the last stage puts the
+state back to zeros (all others are past their waits by then), so it is threaded through calls.
+order="program_id" skips the ticket atomic (saves its latency before the first weight request)
+and relies on the hardware starting programs in index order, which CUDA does not promise: a
+program that waits too long (SPIN_LIMIT) counts itself in the give-up word and goes on, so a
+broken order shows as a nonzero count and wrong results, not a hang.
+
+Stages: stage 0 reads the kernel's input x; a plain stage reads the previous stage's output;
+an add_norm stage (the sandwich layer's residual add and RMSNorms, gemv_stream's prologue)
+reads the residual h (the first) or the previous add_norm stage's x' (later ones) plus the
+previous stage's output as the branch, and stores x' too. So the MLP chain is
+[o, gate_up(add_norm, gated), down] and with the next layer [.., qkv(add_norm)].
+
+Not in the engine: `benchmarks.gemv_flow` times it against the separate kernels on the GPU.
+In interpret mode (CPU tests) programs run in index order, so every wait is already met.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import compiler_params, pl, plt
+from pallas_kernels.gemv import check_norm_operands, check_operands
+from pallas_kernels.gemv_stream import (block_loader, check_supported, row_inputs,
+                                        stream_blocks)
+from pallas_kernels.l2_prefetch import prefetch_blocks
+
+ORDERS = ("ticket", "program_id")
+SPIN_LIMIT = 1 << 22  # re-reads before a waiting program gives up (seconds, not a hang)
+TILING_KEYS = ("block_n", "block_k", "per_program")
+
+
+class Stage(NamedTuple):
+    """One GEMV of the chain: weight w [N, K] (gated: [gate; up], [2I, K]); add_norm: the
+    stage's input is rms_norm(x', norm_w) with x' = resid + rms_norm(previous output,
+    branch_w). tiling: gemv_stream's block_n / block_k / per_program for this stage."""
+    w: jax.Array
+    gated: bool = False
+    branch_w: jax.Array | None = None
+    norm_w: jax.Array | None = None
+    tiling: dict | None = None
+    name: str = ""
+
+    @property
+    def add_norm(self) -> bool:
+        return self.norm_w is not None
+
+
+class _Plan(NamedTuple):
+    """A stage's static layout in the grid (hashable: a kernel parameter)."""
+    gated: bool
+    add_norm: bool
+    n_out: int
+    k: int
+    block_n: int
+    block_k: int
+    per_program: int
+    programs: int
+    start: int  # its first ticket
+
+
+def state_for(stages: int) -> jax.Array:
+    """The zeroed state for a chain of `stages`: int32 [stages + 2] (the ticket, a done count
+    per stage, the give-ups). Each call leaves it as it found it but for the give-ups."""
+    return jnp.zeros((stages + 2,), jnp.int32)
+
+
+def give_ups(state) -> jax.Array:
+    """Programs that stopped waiting without seeing their input complete (0 when the order
+    held; nonzero means wrong results)."""
+    return state[-1]
+
+
+def _sleep_zero(state_ref, ns: int):
+    """nanosleep.u32 ns in every thread; returns an int32 zero to keep it in the spin."""
+    from pallas_kernels.ref_ptx import ref_asm
+    return ref_asm(state_ref, 0, f"nanosleep.u32 {ns};\n\tmov.u32 $0, 0; // $1 (unused)")
+
+
+def _wait(state_ref, word: int, target: int, give_up: int, *, gpu_sync: bool, backoff: int):
+    """Waits until state[word] reaches target; returns an int32 zero that depends on the read
+    (added to the offsets of every read of the awaited output, so that none moves above it).
+    GPU: every thread re-reads with ld.acquire.gpu (no L1: it sees other SMs' counts), then a
+    CTA barrier holds the warps together; interpret: one read (programs ran in order)."""
+    if gpu_sync:
+        from pallas_kernels.ref_ptx import gpu_load
+        pause = (lambda i: _sleep_zero(state_ref, backoff) + 0 * i) if backoff else \
+            (lambda i: 0 * i)
+        seen, _ = lax.while_loop(
+            lambda c: (c[0] < target) & (c[1] < SPIN_LIMIT),
+            lambda c: (gpu_load(state_ref, word + pause(c[1]), sem="acquire"), c[1] + 1),
+            (gpu_load(state_ref, word, sem="acquire"), jnp.int32(0)))
+    else:
+        seen = plt.atomic_add(state_ref, (jnp.int32(word),), jnp.int32(0))
+    # unconditional (0 when the wait held): every thread takes the same path
+    plt.atomic_add(state_ref, (jnp.int32(give_up),), (seen < target).astype(jnp.int32))
+    if gpu_sync:
+        plt.debug_barrier()
+    return 0 * seen
+
+
+def _finish(state_ref, s: int, plans, *, gpu_sync: bool, order: str):
+    """Counts this program done in stage s (release, after a CTA barrier orders every warp's
+    stores before one thread's acq_rel atomic); the last program of the last stage puts the
+    ticket and the done counts back to zero."""
+    if gpu_sync:
+        plt.debug_barrier()
+    old = plt.atomic_add(state_ref, (jnp.int32(1 + s),), jnp.int32(1))
+    if s != len(plans) - 1:
+        return
+
+    @pl.when(old == plans[-1].programs - 1)
+    def _():  # adds, not stores: interpret mode and the GPU alike see the atomics' values
+        if order == "ticket":
+            plt.atomic_add(state_ref, (jnp.int32(0),), jnp.int32(-sum(p.programs for p in plans)))
+        for j, p in enumerate(plans):
+            plt.atomic_add(state_ref, (jnp.int32(1 + j),), jnp.int32(-p.programs))
+
+
+def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_prefetch):
+    """Program q of stage s: its first weight slab requested, the wait for stage s - 1, the
+    prologue and its blocks (gemv_stream's code), then its done count."""
+    pl_ = plans[s]
+    nk = pl_.k // pl_.block_k
+    w_ref = refs["w"][s]
+    load = block_loader(w_ref, block_n=pl_.block_n, block_k=pl_.block_k, nk=nk,
+                        gated=pl_.gated, up_offset=pl_.n_out)
+    first = load(q)  # in flight during the wait
+    after = jnp.int32(0)
+    if s:
+        after = prefetch_blocks(w_ref, q, pl_.programs, min(l2_prefetch, pl_.per_program - 1),
+                                k=pl_.k, block_n=pl_.block_n, gated=pl_.gated,
+                                up_offset=pl_.n_out, interpret=not gpu_sync)
+        after = after + _wait(refs["state"], s, plans[s - 1].programs, len(plans) + 1,
+                              gpu_sync=gpu_sync, backoff=backoff)
+    y_prev = refs["y"][s - 1] if s else None
+    if pl_.add_norm:
+        src = (refs["resid"][s], y_prev, *refs["norms"][s], refs["xo"][s])
+        prologue = "add_norm"
+    else:
+        src = (refs["x"] if s == 0 else y_prev, None, None, None, None)
+        prologue = ""
+    xs = row_inputs(src, m=refs["m"], nk=nk, block_k=pl_.block_k, k=pl_.k,
+                    dt=refs["y"][s].dtype, prologue=prologue, eps=eps, first_program=q == 0,
+                    row2d=False, after=after)
+    stream_blocks(load, first, xs, refs["y"][s], p=q, programs=pl_.programs,
+                  per_program=pl_.per_program, block_n=pl_.block_n, block_k=pl_.block_k,
+                  nk=nk, gated=pl_.gated)
+    _finish(refs["state"], s, plans, gpu_sync=gpu_sync, order=order)
+
+
+def _sort_refs(refs, plans, m: int) -> dict:
+    """The kernel's refs by role: x, [h], per stage its weight (and branch_w, norm_w), the
+    state in; per stage y, per add_norm stage x', the state out."""
+    it = iter(refs)
+    out = {"m": m, "x": next(it)}
+    h = next(it) if any(p.add_norm for p in plans) else None
+    out["w"], out["norms"] = [], []
+    for p in plans:
+        out["w"].append(next(it))
+        out["norms"].append((next(it), next(it)) if p.add_norm else None)
+    next(it)  # the state in, aliased with the state out: the atomics go through that
+    out["y"] = [next(it) for _ in plans]
+    xo = {s: next(it) for s, p in enumerate(plans) if p.add_norm}
+    out["state"] = next(it)
+    # an add_norm stage's residual: h for the first, the previous add_norm stage's x' after
+    out["resid"], out["xo"], last = {}, {}, h
+    for s in sorted(xo):
+        out["resid"][s], out["xo"][s], last = last, xo[s], xo[s]
+    return out
+
+
+def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch):
+    r = _sort_refs(refs, plans, m)
+    ticket = (plt.atomic_add(r["state"], (jnp.int32(0),), jnp.int32(1)) if order == "ticket"
+              else pl.program_id(0))
+    for s, p in enumerate(plans):
+        pl.when((ticket >= p.start) & (ticket < p.start + p.programs))(functools.partial(
+            lambda s_, p_: _stage(ticket - p_.start, s_, r, plans, eps=eps,
+                                  gpu_sync=gpu_sync, order=order, backoff=backoff,
+                                  l2_prefetch=l2_prefetch), s, p))
+
+
+def _plan(stages, x, h) -> tuple:
+    """The stages' static layout; ValueError names the first thing that does not chain."""
+    m = x.shape[0]
+    plans, start, width = [], 0, x.shape[1]
+    for s, st in enumerate(stages):
+        label = f"gemv_flow stage {s}" + (f" ({st.name})" if st.name else "")
+        if (st.branch_w is None) != (st.norm_w is None):
+            raise ValueError(f"{label}: an add_norm stage takes both branch_w and norm_w")
+        if st.add_norm and s == 0:
+            raise ValueError(f"{label}: the first stage cannot be add_norm (its branch is the "
+                             f"previous stage's output)")
+        if st.add_norm:
+            if h is None:
+                raise ValueError(f"{label} is add_norm: pass the residual h")
+            if width != h.shape[1]:
+                raise ValueError(f"{label}: the previous stage gives [{m}, {width}] as the "
+                                 f"branch, but the residual h is {tuple(h.shape)}")
+            check_norm_operands(label, h, st.norm_w, h, st.branch_w)
+        ref_x = h if st.add_norm else jax.ShapeDtypeStruct((m, width), x.dtype)
+        try:
+            n_out = check_operands(ref_x, st.w, st.gated)
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
+        t = dict(st.tiling or {})
+        unknown = set(t) - set(TILING_KEYS)
+        if unknown or set(TILING_KEYS) - set(t):
+            raise ValueError(f"{label}: tiling takes exactly {list(TILING_KEYS)}, got "
+                             f"{sorted(t)}")
+        k = st.w.shape[1]
+        check_supported(m, k, n_out, num_warps=4, **t)
+        programs = n_out // t["block_n"] // t["per_program"]
+        plans.append(_Plan(st.gated, st.add_norm, n_out, k, t["block_n"], t["block_k"],
+                           t["per_program"], programs, start))
+        start, width = start + programs, n_out
+    return tuple(plans)
+
+
+def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = False,
+              num_warps: int = 4, order: str = "ticket", backoff: int = 0,
+              l2_prefetch: int = 0):
+    """The chain of Stage GEMVs (see the module docstring) on x [M, K0] (M up to
+    gemv_stream.MAX_ROWS), h [M, K] the residual for the add_norm stages, state int32
+    [len(stages) + 2] (state_for; donate it). Returns (ys, xs, state): every stage's output
+    (gated: silu(gate) * up), every add_norm stage's x' in order, and the state (zeros but
+    the give-up count, give_ups()). The bits are gemv_stream's / gemv_stream_normed's for the
+    same tilings, call by call. order: ORDERS; backoff: nanoseconds a waiting program sleeps
+    between re-reads (0: none); l2_prefetch: blocks a waiting program requests into L2 beyond
+    the one in registers, before it waits."""
+    stages = list(stages)
+    if not stages:
+        raise ValueError("gemv_flow needs at least one stage")
+    if order not in ORDERS:
+        raise ValueError(f"gemv_flow order must be one of {ORDERS}, got {order!r}")
+    for name, v in (("backoff", backoff), ("l2_prefetch", l2_prefetch)):
+        if type(v) is not int or v < 0:
+            raise ValueError(f"gemv_flow {name} must be an int >= 0, got {v!r}")
+    if type(num_warps) is not int or num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"gemv_flow num_warps must be a power of two up to 16, got "
+                         f"{num_warps!r}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim != 2:
+        raise ValueError(f"gemv_flow takes floating-point x [M, K], got {x.dtype} {x.shape}")
+    if h is not None and (h.shape[0] != x.shape[0] or h.dtype != x.dtype):
+        raise ValueError(f"gemv_flow: h must be {x.dtype} with x's {x.shape[0]} rows, got "
+                         f"{h.dtype} {h.shape}")
+    if state.shape != (len(stages) + 2,) or state.dtype != jnp.int32:
+        raise ValueError(f"gemv_flow: the state must be int32 [{len(stages) + 2}] (state_for"
+                         f"({len(stages)})), got {state.dtype} {state.shape}")
+    plans = _plan(stages, x, h)
+    m, dt = x.shape[0], x.dtype
+    operands = [x] + ([h] if h is not None and any(p.add_norm for p in plans) else [])
+    for st in stages:
+        operands.append(st.w.astype(dt))
+        if st.add_norm:
+            operands += [st.branch_w.astype(dt), st.norm_w.astype(dt)]
+    sd = jax.ShapeDtypeStruct
+    out_shape = [sd((m, p.n_out), dt) for p in plans]
+    out_shape += [sd((m, p.k), dt) for p in plans if p.add_norm]
+    out_shape.append(sd(state.shape, jnp.int32))
+    kernel = functools.partial(_kernel, plans=plans, m=m, eps=float(eps),
+                               gpu_sync=not interpret, order=order, backoff=backoff,
+                               l2_prefetch=l2_prefetch)
+    outs = pl.pallas_call(
+        kernel, grid=(sum(p.programs for p in plans),), out_shape=tuple(out_shape),
+        input_output_aliases={len(operands): len(out_shape) - 1},
+        compiler_params=compiler_params(num_warps, 1), interpret=interpret,
+        name="gemv_flow",
+    )(*operands, state)
+    n = len(plans)
+    return list(outs[:n]), list(outs[n:-1]), outs[-1]
+
+
+# The engine's one-row tilings (projections.STREAM_TUNING without num_warps, 4 for all).
+ENGINE_TILING = dict(o=dict(block_n=2, block_k=512, per_program=2),
+                     gate_up=dict(block_n=2, block_k=512, per_program=8),
+                     down=dict(block_n=1, block_k=512, per_program=4),
+                     qkv=dict(block_n=4, block_k=512, per_program=4))
+
+
+def mlp_stages(w_o, w_post_attn, w_pre_mlp, w_gate_up, w_down, *, next_qkv=None,
+               tiling=None) -> list:
+    """The sandwich layer's o -> gate/up -> down as Stages (model.decoder_layer: h = x +
+    rms_norm(o, input_layernorm_2), m = silu(gate) * up of rms_norm(h, post_attention_
+    layernorm), then down), and with next_qkv = (post_attention_layernorm_2, the next layer's
+    input_layernorm, its qkv weight) the next layer's qkv of rms_norm(h + rms_norm(down,
+    ...)). tiling: per name, gemv_stream's block_n / block_k / per_program (default
+    ENGINE_TILING, whose block_k fits K=2048)."""
+    t = {n: dict(v) for n, v in ENGINE_TILING.items()}
+    for name, v in (tiling or {}).items():
+        if name not in t:
+            raise ValueError(f"mlp_stages tiling names one of {sorted(t)}, got {name!r}")
+        t[name].update(v)
+    stages = [Stage(w_o, tiling=t["o"], name="o"),
+              Stage(w_gate_up, gated=True, branch_w=w_post_attn, norm_w=w_pre_mlp,
+                    tiling=t["gate_up"], name="gate_up"),
+              Stage(w_down, tiling=t["down"], name="down")]
+    if next_qkv is not None:
+        w_post2, w_in, w_qkv = next_qkv
+        stages.append(Stage(w_qkv, branch_w=w_post2, norm_w=w_in, tiling=t["qkv"],
+                            name="qkv"))
+    return stages

@@ -1,0 +1,178 @@
+"""The ticket-ordered GEMV chain (pallas_kernels/gemv_flow.py): the same bits as the separate
+streaming GEMVs it replaces, its state threaded through calls, a wait that is not met counted
+as a give-up, the wait's place in the lowered kernel (after the first weight requests), and
+its errors. On the CPU programs run in index order (interpret mode); the GPU test runs the
+real grid with its spinning waits."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import has_gpu
+from pallas_kernels.gemv_flow import Stage, gemv_flow, give_ups, mlp_stages, state_for
+from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+
+TILING = dict(o=dict(block_n=2, block_k=64, per_program=2),
+              gate_up=dict(block_n=2, block_k=64, per_program=3),
+              down=dict(block_n=1, block_k=64, per_program=4),
+              qkv=dict(block_n=4, block_k=64, per_program=2))
+
+
+def _case(k, inter, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    a = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, dtype)
+    u = lambda: jnp.asarray(rng.uniform(0.5, 1.5, k), dtype)
+    return dict(attn=a(1, k), h=a(1, k), w_o=a(k, k, scale=k ** -0.5), w_post=u(), w_pre=u(),
+                w_gu=a(2 * inter, k, scale=k ** -0.5), w_down=a(k, inter, scale=inter ** -0.5),
+                w_post2=u(), w_in=u(), w_qkv=a(3 * k, k, scale=k ** -0.5))
+
+
+def _stages(c, qkv: bool, tiling=TILING):
+    nxt = (c["w_post2"], c["w_in"], c["w_qkv"]) if qkv else None
+    return mlp_stages(c["w_o"], c["w_post"], c["w_pre"], c["w_gu"], c["w_down"],
+                      next_qkv=nxt, tiling=tiling)
+
+
+def _separate(c, qkv: bool, tiling=TILING, interpret=True):
+    """The engine's kernels one by one: o, gate/up (add_norm), down[, qkv (add_norm)]."""
+    o = gemv_stream(c["attn"], c["w_o"], interpret=interpret, **tiling["o"])
+    y, x1 = gemv_stream_normed(c["h"], c["w_pre"], c["w_gu"], eps=1e-6, branch=o,
+                               branch_w=c["w_post"], gated=True, interpret=interpret,
+                               **tiling["gate_up"])
+    d = gemv_stream(y, c["w_down"], interpret=interpret, **tiling["down"])
+    if not qkv:
+        return [o, y, d], [x1]
+    q, x2 = gemv_stream_normed(x1, c["w_in"], c["w_qkv"], eps=1e-6, branch=d,
+                               branch_w=c["w_post2"], interpret=interpret, **tiling["qkv"])
+    return [o, y, d, q], [x1, x2]
+
+
+def _same(got, want):
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize("dtype,qkv,order", [
+    (jnp.float32, False, "ticket"), (jnp.bfloat16, True, "ticket"),
+    (jnp.float32, True, "program_id")])
+def test_matches_the_separate_kernels_bit_for_bit(dtype, qkv, order):
+    c = _case(128, 192, dtype)
+    stages = _stages(c, qkv)
+    ys, xs, state = gemv_flow(c["attn"], stages, state_for(len(stages)), h=c["h"],
+                              interpret=True, order=order)
+    want_ys, want_xs = _separate(c, qkv)
+    _same(ys, want_ys)
+    _same(xs, want_xs)
+    assert state.tolist() == [0] * (len(stages) + 2)  # ready for the next call, no give-up
+
+
+def test_the_state_threads_through_calls_under_jit():
+    c = _case(128, 192, jnp.float32)
+    f = jax.jit(lambda a, h, st: gemv_flow(a, _stages(c, True), st, h=h, interpret=True,
+                                           l2_prefetch=2, backoff=100),
+                donate_argnums=2)
+    state = state_for(4)
+    for seed in range(2):  # a new input each call: a stale read would show
+        c2 = _case(128, 192, jnp.float32, seed=seed + 5)
+        c = dict(c, attn=c2["attn"], h=c2["h"])
+        ys, xs, state = f(c["attn"], c["h"], state)
+        want_ys, want_xs = _separate(c, True)
+        _same(ys + xs, want_ys + want_xs)
+        assert state.tolist() == [0] * 6
+
+
+def test_a_wait_that_is_not_met_is_counted():
+    """A stage whose input count stays short (the state starts one below for the o stage)
+    makes every gate/up program give up once: the kernel reads the counter it waits on."""
+    c = _case(128, 192, jnp.float32)
+    stages = _stages(c, False)
+    ys, _, state = gemv_flow(c["attn"], stages, jnp.asarray([0, -1, 0, 0, 0], jnp.int32),
+                             h=c["h"], interpret=True)
+    gate_up_programs = 192 // 2 // 3
+    assert int(give_ups(state)) == gate_up_programs
+    _same(ys[:1], _separate(c, False)[0][:1])  # o itself waits for nothing
+
+
+def test_each_wait_follows_its_stages_first_weight_requests():
+    """Lowered for 'cuda' (Triton IR, no GPU needed): one ticket atomic before any load; per
+    waiting stage an acquire-load spin whose last tensor load before it is a weight tile (the
+    first block is in flight while it waits) and whose first load after it is the input."""
+    from test_pdl import triton_ir
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    k, inter = 256, 384
+    shapes = (s((1, k), bf), s((1, k), bf), s((k, k), bf), s((k,), bf), s((k,), bf),
+              s((2 * inter, k), bf), s((k, inter), bf), s((5,), jnp.int32))
+    tiling = {n: dict(v, block_k=128) for n, v in TILING.items()}
+    tiling["gate_up"]["per_program"] = 2
+
+    def f(attn, h, w_o, w_post, w_pre, w_gu, w_down, state):
+        st = mlp_stages(w_o, w_post, w_pre, w_gu, w_down, tiling=tiling)
+        return gemv_flow(attn, st, state, h=h)
+    [ir] = triton_ir(f, *shapes)
+    lines = ir.splitlines()
+    first_load = next(i for i, ln in enumerate(lines) if "tt.load" in ln)
+    assert "tt.atomic_rmw add" in "\n".join(lines[:first_load])  # the ticket
+    spins = [i for i, ln in enumerate(lines) if "scf.while" in ln]
+    assert len(spins) == 2  # gate/up waits for o, down for gate/up
+    for i in spins:
+        before = [ln for ln in lines[:i] if "tt.load" in ln][-1]
+        after = next(ln for ln in lines[i:] if "tt.load" in ln)
+        assert re.search(r"tensor<[12]x128x!tt\.ptr<bf16>>", before), before
+        assert re.search(r"tensor<128x!tt\.ptr<bf16>>", after), after
+    assert ir.count("ld.acquire.gpu") == 4  # a first read and the loop's, per wait
+
+
+def test_bad_input_is_refused_before_anything_runs():
+    c = _case(128, 192, jnp.float32)
+    stages = _stages(c, False)
+    run = lambda st=stages, state=None, **kw: gemv_flow(
+        c["attn"], st, state_for(len(st)) if state is None else state,
+        **dict(dict(h=c["h"], interpret=True), **kw))
+    with pytest.raises(ValueError, match=r"state must be int32 \[5\]"):
+        run(state=jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="order must be one of"):
+        run(order="fifo")
+    with pytest.raises(ValueError, match="backoff must be an int >= 0"):
+        run(backoff=-1)
+    with pytest.raises(ValueError, match="pass the residual h"):
+        run(h=None)
+    with pytest.raises(ValueError, match="first stage cannot be add_norm"):
+        run(st=stages[1:])
+    with pytest.raises(ValueError, match=r"stage 2 \(down\): gemv shape mismatch"):
+        run(st=stages[:2] + [Stage(c["w_o"], tiling=TILING["o"], name="down")])
+    with pytest.raises(ValueError, match="tiling takes exactly"):
+        run(st=[Stage(c["w_o"], tiling=dict(block_n=2))])
+    with pytest.raises(ValueError, match="per_program=5 must divide"):
+        run(st=[Stage(c["w_o"], tiling=dict(TILING["o"], per_program=5))])
+    with pytest.raises(ValueError, match="mlp_stages tiling names one of"):
+        mlp_stages(c["w_o"], c["w_post"], c["w_pre"], c["w_gu"], c["w_down"],
+                   tiling=dict(gate=dict(block_n=1)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("order", ["ticket", "program_id"])
+def test_the_real_grid_matches_the_separate_kernels_on_the_gpu(order):
+    """1.4B shapes, bf16, the engine's tilings: 4 stages (1,728 programs) with their spinning
+    waits give the separate kernels' bits, call after call with a new input each time, and no
+    program gave up."""
+    from pallas_kernels.gemv_flow import ENGINE_TILING
+    c = _case(2048, 5632, jnp.bfloat16, seed=3)
+    flow = jax.jit(lambda a, h, st: gemv_flow(a, _stages(c, True, ENGINE_TILING), st, h=h,
+                                              order=order), donate_argnums=2)
+    separate = jax.jit(lambda a, h: _separate(dict(c, attn=a, h=h), True, ENGINE_TILING,
+                                              interpret=False))
+    state = state_for(4)
+    rng = np.random.default_rng(9)
+    for _ in range(8):
+        a = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)
+        ys, xs, state = flow(a, c["h"], state)
+        want_ys, want_xs = separate(a, c["h"])
+        assert state.tolist() == [0] * 6, "a program gave up waiting, or the reset missed"
+        _same(ys + xs, want_ys + want_xs)
