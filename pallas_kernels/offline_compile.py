@@ -1,7 +1,7 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --stream]
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --stream | --flow]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints
@@ -166,6 +166,25 @@ def check_gemm():
                                  num_stages=kw["num_stages"])
 
 
+def check_flow():
+    """Every benchmarks/gemv_flow.py variant of the ticket-ordered chain (gemv_flow) on the
+    1.4B shapes at one row: one kernel, whose registers are the largest stage's."""
+    from benchmarks.gemv_flow import INTER, K, VARIANTS, tilings
+    from pallas_kernels.gemv_flow import gemv_flow, mlp_stages
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    vec, sq = S((K,), bf), S((K, K), bf)
+    for vname, v in VARIANTS.items():
+        def f(attn, h, w_o, w_gu, w_down, w_qkv, n, state, v=v):
+            nxt = (n, n, w_qkv) if v["stages"] == 4 else None
+            st = mlp_stages(w_o, n, n, w_gu, w_down, next_qkv=nxt, tiling=tilings(v))
+            opts = {k: x for k, x in v.items() if k not in ("stages", "tiling")}
+            return gemv_flow(attn, st, state, h=h, **opts)
+        jax.jit(f).trace(S((1, K), bf), S((1, K), bf), sq, S((2 * INTER, K), bf),
+                         S((K, INTER), bf), S((3 * K, K), bf), vec,
+                         S((v["stages"] + 2,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        compile_captured(f"flow {vname}", num_warps=4, num_stages=1)
+
+
 def main():
     if os.environ.get("TRITON_PKG"):
         sys.path.insert(0, os.environ["TRITON_PKG"])
@@ -182,6 +201,8 @@ def _main():
         return check_gemm()
     if "--stream" in sys.argv:
         return check_stream()
+    if "--flow" in sys.argv:
+        return check_flow()
     from pallas_kernels import (paged_decode_attention, paged_decode_attention_qkv,
                                 ragged_paged_attention)
     S, i32 = jax.ShapeDtypeStruct, jnp.int32

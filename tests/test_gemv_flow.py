@@ -176,3 +176,34 @@ def test_the_real_grid_matches_the_separate_kernels_on_the_gpu(order):
         want_ys, want_xs = separate(a, c["h"])
         assert state.tolist() == [0] * 6, "a program gave up waiting, or the reset missed"
         _same(ys + xs, want_ys + want_xs)
+
+
+@pytest.mark.parametrize("variant", ["flow4", "flow3", "flow4_gu2_pf1"])
+def test_the_benchmarks_chains_agree(variant):
+    """benchmarks.gemv_flow's two arms on small shapes in interpret mode: three layers, each
+    fed the last one's output, give the same bits (what its max_abs_diff reports on the GPU),
+    with the variant's options and tiling."""
+    from benchmarks import gemv_flow as bench
+    v = bench.VARIANTS[variant]
+    ws = bench.weights(3, k=128, inter=192, dtype=jnp.float32)
+    t = bench.tilings(v)
+    t = bench._freeze({n: dict(x, block_k=64, per_program=min(x["per_program"], 2))
+                       for n, x in t.items()})
+    rng = np.random.default_rng(4)
+    attn, h = (jnp.asarray(rng.standard_normal((1, 128)), jnp.float32) for _ in range(2))
+    want = bench.separate(ws, attn, h, t, interpret=True)
+    options = tuple((k, x) for k, x in v.items() if k not in ("stages", "tiling"))
+    q, x, state = bench.flow(ws, attn, h, state_for(v["stages"]), t, v["stages"], options,
+                             interpret=True)
+    _same((q, x), want)
+    assert state.tolist() == [0] * (v["stages"] + 2)
+
+
+def test_the_benchmark_refuses_a_cpu_and_unknown_variants():
+    from benchmarks.gemv_flow import main
+    with pytest.raises(SystemExit):
+        main(["--variants", "flow9"])
+    if has_gpu():
+        pytest.skip("has a GPU")
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        main(["--layers", "1"])
