@@ -152,13 +152,16 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     on it."""
     proj = proj or XLA_PROJECTIONS
     eps = cfg.rms_norm_eps
+    flow = x.flow if isinstance(x, Residual) else None  # '+flow': the kernel's counters
     attn, x, state, projected = _attention(lp, x, cos, sin, cfg, attend, state, loop, layer,
                                            proj)
     lead = x.shape[:-1]
     if not projected:
-        attn = proj.project("o", attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim),
-                            lp.o_proj, next_weight=None if lp.gate_up_proj is None else
-                            (lp.gate_up_proj, 2))
+        attn = attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim)
+        if hasattr(proj, "flows") and proj.flows(attn, lp):
+            return proj.mlp_flow(attn, x, lp, eps, flow), state
+        attn = proj.project("o", attn, lp.o_proj, next_weight=None if lp.gate_up_proj is None
+                            else (lp.gate_up_proj, 2))
     h = Residual(x, attn, lp.input_layernorm_2)  # h = x + rms_norm(attn, input_layernorm_2)
     if lp.gate_up_proj is not None:
         m, h = proj.normed("gate_up", h, lp.post_attention_layernorm, lp.gate_up_proj, eps,

@@ -49,6 +49,9 @@ class Residual(NamedTuple):
     resid: jax.Array
     branch: jax.Array
     weight: jax.Array
+    # '+flow': the gemv_flow kernel's counter state, threaded from layer to layer (the kernel
+    # leaves it zeroed), so that only a loop's first layer needs a fresh one
+    flow: jax.Array | None = None
 
 
 def _rms_norm(x, w, eps):
@@ -118,6 +121,7 @@ class PallasGemv(XLA):
     prefetch: int | None = None  # '+pf<N>': every GEMV's prefetch depth instead of GEMV_TUNING's
     stream: bool = False  # '+stream': the streaming GEMV for calls of up to STREAM_MAX_ROWS rows
     mgpu_names: tuple = ()  # '+mgpu[:NAME,...]': the Mosaic GPU GEMV for their one-row calls
+    flow: bool = False  # '+flow': o -> gate/up -> down of one-row calls as one gemv_flow kernel
 
     @property
     def spec(self) -> str:
@@ -139,6 +143,8 @@ class PallasGemv(XLA):
                                    ":" + ",".join(self.mgpu_names)))
         if self.prefetch is not None:
             parts.append(f"pf{self.prefetch}")
+        if self.flow:
+            parts.append("flow")
         return "+".join(parts)
 
     def tuning(self, name: str, n_out: int, k: int) -> dict:
@@ -241,6 +247,39 @@ class PallasGemv(XLA):
                                    **tuning)
         return y.reshape(*lead, n_out), x_new.reshape(*lead, k)
 
+    def flows(self, attn, lp) -> bool:
+        """Whether this layer's o -> gate/up -> down goes through one gemv_flow kernel."""
+        return (self.flow and lp.gate_up_proj is not None and self._streams(attn)
+                and not self.mgpu_names
+                and all(self._route(n, attn) == "gemv" for n in ("o", "gate_up", "down")))
+
+    def mlp_flow(self, attn, x, lp, eps, state=None):
+        """The layer after attention in one kernel (pallas_kernels.gemv_flow: o, then gate/up
+        of rms_norm(x + rms_norm(o, input_layernorm_2), post_attention_layernorm), then
+        down), the same bits as the three streaming GEMVs at the same tilings. state: the
+        previous layer's (Residual.flow), or None for a fresh one. Returns the layer output as
+        residual() gives it, carrying the state when deferred."""
+        from pallas_kernels.gemv_flow import Stage, gemv_flow, state_for
+        lead, k = x.shape[:-1], x.shape[-1]
+        attn = attn.reshape(-1, attn.shape[-1])
+
+        def tiling(name, w, gated=False):
+            t = fit_stream_tuning(STREAM_TUNING[name], w.shape[0] // (2 if gated else 1),
+                                  w.shape[1])
+            return {key: t[key] for key in ("block_n", "block_k", "per_program")}
+        stages = [Stage(lp.o_proj, tiling=tiling("o", lp.o_proj), name="o"),
+                  Stage(lp.gate_up_proj, gated=True, branch_w=lp.input_layernorm_2,
+                        norm_w=lp.post_attention_layernorm,
+                        tiling=tiling("gate_up", lp.gate_up_proj, True), name="gate_up"),
+                  Stage(lp.down_proj, tiling=tiling("down", lp.down_proj), name="down")]
+        ys, xs, state = trace_once.call(
+            gemv_flow, attn, stages, state_for(3) if state is None else state,
+            h=x.reshape(-1, k), eps=eps, interpret=jax.default_backend() != "gpu",
+            num_warps=STREAM_TUNING["gate_up"]["num_warps"])
+        out = self.residual(xs[0].reshape(*lead, k), ys[2].reshape(*lead, k),
+                            lp.post_attention_layernorm_2, eps)
+        return out._replace(flow=state) if isinstance(out, Residual) else out
+
     def residual(self, h, m, w, eps):
         # Deferred when the next layer's qkv GEMV can take it (same rows); run_loop
         # materializes what is left after the last layer.
@@ -267,102 +306,6 @@ class PallasGemv(XLA):
 GPU_DEFAULT = "gemv+norms+stream"
 
 
-def resolve(spec: str) -> str:
-    """'auto' -> GPU_DEFAULT where the Pallas kernels run natively (a GPU), else 'xla' (on a
-    CPU the kernel would run in interpret mode: exact but slow). Other specs pass through."""
-    if spec != "auto":
-        return spec
-    from ouro_jax.attention import resolve_backend
-    return GPU_DEFAULT if resolve_backend("auto") == "pallas" else "xla"
-
-
-_LIMITS = {"gemv": (GEMV_MAX_ROWS, 1, GEMV_ROW_LIMIT), "gemm": (GEMM_MAX_ROWS, 2, GEMM_ROW_LIMIT)}
-
-
-def _parse_part(spec: str, part: str):
-    head, sep, names = part.partition(":")
-    kind, at, rows = head.partition("@")
-    if kind not in _LIMITS:
-        raise ValueError(f"unknown projections {spec!r}: 'xla', or '+'-joined parts "
-                         f"'gemv[@ROWS][:NAME,...]' and 'gemm[@ROWS][:NAME,...]' with NAME in "
-                         f"{NAMES}")
-    default, lo, hi = _LIMITS[kind]
-    max_rows = default
-    if at:
-        if not rows.isdigit() or not lo <= int(rows) <= hi:
-            raise ValueError(f"projections {spec!r}: ROWS after '{kind}@' must be {lo}..{hi}")
-        max_rows = int(rows)
-    if sep and not names:
-        raise ValueError(f"unknown projection name(s) [] in {spec!r}: give NAME,... after ':' "
-                         f"with NAME in {NAMES}, or leave out the ':'")
-    chosen = tuple(n for n in names.split(",") if n) if names else NAMES
-    bad = sorted(set(chosen) - set(NAMES))
-    if bad or not chosen:
-        raise ValueError(f"unknown projection name(s) {bad} in {spec!r}; choose from {NAMES}")
-    return kind, tuple(n for n in NAMES if n in chosen), max_rows
-
-
-def parse(spec: str):
-    """'xla' -> XLA(); 'gemv' -> all four through the GEMV for one-row calls; 'gemv@5' -> for
-    calls of up to 5 rows; 'gemv:gate_up,down' (or 'gemv@5:...') -> only those; 'gemm[@N]' ->
-    calls of 2..N rows (default GEMM_MAX_ROWS) through the skinny GEMM; 'gemv+gemm' -> both;
-    '+norms' -> the norm prologue; '+pfN' -> every GEMV loads N chunks ahead (default: each
-    projection's GEMV_TUNING); '+stream' -> the streaming GEMV kernel (STREAM_TUNING) for
-    GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'); '+mgpu[:NAME,...]' -> the
-    Mosaic GPU GEMV (MGPU_TUNING, jax >= 0.11, bf16/fp16) for those projections' one-row GEMV
-    calls instead (default: the 'gemv' part's; e.g. 'gemv+norms+stream+mgpu:down');
-    'auto' -> see resolve."""
-    spec = resolve(spec)
-    if spec in ("", "xla"):
-        return XLA()
-    kw = {}
-    parts = spec.split("+")
-    fuse_norms = "norms" in parts
-    stream = "stream" in parts
-    mgpu_parts = [p for p in parts if p.partition(":")[0].partition("@")[0] == "mgpu"]
-    kinds = [p.partition(":")[0].partition("@")[0] for p in parts]
-    if parts.count("norms") > 1 or (fuse_norms and "gemv" not in kinds):
-        raise ValueError(f"projections {spec!r}: 'norms' (RMSNorms and residual adds in the GEMV "
-                         f"prologue) is given once, with a 'gemv' part")
-    if parts.count("stream") > 1 or (stream and "gemv" not in kinds):
-        raise ValueError(f"projections {spec!r}: 'stream' (the streaming GEMV kernel) is given "
-                         f"once, with a 'gemv' part")
-    pf = [p for p in parts if p.startswith("pf")]
-    prefetch = None
-    if pf:
-        from pallas_kernels.gemv import MAX_PREFETCH
-        if len(pf) > 1 or "gemv" not in kinds or not pf[0][2:].isdigit() \
-                or int(pf[0][2:]) > MAX_PREFETCH:
-            raise ValueError(f"projections {spec!r}: 'pfN' (the GEMV's prefetch depth, N in "
-                             f"0..{MAX_PREFETCH}) is given once, with a 'gemv' part")
-        prefetch = int(pf[0][2:])
-        if stream:
-            raise ValueError(f"projections {spec!r}: 'pfN' is the per-block GEMV's prefetch "
-                             f"depth; with 'stream' one-row calls take the streaming kernel, "
-                             f"which has none (give one of the two)")
-    if len(mgpu_parts) > 1 or (mgpu_parts and ("gemv" not in kinds or "@" in mgpu_parts[0])):
-        raise ValueError(f"projections {spec!r}: 'mgpu[:NAME,...]' (the Mosaic GPU GEMV for "
-                         f"one-row calls; no '@ROWS') is given once, with a 'gemv' part")
-    if mgpu_parts and not mgpu_available():
-        raise ValueError(f"projections {spec!r}: 'mgpu' needs jax >= 0.11 with Mosaic GPU "
-                         f"Pallas (jax.experimental.pallas.mosaic_gpu); this is jax "
-                         f"{jax.__version__}")
-    for part in (p for p in parts if p not in ("norms", "stream") and p not in mgpu_parts
-                 and not p.startswith("pf")):
-        kind, names, rows = _parse_part(spec, part)
-        if kind in kw:
-            raise ValueError(f"projections {spec!r}: '{kind}' given twice")
-        kw[kind] = (names, rows)
-    gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
-    gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
-    mgpu_names = ()
-    if mgpu_parts == ["mgpu"]:  # no names: the gemv part's
-        mgpu_names = gemv_names
-    elif mgpu_parts:
-        _, mgpu_names, _ = _parse_part(spec, mgpu_parts[0].replace("mgpu", "gemv", 1))
-        if set(mgpu_names) - set(gemv_names):
-            raise ValueError(f"projections {spec!r}: 'mgpu' names {mgpu_names} must be among "
-                             f"the 'gemv' part's {gemv_names} (it replaces their one-row "
-                             f"kernel)")
-    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream,
-                      mgpu_names)
+# The spec strings ('auto', 'gemv+norms+stream', ...) are read in projection_spec; re-exported
+# here, where callers have always found them (imported last: it builds these classes).
+from ouro_jax.projection_spec import _LIMITS, _parse_part, parse, resolve  # noqa: E402,F401

@@ -1,0 +1,135 @@
+"""The projections spec strings: 'xla', 'auto', or '+'-joined parts such as
+'gemv+norms+stream' (ouro_jax.projections.parse's docstring lists them), read into the
+projection objects of ouro_jax.projections. Split from that module, which re-exports
+`parse` and `resolve`."""
+
+from __future__ import annotations
+
+import jax
+
+from ouro_jax import projections as _projections
+from ouro_jax.projections import (GEMM_MAX_ROWS, GEMM_ROW_LIMIT, GEMV_MAX_ROWS, GEMV_ROW_LIMIT,
+                                  NAMES, XLA, PallasGemv)
+
+
+def resolve(spec: str) -> str:
+    """'auto' -> GPU_DEFAULT where the Pallas kernels run natively (a GPU), else 'xla' (on a
+    CPU the kernel would run in interpret mode: exact but slow). Other specs pass through."""
+    if spec != "auto":
+        return spec
+    from ouro_jax.attention import resolve_backend
+    return _projections.GPU_DEFAULT if resolve_backend("auto") == "pallas" else "xla"
+
+
+_LIMITS = {"gemv": (GEMV_MAX_ROWS, 1, GEMV_ROW_LIMIT), "gemm": (GEMM_MAX_ROWS, 2, GEMM_ROW_LIMIT)}
+
+
+def _parse_part(spec: str, part: str):
+    head, sep, names = part.partition(":")
+    kind, at, rows = head.partition("@")
+    if kind not in _LIMITS:
+        raise ValueError(f"unknown projections {spec!r}: 'xla', or '+'-joined parts "
+                         f"'gemv[@ROWS][:NAME,...]' and 'gemm[@ROWS][:NAME,...]' with NAME in "
+                         f"{NAMES}")
+    default, lo, hi = _LIMITS[kind]
+    max_rows = default
+    if at:
+        if not rows.isdigit() or not lo <= int(rows) <= hi:
+            raise ValueError(f"projections {spec!r}: ROWS after '{kind}@' must be {lo}..{hi}")
+        max_rows = int(rows)
+    if sep and not names:
+        raise ValueError(f"unknown projection name(s) [] in {spec!r}: give NAME,... after ':' "
+                         f"with NAME in {NAMES}, or leave out the ':'")
+    chosen = tuple(n for n in names.split(",") if n) if names else NAMES
+    bad = sorted(set(chosen) - set(NAMES))
+    if bad or not chosen:
+        raise ValueError(f"unknown projection name(s) {bad} in {spec!r}; choose from {NAMES}")
+    return kind, tuple(n for n in NAMES if n in chosen), max_rows
+
+
+def parse(spec: str):
+    """'xla' -> XLA(); 'gemv' -> all four through the GEMV for one-row calls; 'gemv@5' -> for
+    calls of up to 5 rows; 'gemv:gate_up,down' (or 'gemv@5:...') -> only those; 'gemm[@N]' ->
+    calls of 2..N rows (default GEMM_MAX_ROWS) through the skinny GEMM; 'gemv+gemm' -> both;
+    '+norms' -> the norm prologue; '+pfN' -> every GEMV loads N chunks ahead (default: each
+    projection's GEMV_TUNING); '+stream' -> the streaming GEMV kernel (STREAM_TUNING) for
+    GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'); '+mgpu[:NAME,...]' -> the
+    Mosaic GPU GEMV (MGPU_TUNING, jax >= 0.11, bf16/fp16) for those projections' one-row GEMV
+    calls instead (default: the 'gemv' part's; e.g. 'gemv+norms+stream+mgpu:down');
+    '+flow' (with 'norms' and 'stream') -> a one-row layer's o, gate/up and down as one
+    ticket-ordered kernel (pallas_kernels.gemv_flow; experimental, opt-in);
+    'auto' -> see resolve."""
+    spec = resolve(spec)
+    if spec in ("", "xla"):
+        return XLA()
+    parts = spec.split("+")
+    kinds = [p.partition(":")[0].partition("@")[0] for p in parts]
+    mgpu_parts = [p for p, kind in zip(parts, kinds) if kind == "mgpu"]
+    fuse_norms, stream, prefetch, flow = _modes(spec, parts, kinds, mgpu_parts)
+    kw = {}
+    for part in (p for p in parts if p not in ("norms", "stream", "flow") and p not in mgpu_parts
+                 and not p.startswith("pf")):
+        kind, names, rows = _parse_part(spec, part)
+        if kind in kw:
+            raise ValueError(f"projections {spec!r}: '{kind}' given twice")
+        kw[kind] = (names, rows)
+    gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
+    gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
+    mgpu_names = _mgpu_names(spec, mgpu_parts, gemv_names)
+    if flow and not {"o", "gate_up", "down"} <= set(gemv_names):
+        raise ValueError(f"projections {spec!r}: 'flow' needs o, gate_up and down in the "
+                         f"'gemv' part")
+    return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream,
+                      mgpu_names, flow)
+
+
+def _modes(spec: str, parts: list, kinds: list, mgpu_parts: list):
+    """The spec's switches, checked: (norms, stream, the 'pfN' depth or None, flow)."""
+    fuse_norms = "norms" in parts
+    stream = "stream" in parts
+    if parts.count("norms") > 1 or (fuse_norms and "gemv" not in kinds):
+        raise ValueError(f"projections {spec!r}: 'norms' (RMSNorms and residual adds in the GEMV "
+                         f"prologue) is given once, with a 'gemv' part")
+    if parts.count("stream") > 1 or (stream and "gemv" not in kinds):
+        raise ValueError(f"projections {spec!r}: 'stream' (the streaming GEMV kernel) is given "
+                         f"once, with a 'gemv' part")
+    pf = [p for p in parts if p.startswith("pf")]
+    prefetch = None
+    if pf:
+        from pallas_kernels.gemv import MAX_PREFETCH
+        if len(pf) > 1 or "gemv" not in kinds or not pf[0][2:].isdigit() \
+                or int(pf[0][2:]) > MAX_PREFETCH:
+            raise ValueError(f"projections {spec!r}: 'pfN' (the GEMV's prefetch depth, N in "
+                             f"0..{MAX_PREFETCH}) is given once, with a 'gemv' part")
+        prefetch = int(pf[0][2:])
+        if stream:
+            raise ValueError(f"projections {spec!r}: 'pfN' is the per-block GEMV's prefetch "
+                             f"depth; with 'stream' one-row calls take the streaming kernel, "
+                             f"which has none (give one of the two)")
+    flow = "flow" in parts
+    if flow and (parts.count("flow") > 1 or not (fuse_norms and stream) or mgpu_parts):
+        raise ValueError(f"projections {spec!r}: 'flow' (o -> gate/up -> down of one-row "
+                         f"calls in one gemv_flow kernel) is given once, with 'norms' and "
+                         f"'stream' and without 'mgpu'")
+    if len(mgpu_parts) > 1 or (mgpu_parts and ("gemv" not in kinds or "@" in mgpu_parts[0])):
+        raise ValueError(f"projections {spec!r}: 'mgpu[:NAME,...]' (the Mosaic GPU GEMV for "
+                         f"one-row calls; no '@ROWS') is given once, with a 'gemv' part")
+    if mgpu_parts and not _projections.mgpu_available():  # looked up there: tests patch it
+        raise ValueError(f"projections {spec!r}: 'mgpu' needs jax >= 0.11 with Mosaic GPU "
+                         f"Pallas (jax.experimental.pallas.mosaic_gpu); this is jax "
+                         f"{jax.__version__}")
+    return fuse_norms, stream, prefetch, flow
+
+
+def _mgpu_names(spec: str, mgpu_parts: list, gemv_names: tuple) -> tuple:
+    """The projections an 'mgpu[:NAME,...]' part names (none: the 'gemv' part's)."""
+    if not mgpu_parts:
+        return ()
+    if mgpu_parts == ["mgpu"]:
+        return gemv_names
+    _, mgpu_names, _ = _parse_part(spec, mgpu_parts[0].replace("mgpu", "gemv", 1))
+    if set(mgpu_names) - set(gemv_names):
+        raise ValueError(f"projections {spec!r}: 'mgpu' names {mgpu_names} must be among "
+                         f"the 'gemv' part's {gemv_names} (it replaces their one-row "
+                         f"kernel)")
+    return mgpu_names
