@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Prepared in session 21, which was lent no GPU: the ticket-ordered GEMV chain
+# (pallas_kernels/gemv_flow.py; projections '+flow') on the H200, in one call of under
+# 10 minutes, each step only while time is left (CAP seconds in all).
+#   1. its GPU tests: the real grid (1,728 programs, 4 stages, spinning waits) against the
+#      separate streaming GEMVs, ticket and program-id order, 8 calls each, no give-ups;
+#   2. benchmarks.gemv_flow: us per layer (o -> gate/up -> down -> next qkv), each variant
+#      against the separate kernels at its own tiling. Offline sm_90 compiles (Triton 3.9):
+#      146 registers at the engine's tilings (gate/up at 8 blocks per program alone: 140),
+#      110 with gate/up at 2 blocks per program; no spills;
+#   3. end to end at batch 1, greedy, default vs '+flow' (o -> gate/up -> down per layer as
+#      one kernel; the next qkv stays apart), native and k=4 d=2, two passes in reverse
+#      order (benchmarks.ab_arms prints them); the tokens' digest should match the default's
+#      (same bits by construction);
+#   4. what session 19's call left (the CLI's cached start native and k=4, the load alone):
+#      gpu_session19_call.sh STEPS=34.
+# The chain pays if it saves >= ~1 us per layer (96 layer applications per decode step:
+# ~0.1 ms per step per us, ~2.4% at batch 1).
+# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session21_call.sh
+# STEPS= picks steps (default 1234); CAP= the seconds the call may take (default 570).
+set -u
+STEPS=${STEPS:-1234}
+on() { [[ $STEPS == *$1* ]]; }
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-benchmarks/results}
+CAP=${CAP:-570}
+left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
+on 1 && timeout $(left 150) python3 -m pytest -q -m gpu tests/test_gemv_flow.py 2>&1 | tail -4
+echo "tests done at $SECONDS s"
+on 2 && timeout $(left 200) python3 -m benchmarks.gemv_flow --layers 8 \
+  --variants flow4,flow3,flow4_pid,flow4_pf2,flow4_sleep,flow4_gu2,flow4_lean \
+  --out $OUT/gemv_flow_session21_h200.json 2>&1 | \
+  grep -oE '"variant": "[a-z0-9_]+"|"(max_abs_diff_vs_separate|give_ups_first_call|separate_us_per_layer|flow_us_per_layer|saving_us_per_layer)": [-0-9.e]+|rror.*|needs a GPU.*' | paste -sd' ' | sed 's/"variant"/\n&/g'
+echo "microbenchmark done at $SECONDS s"
+A=$OUT/arms_flow; mkdir -p $A
+D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --temperature 0"
+FLOW="--projections gemv+norms+stream+flow"
+run() { [ $SECONDS -lt $((CAP - 40)) ] && timeout $(left 75) $D "${@:2}" --out $A/$1.json 2>&1 | grep -E "rror" ; }
+if on 3; then
+  for pass in 1 2; do
+    if [ $pass = 1 ]; then order="default flow default_k4 flow_k4"; else order="flow_k4 default_k4 flow default"; fi
+    for arm in $order; do
+      case $arm in
+        default) run default_p$pass --k 0 ;;
+        flow) run flow_p$pass --k 0 $FLOW ;;
+        default_k4) run default_k4_p$pass --k 4 ;;
+        flow_k4) run flow_k4_p$pass --k 4 $FLOW ;;
+      esac
+    done
+  done
+  python3 -m benchmarks.ab_arms $A $OUT/ab_flow_b1_session21_h200.json
+fi
+echo "A/B done at $SECONDS s"
+on 4 && [ $SECONDS -lt $((CAP - 60)) ] && STEPS=34 CLI_K="0 4" CAP=$((CAP - SECONDS)) OUT=$OUT \
+  bash benchmarks/gpu_session19_call.sh
+echo "elapsed $SECONDS s"
