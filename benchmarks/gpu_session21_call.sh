@@ -8,18 +8,21 @@
 #      against the separate kernels at its own tiling. Offline sm_90 compiles (Triton 3.9):
 #      146 registers at the engine's tilings (gate/up at 8 blocks per program alone: 140),
 #      110 with gate/up at 2 blocks per program; no spills;
-#   3. end to end at batch 1, greedy, default vs '+flow' (o -> gate/up -> down per layer as
-#      one kernel; the next qkv stays apart), native and k=4 d=2, two passes in reverse
-#      order (benchmarks.ab_arms prints them); the tokens' digest should match the default's
-#      (same bits by construction);
-#   4. what session 19's call left (the CLI's cached start native and k=4, the load alone):
+#   3. end to end at batch 1, native greedy: default vs '+flow' (o -> gate/up -> down per
+#      layer as one kernel) vs '+flow4' (and the next layer's qkv, but after a loop's last
+#      layer), two passes in reverse order (benchmarks.ab_arms prints them); the tokens'
+#      digest should match the default's (same bits by construction);
+#   4. the same at k=4 d=2 (the draft runs the one-row kernels): default vs FLOW_K4 (default
+#      flow4; set it to the better of step 3);
+#   5. what session 19's call left (the CLI's cached start native and k=4, the load alone):
 #      gpu_session19_call.sh STEPS=34.
+# Two calls: STEPS=123 (about 9 minutes), then STEPS=45.
 # The chain pays if it saves >= ~1 us per layer (96 layer applications per decode step:
 # ~0.1 ms per step per us, ~2.4% at batch 1).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session21_call.sh
-# STEPS= picks steps (default 1234); CAP= the seconds the call may take (default 570).
+# STEPS= picks steps (default 123); CAP= the seconds the call may take (default 570).
 set -u
-STEPS=${STEPS:-1234}
+STEPS=${STEPS:-123}
 on() { [[ $STEPS == *$1* ]]; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
@@ -33,24 +36,27 @@ on 2 && timeout $(left 200) python3 -m benchmarks.gemv_flow --layers 8 \
   grep -oE '"variant": "[a-z0-9_]+"|"(max_abs_diff_vs_separate|give_ups_first_call|separate_us_per_layer|flow_us_per_layer|saving_us_per_layer)": [-0-9.e]+|rror.*|needs a GPU.*' | paste -sd' ' | sed 's/"variant"/\n&/g'
 echo "microbenchmark done at $SECONDS s"
 A=$OUT/arms_flow; mkdir -p $A
-D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --temperature 0"
-FLOW="--projections gemv+norms+stream+flow"
+D=${D:-"python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --temperature 0"}
+P="--projections gemv+norms+stream"
 run() { [ $SECONDS -lt $((CAP - 40)) ] && timeout $(left 75) $D "${@:2}" --out $A/$1.json 2>&1 | grep -E "rror" ; }
+arm() {  # arm pass
+  case $1 in
+    default) run default_p$2 --k 0 ;;
+    flow) run flow_p$2 --k 0 $P+flow ;;
+    flow4) run flow4_p$2 --k 0 $P+flow4 ;;
+    default_k4) run default_k4_p$2 --k 4 ;;
+    flow_k4) run ${FLOW_K4:-flow4}_k4_p$2 --k 4 $P+${FLOW_K4:-flow4} ;;
+  esac
+}
 if on 3; then
-  for pass in 1 2; do
-    if [ $pass = 1 ]; then order="default flow default_k4 flow_k4"; else order="flow_k4 default_k4 flow default"; fi
-    for arm in $order; do
-      case $arm in
-        default) run default_p$pass --k 0 ;;
-        flow) run flow_p$pass --k 0 $FLOW ;;
-        default_k4) run default_k4_p$pass --k 4 ;;
-        flow_k4) run flow_k4_p$pass --k 4 $FLOW ;;
-      esac
-    done
-  done
-  python3 -m benchmarks.ab_arms $A $OUT/ab_flow_b1_session21_h200.json
+  for a in default flow flow4; do arm $a 1; done
+  for a in flow4 flow default; do arm $a 2; done
 fi
+if on 4; then
+  arm default_k4 1; arm flow_k4 1; arm flow_k4 2; arm default_k4 2
+fi
+(on 3 || on 4) && python3 -m benchmarks.ab_arms $A $OUT/ab_flow_b1_session21_h200.json
 echo "A/B done at $SECONDS s"
-on 4 && [ $SECONDS -lt $((CAP - 60)) ] && STEPS=34 CLI_K="0 4" CAP=$((CAP - SECONDS)) OUT=$OUT \
+on 5 && [ $SECONDS -lt $((CAP - 60)) ] && STEPS=34 CLI_K="0 4" CAP=$((CAP - SECONDS)) OUT=$OUT \
   bash benchmarks/gpu_session19_call.sh
 echo "elapsed $SECONDS s"

@@ -48,17 +48,19 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     kernels instead of inside the Pallas decode kernel; "+gemv[@N][:names]" and
     "+gemm[@N][:names]" compute few-row projections (and with "+norms" the RMSNorms and
     residual adds around them; "+pfN" sets the GEMV's prefetch depth; "+stream" uses the
-    streaming GEMV kernel, "+mgpu[:names]" the Mosaic GPU one, "+flow" o -> gate/up -> down
-    as one kernel) with the Pallas GEMV /
+    streaming GEMV kernel, "+mgpu[:names]" the Mosaic GPU one, "+flow[4]" o -> gate/up -> down
+    [-> next qkv] as one kernel) with the Pallas GEMV /
     skinny GEMM (ouro_jax.projections.parse). `h` overrides the embedding input
     (verification starts from the draft's states)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options
-               if o.startswith(("gemv", "gemm", "pf", "mgpu")) or o in ("norms", "stream", "flow")]
+               if o.startswith(("gemv", "gemm", "pf", "mgpu"))
+               or o in ("norms", "stream", "flow", "flow4")]
     unknown = [o for o in options if o not in ("unroll", "kvxla") and o not in kernels]
     if unknown:
         raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', "
-                         f"'kvxla', 'gemv...', 'gemm...', 'norms', 'pfN', 'stream', 'mgpu...', 'flow'")
+                         f"'kvxla', 'gemv...', 'gemm...', 'norms', 'pfN', 'stream', 'mgpu...', "
+                         f"'flow', 'flow4'")
     proj = parse_projections("+".join(kernels) or "xla")
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
     if h is None:

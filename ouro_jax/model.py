@@ -25,7 +25,7 @@ from jax import lax
 from ouro_jax.config import OuroConfig
 from ouro_jax.params import FUSED, LayerParams, OuroParams
 from ouro_jax.projections import XLA as _XLAProjections
-from ouro_jax.projections import Residual
+from ouro_jax.projections import Prepared, Residual
 from ouro_jax.sampling import as_int
 
 XLA_PROJECTIONS = _XLAProjections()
@@ -117,9 +117,12 @@ def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, 
     the o projection."""
     eps = cfg.rms_norm_eps
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    if lp.qkv_proj is not None:
+    if isinstance(x, Prepared):  # '+flow4': the previous layer's kernel computed it
+        qkv, x = x.qkv, x.x
+    elif lp.qkv_proj is not None:
         qkv, x = proj.normed("qkv", x, lp.input_layernorm, lp.qkv_proj, eps,
                              next_weight=(lp.o_proj, 1))
+    if lp.qkv_proj is not None:
         if hasattr(attend, "qkv"):
             packed = qkv.reshape(*x.shape[:-1], nh + 2 * nkv, hd)
             if hasattr(attend, "qkv_o"):
@@ -142,24 +145,25 @@ def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, 
 
 
 def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, state,
-                  loop, layer, proj=None, next_qkv=None):
+                  loop, layer, proj=None, next_qkv=None, next_lp=None):
     """One sandwich-norm decoder layer. lp holds a single layer's weights (no [L] axis);
     `proj` (ouro_jax.projections) computes the projections, XLA's einsums by default. `x` and
     the result are the residual stream: an array, or with proj 'norms' a deferred
     projections.Residual that the next projection's prologue adds up (proj.materialize).
     Each projection is told the weight the next one reads (`next_weight`; next_qkv: the next
     layer's fused qkv), which the streaming GEMV may prefetch into L2; results never depend
-    on it."""
+    on it. next_lp: the next layer's weights when it follows in the same loop ('+flow4'
+    computes its qkv in this layer's kernel and hands it on in a projections.Prepared)."""
     proj = proj or XLA_PROJECTIONS
     eps = cfg.rms_norm_eps
-    flow = x.flow if isinstance(x, Residual) else None  # '+flow': the kernel's counters
+    flow = x.flow if isinstance(x, (Residual, Prepared)) else None  # gemv_flow's counters
     attn, x, state, projected = _attention(lp, x, cos, sin, cfg, attend, state, loop, layer,
                                            proj)
     lead = x.shape[:-1]
     if not projected:
         attn = attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim)
         if hasattr(proj, "flows") and proj.flows(attn, lp):
-            return proj.mlp_flow(attn, x, lp, eps, flow), state
+            return proj.mlp_flow(attn, x, lp, eps, flow, next_lp), state
         attn = proj.project("o", attn, lp.o_proj, next_weight=None if lp.gate_up_proj is None
                             else (lp.gate_up_proj, 2))
     h = Residual(x, attn, lp.input_layernorm_2)  # h = x + rms_norm(attn, input_layernorm_2)
@@ -189,7 +193,9 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
             # after the last layer the next loop's first (after the last loop the prefetch,
             # when STREAM_TUNING asks for one, reads ~3 MB nobody uses: `loop` is traced)
             h, state = decoder_layer(lp, h, cos, sin, cfg, attend, state, loop, layer, proj,
-                                     next_qkv=params.layers[(layer + 1) % n].qkv_proj)
+                                     next_qkv=params.layers[(layer + 1) % n].qkv_proj,
+                                     next_lp=params.layers[layer + 1] if layer + 1 < n
+                                     else None)
         h = (proj or XLA_PROJECTIONS).materialize(h, cfg.rms_norm_eps)
         return rms_norm(h, params.norm, cfg.rms_norm_eps), state
 

@@ -57,7 +57,8 @@ def parse(spec: str):
     Mosaic GPU GEMV (MGPU_TUNING, jax >= 0.11, bf16/fp16) for those projections' one-row GEMV
     calls instead (default: the 'gemv' part's; e.g. 'gemv+norms+stream+mgpu:down');
     '+flow' (with 'norms' and 'stream') -> a one-row layer's o, gate/up and down as one
-    ticket-ordered kernel (pallas_kernels.gemv_flow; experimental, opt-in);
+    ticket-ordered kernel (pallas_kernels.gemv_flow; experimental, opt-in); '+flow4' -> the
+    same with the next layer's qkv as a fourth stage (not after a loop's last layer);
     'auto' -> see resolve."""
     spec = resolve(spec)
     if spec in ("", "xla"):
@@ -67,7 +68,8 @@ def parse(spec: str):
     mgpu_parts = [p for p, kind in zip(parts, kinds) if kind == "mgpu"]
     fuse_norms, stream, prefetch, flow = _modes(spec, parts, kinds, mgpu_parts)
     kw = {}
-    for part in (p for p in parts if p not in ("norms", "stream", "flow") and p not in mgpu_parts
+    for part in (p for p in parts if p not in ("norms", "stream", "flow", "flow4")
+                 and p not in mgpu_parts
                  and not p.startswith("pf")):
         kind, names, rows = _parse_part(spec, part)
         if kind in kw:
@@ -76,15 +78,18 @@ def parse(spec: str):
     gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
     gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
     mgpu_names = _mgpu_names(spec, mgpu_parts, gemv_names)
-    if flow and not {"o", "gate_up", "down"} <= set(gemv_names):
-        raise ValueError(f"projections {spec!r}: 'flow' needs o, gate_up and down in the "
+    need = {"o", "gate_up", "down"} | ({"qkv"} if flow == 4 else set())
+    if flow and not need <= set(gemv_names):
+        raise ValueError(f"projections {spec!r}: '{'flow' if flow == 3 else 'flow4'}' needs "
+                         f"{sorted(need)} in the "
                          f"'gemv' part")
     return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream,
                       mgpu_names, flow)
 
 
 def _modes(spec: str, parts: list, kinds: list, mgpu_parts: list):
-    """The spec's switches, checked: (norms, stream, the 'pfN' depth or None, flow)."""
+    """The spec's switches, checked: (norms, stream, the 'pfN' depth or None, the flow
+    kernel's stages: 0, 3 or 4)."""
     fuse_norms = "norms" in parts
     stream = "stream" in parts
     if parts.count("norms") > 1 or (fuse_norms and "gemv" not in kinds):
@@ -106,11 +111,12 @@ def _modes(spec: str, parts: list, kinds: list, mgpu_parts: list):
             raise ValueError(f"projections {spec!r}: 'pfN' is the per-block GEMV's prefetch "
                              f"depth; with 'stream' one-row calls take the streaming kernel, "
                              f"which has none (give one of the two)")
-    flow = "flow" in parts
-    if flow and (parts.count("flow") > 1 or not (fuse_norms and stream) or mgpu_parts):
-        raise ValueError(f"projections {spec!r}: 'flow' (o -> gate/up -> down of one-row "
-                         f"calls in one gemv_flow kernel) is given once, with 'norms' and "
-                         f"'stream' and without 'mgpu'")
+    flows = [p for p in parts if p in ("flow", "flow4")]
+    flow = {"flow": 3, "flow4": 4}[flows[0]] if flows else 0
+    if flow and (len(flows) > 1 or not (fuse_norms and stream) or mgpu_parts):
+        raise ValueError(f"projections {spec!r}: 'flow' or 'flow4' (o -> gate/up -> down "
+                         f"[-> the next qkv] of one-row calls in one gemv_flow kernel) is "
+                         f"given once, with 'norms' and 'stream' and without 'mgpu'")
     if len(mgpu_parts) > 1 or (mgpu_parts and ("gemv" not in kinds or "@" in mgpu_parts[0])):
         raise ValueError(f"projections {spec!r}: 'mgpu[:NAME,...]' (the Mosaic GPU GEMV for "
                          f"one-row calls; no '@ROWS') is given once, with a 'gemv' part")

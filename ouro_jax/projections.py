@@ -54,6 +54,15 @@ class Residual(NamedTuple):
     flow: jax.Array | None = None
 
 
+class Prepared(NamedTuple):
+    """'+flow4': a layer's output with the next layer's qkv projection already computed (the
+    gemv_flow kernel's fourth stage): x the residual stream (added up), qkv the projection
+    of rms_norm(x, the next input_layernorm), flow the kernel's counter state."""
+    x: jax.Array
+    qkv: jax.Array
+    flow: jax.Array
+
+
 def _rms_norm(x, w, eps):
     from ouro_jax.model import rms_norm
     return rms_norm(x, w, eps)
@@ -92,7 +101,7 @@ class XLA:
         """The residual stream as an array (a Residual is added up here)."""
         if isinstance(x, Residual):
             return x.resid + _rms_norm(x.branch, x.weight, eps)
-        return x
+        return x.x if isinstance(x, Prepared) else x
 
     def normed(self, name: str, x, norm_w, w, eps: float, gated: bool = False,
                next_weight=None):
@@ -121,7 +130,9 @@ class PallasGemv(XLA):
     prefetch: int | None = None  # '+pf<N>': every GEMV's prefetch depth instead of GEMV_TUNING's
     stream: bool = False  # '+stream': the streaming GEMV for calls of up to STREAM_MAX_ROWS rows
     mgpu_names: tuple = ()  # '+mgpu[:NAME,...]': the Mosaic GPU GEMV for their one-row calls
-    flow: bool = False  # '+flow': o -> gate/up -> down of one-row calls as one gemv_flow kernel
+    # '+flow' (3) / '+flow4' (4): a one-row layer's o -> gate/up -> down [-> the next layer's
+    # qkv] as one gemv_flow kernel; 0: off
+    flow: int = 0
 
     @property
     def spec(self) -> str:
@@ -144,7 +155,7 @@ class PallasGemv(XLA):
         if self.prefetch is not None:
             parts.append(f"pf{self.prefetch}")
         if self.flow:
-            parts.append("flow")
+            parts.append("flow" if self.flow == 3 else "flow4")
         return "+".join(parts)
 
     def tuning(self, name: str, n_out: int, k: int) -> dict:
@@ -253,29 +264,27 @@ class PallasGemv(XLA):
                 and not self.mgpu_names
                 and all(self._route(n, attn) == "gemv" for n in ("o", "gate_up", "down")))
 
-    def mlp_flow(self, attn, x, lp, eps, state=None):
+    def mlp_flow(self, attn, x, lp, eps, state=None, next_lp=None):
         """The layer after attention in one kernel (pallas_kernels.gemv_flow: o, then gate/up
         of rms_norm(x + rms_norm(o, input_layernorm_2), post_attention_layernorm), then
         down), the same bits as the three streaming GEMVs at the same tilings. state: the
-        previous layer's (Residual.flow), or None for a fresh one. Returns the layer output as
-        residual() gives it, carrying the state when deferred."""
-        from pallas_kernels.gemv_flow import Stage, gemv_flow, state_for
+        previous layer's (Residual.flow / Prepared.flow), or None for a fresh one. Returns
+        the layer output as residual() gives it, carrying the state when deferred; with
+        '+flow4' and next_lp (the next layer's weights, same loop) a Prepared: the kernel
+        also computes that layer's qkv."""
+        from pallas_kernels.gemv_flow import gemv_flow, state_for
         lead, k = x.shape[:-1], x.shape[-1]
-        attn = attn.reshape(-1, attn.shape[-1])
-
-        def tiling(name, w, gated=False):
-            t = fit_stream_tuning(STREAM_TUNING[name], w.shape[0] // (2 if gated else 1),
-                                  w.shape[1])
-            return {key: t[key] for key in ("block_n", "block_k", "per_program")}
-        stages = [Stage(lp.o_proj, tiling=tiling("o", lp.o_proj), name="o"),
-                  Stage(lp.gate_up_proj, gated=True, branch_w=lp.input_layernorm_2,
-                        norm_w=lp.post_attention_layernorm,
-                        tiling=tiling("gate_up", lp.gate_up_proj, True), name="gate_up"),
-                  Stage(lp.down_proj, tiling=tiling("down", lp.down_proj), name="down")]
+        four = self.flow == 4 and next_lp is not None and next_lp.qkv_proj is not None
+        stages = _flow_stages(lp, next_lp if four else None)
         ys, xs, state = trace_once.call(
-            gemv_flow, attn, stages, state_for(3) if state is None else state,
-            h=x.reshape(-1, k), eps=eps, interpret=jax.default_backend() != "gpu",
+            gemv_flow, attn.reshape(-1, attn.shape[-1]), stages,
+            state_for(len(stages)) if state is None or state.shape[0] != len(stages) + 2
+            else state, h=x.reshape(-1, k), eps=eps,
+            interpret=jax.default_backend() != "gpu",
             num_warps=STREAM_TUNING["gate_up"]["num_warps"])
+        if four:
+            return Prepared(xs[1].reshape(*lead, k), ys[3].reshape(*lead, ys[3].shape[-1]),
+                            state)
         out = self.residual(xs[0].reshape(*lead, k), ys[2].reshape(*lead, k),
                             lp.post_attention_layernorm_2, eps)
         return out._replace(flow=state) if isinstance(out, Residual) else out
@@ -297,6 +306,28 @@ class PallasGemv(XLA):
             return self._gemv("gate_up", x, w, gated=True, next_weight=next_weight)
         return self._gemm("gate_up", x, w, gated=True) if route == "gemm" else \
             super().gated(x, w)
+
+
+def _flow_stages(lp, next_lp=None) -> list:
+    """gemv_flow's stages for a layer's o -> gate/up -> down (STREAM_TUNING's tilings, fitted
+    to the shapes), and with next_lp the next layer's qkv, whose prologue adds down's output
+    (post_attention_layernorm_2) to the residual and norms it (next input_layernorm)."""
+    from pallas_kernels.gemv_flow import Stage
+
+    def tiling(name, w, gated=False):
+        t = fit_stream_tuning(STREAM_TUNING[name], w.shape[0] // (2 if gated else 1),
+                              w.shape[1])
+        return {key: t[key] for key in ("block_n", "block_k", "per_program")}
+    stages = [Stage(lp.o_proj, tiling=tiling("o", lp.o_proj), name="o"),
+              Stage(lp.gate_up_proj, gated=True, branch_w=lp.input_layernorm_2,
+                    norm_w=lp.post_attention_layernorm,
+                    tiling=tiling("gate_up", lp.gate_up_proj, True), name="gate_up"),
+              Stage(lp.down_proj, tiling=tiling("down", lp.down_proj), name="down")]
+    if next_lp is not None:
+        stages.append(Stage(next_lp.qkv_proj, branch_w=lp.post_attention_layernorm_2,
+                            norm_w=next_lp.input_layernorm,
+                            tiling=tiling("qkv", next_lp.qkv_proj), name="qkv"))
+    return stages
 
 
 # What 'auto' means on a GPU: one-row projections through the streaming GEMV with the
