@@ -40,6 +40,10 @@ VARIANTS = {
     "flow4_gu2": dict(stages=4, tiling=dict(gate_up=dict(per_program=2))),
     "flow4_gu4": dict(stages=4, tiling=dict(gate_up=dict(per_program=4))),
     "flow4_gu2_pf1": dict(stages=4, l2_prefetch=1, tiling=dict(gate_up=dict(per_program=2))),
+    # one thread per program spins (gemv_flow.SPINS): 1/128 of the L2 polling
+    "flow4_t0": dict(stages=4, spin="thread0"),
+    "flow4_t0_pid": dict(stages=4, spin="thread0", order="program_id"),
+    "flow4_t0_sleep": dict(stages=4, spin="thread0", backoff=100),
     # every stage at its lighter tiling (offline: 80-ish registers, 5-6 programs per SM)
     "flow4_lean": dict(stages=4, tiling=dict(gate_up=dict(per_program=2),
                                              down=dict(per_program=2),

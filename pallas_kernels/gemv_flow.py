@@ -52,6 +52,11 @@ from pallas_kernels.gemv_stream import (block_loader, check_supported, row_input
 from pallas_kernels.l2_prefetch import prefetch_blocks
 
 ORDERS = ("ticket", "program_id")
+# How a program waits: "all" (every thread re-reads the count with ld.acquire.gpu, as the
+# grid barrier's counter spin does) or "thread0" (one thread spins in PTX, then a CTA barrier
+# releases the others: one L2 read per program per round instead of one per thread, the
+# pattern of CUTLASS's semaphore wait; its acquire invalidates the SM's L1 for all threads).
+SPINS = ("all", "thread0")
 SPIN_LIMIT = 1 << 22  # re-reads before a waiting program gives up (seconds, not a hang)
 TILING_KEYS = ("block_n", "block_k", "per_program")
 
@@ -103,11 +108,34 @@ def _sleep_zero(state_ref, ns: int):
     return ref_asm(state_ref, 0, f"nanosleep.u32 {ns};\n\tmov.u32 $0, 0; // $1 (unused)")
 
 
-def _wait(state_ref, word: int, target: int, give_up: int, *, gpu_sync: bool, backoff: int):
+# thread0's wait: %d target, %d re-reads before giving up, %s the backoff, %d the give-up
+# word's byte offset from the awaited one (labels are scoped by the braces, as in CUTLASS).
+_SPIN0 = ("{\n\t.reg .pred %%p_w0, %%p_w1;\n\t.reg .s32 %%v_w, %%n_w, %%t_w;\n\t"
+          "mov.u32 $0, 0;\n\tmov.u32 %%t_w, %%tid.x;\n\tsetp.ne.s32 %%p_w0, %%t_w, 0;\n\t"
+          "@%%p_w0 bra W_DONE;\n\tmov.s32 %%n_w, 0;\nW_LOOP:\n\t"
+          "ld.acquire.gpu.global.b32 %%v_w, [$1];\n\tsetp.ge.s32 %%p_w1, %%v_w, %d;\n\t"
+          "@%%p_w1 bra W_DONE;\n\t%s"
+          "add.s32 %%n_w, %%n_w, 1;\n\tsetp.lt.s32 %%p_w1, %%n_w, %d;\n\t"
+          "@%%p_w1 bra W_LOOP;\n\tred.relaxed.gpu.global.add.u32 [$1+%d], 1;\nW_DONE:\n\t}")
+
+
+def _wait_thread0(state_ref, word: int, target: int, give_up: int, backoff: int):
+    from pallas_kernels.ref_ptx import ref_asm
+    sleep = f"nanosleep.u32 {backoff};\n\t" if backoff else ""
+    zero = ref_asm(state_ref, word, _SPIN0 % (target, sleep, SPIN_LIMIT, 4 * (give_up - word)))
+    plt.debug_barrier()  # the other threads wait here for thread 0
+    return zero
+
+
+def _wait(state_ref, word: int, target: int, give_up: int, *, gpu_sync: bool, backoff: int,
+          spin: str = "all"):
     """Waits until state[word] reaches target; returns an int32 zero that depends on the read
     (added to the offsets of every read of the awaited output, so that none moves above it).
     GPU: every thread re-reads with ld.acquire.gpu (no L1: it sees other SMs' counts), then a
-    CTA barrier holds the warps together; interpret: one read (programs ran in order)."""
+    CTA barrier holds the warps together (spin "thread0": one thread spins, see SPINS);
+    interpret: one read (programs ran in order)."""
+    if gpu_sync and spin == "thread0":
+        return _wait_thread0(state_ref, word, target, give_up, backoff)
     if gpu_sync:
         from pallas_kernels.ref_ptx import gpu_load
         pause = (lambda i: _sleep_zero(state_ref, backoff) + 0 * i) if backoff else \
@@ -143,7 +171,7 @@ def _finish(state_ref, s: int, plans, *, gpu_sync: bool, order: str):
             plt.atomic_add(state_ref, (jnp.int32(1 + j),), jnp.int32(-p.programs))
 
 
-def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_prefetch):
+def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_prefetch, spin):
     """Program q of stage s: its first weight slab requested, the wait for stage s - 1, the
     prologue and its blocks (gemv_stream's code), then its done count."""
     pl_ = plans[s]
@@ -158,7 +186,7 @@ def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_pr
                                 k=pl_.k, block_n=pl_.block_n, gated=pl_.gated,
                                 up_offset=pl_.n_out, interpret=not gpu_sync)
         after = after + _wait(refs["state"], s, plans[s - 1].programs, len(plans) + 1,
-                              gpu_sync=gpu_sync, backoff=backoff)
+                              gpu_sync=gpu_sync, backoff=backoff, spin=spin)
     y_prev = refs["y"][s - 1] if s else None
     if pl_.add_norm:
         src = (refs["resid"][s], y_prev, *refs["norms"][s], refs["xo"][s])
@@ -196,7 +224,7 @@ def _sort_refs(refs, plans, m: int) -> dict:
     return out
 
 
-def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch):
+def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin):
     r = _sort_refs(refs, plans, m)
     ticket = (plt.atomic_add(r["state"], (jnp.int32(0),), jnp.int32(1)) if order == "ticket"
               else pl.program_id(0))
@@ -204,7 +232,7 @@ def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch):
         pl.when((ticket >= p.start) & (ticket < p.start + p.programs))(functools.partial(
             lambda s_, p_: _stage(ticket - p_.start, s_, r, plans, eps=eps,
                                   gpu_sync=gpu_sync, order=order, backoff=backoff,
-                                  l2_prefetch=l2_prefetch), s, p))
+                                  l2_prefetch=l2_prefetch, spin=spin), s, p))
 
 
 def _plan(stages, x, h) -> tuple:
@@ -246,7 +274,7 @@ def _plan(stages, x, h) -> tuple:
 
 def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = False,
               num_warps: int = 4, order: str = "ticket", backoff: int = 0,
-              l2_prefetch: int = 0):
+              l2_prefetch: int = 0, spin: str = "all"):
     """The chain of Stage GEMVs (see the module docstring) on x [M, K0] (M up to
     gemv_stream.MAX_ROWS), h [M, K] the residual for the add_norm stages, state int32
     [len(stages) + 2] (state_for; donate it). Returns (ys, xs, state): every stage's output
@@ -254,12 +282,14 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     the give-up count, give_ups()). The bits are gemv_stream's / gemv_stream_normed's for the
     same tilings, call by call. order: ORDERS; backoff: nanoseconds a waiting program sleeps
     between re-reads (0: none); l2_prefetch: blocks a waiting program requests into L2 beyond
-    the one in registers, before it waits."""
+    the one in registers, before it waits; spin: SPINS (how a program waits)."""
     stages = list(stages)
     if not stages:
         raise ValueError("gemv_flow needs at least one stage")
     if order not in ORDERS:
         raise ValueError(f"gemv_flow order must be one of {ORDERS}, got {order!r}")
+    if spin not in SPINS:
+        raise ValueError(f"gemv_flow spin must be one of {SPINS}, got {spin!r}")
     for name, v in (("backoff", backoff), ("l2_prefetch", l2_prefetch)):
         if type(v) is not int or v < 0:
             raise ValueError(f"gemv_flow {name} must be an int >= 0, got {v!r}")
@@ -287,7 +317,7 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     out_shape.append(sd(state.shape, jnp.int32))
     kernel = functools.partial(_kernel, plans=plans, m=m, eps=float(eps),
                                gpu_sync=not interpret, order=order, backoff=backoff,
-                               l2_prefetch=l2_prefetch)
+                               l2_prefetch=l2_prefetch, spin=spin)
     outs = pl.pallas_call(
         kernel, grid=(sum(p.programs for p in plans),), out_shape=tuple(out_shape),
         input_output_aliases={len(operands): len(out_shape) - 1},

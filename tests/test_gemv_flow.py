@@ -126,6 +126,11 @@ def test_each_wait_follows_its_stages_first_weight_requests():
         assert re.search(r"tensor<[12]x128x!tt\.ptr<bf16>>", before), before
         assert re.search(r"tensor<128x!tt\.ptr<bf16>>", after), after
     assert ir.count("ld.acquire.gpu") == 4  # a first read and the loop's, per wait
+    [ir0] = triton_ir(lambda *a: gemv_flow(
+        a[0], mlp_stages(*a[2:7], tiling=tiling), a[7], h=a[1], spin="thread0"), *shapes)
+    assert "scf.while" not in ir0  # the spin is PTX: one per wait, with its give-up add
+    assert ir0.count("W_LOOP") == 2 * 2 and ir0.count("ld.acquire.gpu") == 2
+    assert ir0.count("red.relaxed.gpu.global.add.u32") == 2
 
 
 def test_bad_input_is_refused_before_anything_runs():
@@ -138,6 +143,8 @@ def test_bad_input_is_refused_before_anything_runs():
         run(state=jnp.zeros((4,), jnp.int32))
     with pytest.raises(ValueError, match="order must be one of"):
         run(order="fifo")
+    with pytest.raises(ValueError, match="spin must be one of"):
+        run(spin="thread1")
     with pytest.raises(ValueError, match="backoff must be an int >= 0"):
         run(backoff=-1)
     with pytest.raises(ValueError, match="pass the residual h"):
@@ -157,15 +164,16 @@ def test_bad_input_is_refused_before_anything_runs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
-@pytest.mark.parametrize("order", ["ticket", "program_id"])
-def test_the_real_grid_matches_the_separate_kernels_on_the_gpu(order):
+@pytest.mark.parametrize("order,spin", [("ticket", "all"), ("program_id", "all"),
+                                        ("ticket", "thread0")])
+def test_the_real_grid_matches_the_separate_kernels_on_the_gpu(order, spin):
     """1.4B shapes, bf16, the engine's tilings: 4 stages (1,728 programs) with their spinning
     waits give the separate kernels' bits, call after call with a new input each time, and no
     program gave up."""
     from pallas_kernels.gemv_flow import ENGINE_TILING
     c = _case(2048, 5632, jnp.bfloat16, seed=3)
     flow = jax.jit(lambda a, h, st: gemv_flow(a, _stages(c, True, ENGINE_TILING), st, h=h,
-                                              order=order), donate_argnums=2)
+                                              order=order, spin=spin), donate_argnums=2)
     separate = jax.jit(lambda a, h: _separate(dict(c, attn=a, h=h), True, ENGINE_TILING,
                                               interpret=False))
     state = state_for(4)
