@@ -2,7 +2,7 @@
 # Prepared in session 21, which was lent no GPU: the ticket-ordered GEMV chain
 # (pallas_kernels/gemv_flow.py; projections '+flow') on the H200, in one call of under
 # 10 minutes, each step only while time is left (CAP seconds in all).
-#   1. its GPU tests: the real grid (1,728 programs, 4 stages, spinning waits) against the
+#   1. its GPU tests: the real grid (1,760 programs, 4 stages, spinning waits) against the
 #      separate streaming GEMVs, ticket and program-id order, 8 calls each, no give-ups;
 #   2. benchmarks.gemv_flow: us per layer (o -> gate/up -> down -> next qkv), each variant
 #      against the separate kernels at its own tiling. Offline sm_90 compiles (Triton 3.9):
@@ -31,7 +31,7 @@ left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
 on 1 && timeout $(left 120) python3 -m pytest -q -m gpu tests/test_gemv_flow.py 2>&1 | tail -4
 echo "tests done at $SECONDS s"
 on 2 && timeout $(left 240) python3 -m benchmarks.gemv_flow --layers 8 \
-  --variants flow4,flow4_t0,flow3,flow4_pid,flow4_t0_pid,flow4_pf2,flow4_sleep,flow4_gu2,flow4_lean \
+  --variants flow4,flow4_all,flow3,flow4_pid,flow4_pf2,flow4_sleep,flow4_gu2,flow4_lean \
   --out $OUT/gemv_flow_session21_h200.json 2>&1 | \
   grep -oE '"variant": "[a-z0-9_]+"|"(max_abs_diff_vs_separate|give_ups_first_call|separate_us_per_layer|flow_us_per_layer|saving_us_per_layer)": [-0-9.e]+|rror.*|needs a GPU.*' | paste -sd' ' | sed 's/"variant"/\n&/g'
 echo "microbenchmark done at $SECONDS s"

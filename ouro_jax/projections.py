@@ -272,13 +272,13 @@ class PallasGemv(XLA):
         the layer output as residual() gives it, carrying the state when deferred; with
         '+flow4' and next_lp (the next layer's weights, same loop) a Prepared: the kernel
         also computes that layer's qkv."""
-        from pallas_kernels.gemv_flow import gemv_flow, state_for
+        from pallas_kernels.gemv_flow import gemv_flow, state_for, state_size
         lead, k = x.shape[:-1], x.shape[-1]
         four = self.flow == 4 and next_lp is not None and next_lp.qkv_proj is not None
         stages = _flow_stages(lp, next_lp if four else None)
         ys, xs, state = trace_once.call(
             gemv_flow, attn.reshape(-1, attn.shape[-1]), stages,
-            state_for(len(stages)) if state is None or state.shape[0] != len(stages) + 2
+            state_for(len(stages)) if state is None or state.shape[0] != state_size(len(stages))
             else state, h=x.reshape(-1, k), eps=eps,
             interpret=jax.default_backend() != "gpu",
             num_warps=STREAM_TUNING["gate_up"]["num_warps"])

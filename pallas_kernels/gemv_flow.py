@@ -43,21 +43,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from pallas_kernels._common import compiler_params, pl, plt
+from pallas_kernels import flow_sync
+from pallas_kernels._common import compiler_params, pl
+from pallas_kernels.flow_sync import (SPIN_LIMIT, SPINS, give_ups, state_for,  # noqa: F401
+                                      state_size)
 from pallas_kernels.gemv import check_norm_operands, check_operands
 from pallas_kernels.gemv_stream import (block_loader, check_supported, row_inputs,
                                         stream_blocks)
 from pallas_kernels.l2_prefetch import prefetch_blocks
 
 ORDERS = ("ticket", "program_id")
-# How a program waits: "all" (every thread re-reads the count with ld.acquire.gpu, as the
-# grid barrier's counter spin does) or "thread0" (one thread spins in PTX, then a CTA barrier
-# releases the others: one L2 read per program per round instead of one per thread, the
-# pattern of CUTLASS's semaphore wait; its acquire invalidates the SM's L1 for all threads).
-SPINS = ("all", "thread0")
-SPIN_LIMIT = 1 << 22  # re-reads before a waiting program gives up (seconds, not a hang)
 TILING_KEYS = ("block_n", "block_k", "per_program")
 
 
@@ -90,87 +86,6 @@ class _Plan(NamedTuple):
     start: int  # its first ticket
 
 
-def state_for(stages: int) -> jax.Array:
-    """The zeroed state for a chain of `stages`: int32 [stages + 2] (the ticket, a done count
-    per stage, the give-ups). Each call leaves it as it found it but for the give-ups."""
-    return jnp.zeros((stages + 2,), jnp.int32)
-
-
-def give_ups(state) -> jax.Array:
-    """Programs that stopped waiting without seeing their input complete (0 when the order
-    held; nonzero means wrong results)."""
-    return state[-1]
-
-
-def _sleep_zero(state_ref, ns: int):
-    """nanosleep.u32 ns in every thread; returns an int32 zero to keep it in the spin."""
-    from pallas_kernels.ref_ptx import ref_asm
-    return ref_asm(state_ref, 0, f"nanosleep.u32 {ns};\n\tmov.u32 $0, 0; // $1 (unused)")
-
-
-# thread0's wait: %d target, %d re-reads before giving up, %s the backoff, %d the give-up
-# word's byte offset from the awaited one (labels are scoped by the braces, as in CUTLASS).
-_SPIN0 = ("{\n\t.reg .pred %%p_w0, %%p_w1;\n\t.reg .s32 %%v_w, %%n_w, %%t_w;\n\t"
-          "mov.u32 $0, 0;\n\tmov.u32 %%t_w, %%tid.x;\n\tsetp.ne.s32 %%p_w0, %%t_w, 0;\n\t"
-          "@%%p_w0 bra W_DONE;\n\tmov.s32 %%n_w, 0;\nW_LOOP:\n\t"
-          "ld.acquire.gpu.global.b32 %%v_w, [$1];\n\tsetp.ge.s32 %%p_w1, %%v_w, %d;\n\t"
-          "@%%p_w1 bra W_DONE;\n\t%s"
-          "add.s32 %%n_w, %%n_w, 1;\n\tsetp.lt.s32 %%p_w1, %%n_w, %d;\n\t"
-          "@%%p_w1 bra W_LOOP;\n\tred.relaxed.gpu.global.add.u32 [$1+%d], 1;\nW_DONE:\n\t}")
-
-
-def _wait_thread0(state_ref, word: int, target: int, give_up: int, backoff: int):
-    from pallas_kernels.ref_ptx import ref_asm
-    sleep = f"nanosleep.u32 {backoff};\n\t" if backoff else ""
-    zero = ref_asm(state_ref, word, _SPIN0 % (target, sleep, SPIN_LIMIT, 4 * (give_up - word)))
-    plt.debug_barrier()  # the other threads wait here for thread 0
-    return zero
-
-
-def _wait(state_ref, word: int, target: int, give_up: int, *, gpu_sync: bool, backoff: int,
-          spin: str = "all"):
-    """Waits until state[word] reaches target; returns an int32 zero that depends on the read
-    (added to the offsets of every read of the awaited output, so that none moves above it).
-    GPU: every thread re-reads with ld.acquire.gpu (no L1: it sees other SMs' counts), then a
-    CTA barrier holds the warps together (spin "thread0": one thread spins, see SPINS);
-    interpret: one read (programs ran in order)."""
-    if gpu_sync and spin == "thread0":
-        return _wait_thread0(state_ref, word, target, give_up, backoff)
-    if gpu_sync:
-        from pallas_kernels.ref_ptx import gpu_load
-        pause = (lambda i: _sleep_zero(state_ref, backoff) + 0 * i) if backoff else \
-            (lambda i: 0 * i)
-        seen, _ = lax.while_loop(
-            lambda c: (c[0] < target) & (c[1] < SPIN_LIMIT),
-            lambda c: (gpu_load(state_ref, word + pause(c[1]), sem="acquire"), c[1] + 1),
-            (gpu_load(state_ref, word, sem="acquire"), jnp.int32(0)))
-    else:
-        seen = plt.atomic_add(state_ref, (jnp.int32(word),), jnp.int32(0))
-    # unconditional (0 when the wait held): every thread takes the same path
-    plt.atomic_add(state_ref, (jnp.int32(give_up),), (seen < target).astype(jnp.int32))
-    if gpu_sync:
-        plt.debug_barrier()
-    return 0 * seen
-
-
-def _finish(state_ref, s: int, plans, *, gpu_sync: bool, order: str):
-    """Counts this program done in stage s (release, after a CTA barrier orders every warp's
-    stores before one thread's acq_rel atomic); the last program of the last stage puts the
-    ticket and the done counts back to zero."""
-    if gpu_sync:
-        plt.debug_barrier()
-    old = plt.atomic_add(state_ref, (jnp.int32(1 + s),), jnp.int32(1))
-    if s != len(plans) - 1:
-        return
-
-    @pl.when(old == plans[-1].programs - 1)
-    def _():  # adds, not stores: interpret mode and the GPU alike see the atomics' values
-        if order == "ticket":
-            plt.atomic_add(state_ref, (jnp.int32(0),), jnp.int32(-sum(p.programs for p in plans)))
-        for j, p in enumerate(plans):
-            plt.atomic_add(state_ref, (jnp.int32(1 + j),), jnp.int32(-p.programs))
-
-
 def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_prefetch, spin):
     """Program q of stage s: its first weight slab requested, the wait for stage s - 1, the
     prologue and its blocks (gemv_stream's code), then its done count."""
@@ -185,8 +100,9 @@ def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_pr
         after = prefetch_blocks(w_ref, q, pl_.programs, min(l2_prefetch, pl_.per_program - 1),
                                 k=pl_.k, block_n=pl_.block_n, gated=pl_.gated,
                                 up_offset=pl_.n_out, interpret=not gpu_sync)
-        after = after + _wait(refs["state"], s, plans[s - 1].programs, len(plans) + 1,
-                              gpu_sync=gpu_sync, backoff=backoff, spin=spin)
+        after = after + flow_sync.wait(refs["state"], s - 1, plans[s - 1].programs,
+                                       len(plans), gpu_sync=gpu_sync, backoff=backoff,
+                                       spin=spin)
     y_prev = refs["y"][s - 1] if s else None
     if pl_.add_norm:
         src = (refs["resid"][s], y_prev, *refs["norms"][s], refs["xo"][s])
@@ -200,7 +116,8 @@ def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_pr
     stream_blocks(load, first, xs, refs["y"][s], p=q, programs=pl_.programs,
                   per_program=pl_.per_program, block_n=pl_.block_n, block_k=pl_.block_k,
                   nk=nk, gated=pl_.gated)
-    _finish(refs["state"], s, plans, gpu_sync=gpu_sync, order=order)
+    flow_sync.finish(refs["state"], s, tuple(p.programs for p in plans), gpu_sync=gpu_sync,
+                     order=order)
 
 
 def _sort_refs(refs, plans, m: int) -> dict:
@@ -226,8 +143,9 @@ def _sort_refs(refs, plans, m: int) -> dict:
 
 def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin):
     r = _sort_refs(refs, plans, m)
-    ticket = (plt.atomic_add(r["state"], (jnp.int32(0),), jnp.int32(1)) if order == "ticket"
-              else pl.program_id(0))
+    ticket = flow_sync.ticket(r["state"]) if order == "ticket" else pl.program_id(0)
+    pl.when(ticket >= sum(p.programs for p in plans))(
+        lambda: flow_sync.count_stray(r["state"], len(plans)))
     for s, p in enumerate(plans):
         pl.when((ticket >= p.start) & (ticket < p.start + p.programs))(functools.partial(
             lambda s_, p_: _stage(ticket - p_.start, s_, r, plans, eps=eps,
@@ -274,10 +192,10 @@ def _plan(stages, x, h) -> tuple:
 
 def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = False,
               num_warps: int = 4, order: str = "ticket", backoff: int = 0,
-              l2_prefetch: int = 0, spin: str = "all"):
+              l2_prefetch: int = 0, spin: str = "thread0"):
     """The chain of Stage GEMVs (see the module docstring) on x [M, K0] (M up to
-    gemv_stream.MAX_ROWS), h [M, K] the residual for the add_norm stages, state int32
-    [len(stages) + 2] (state_for; donate it). Returns (ys, xs, state): every stage's output
+    gemv_stream.MAX_ROWS), h [M, K] the residual for the add_norm stages, state: int32
+    [state_size(len(stages))] (state_for; donate it). Returns (ys, xs, state): every stage's output
     (gated: silu(gate) * up), every add_norm stage's x' in order, and the state (zeros but
     the give-up count, give_ups()). The bits are gemv_stream's / gemv_stream_normed's for the
     same tilings, call by call. order: ORDERS; backoff: nanoseconds a waiting program sleeps
@@ -301,9 +219,9 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     if h is not None and (h.shape[0] != x.shape[0] or h.dtype != x.dtype):
         raise ValueError(f"gemv_flow: h must be {x.dtype} with x's {x.shape[0]} rows, got "
                          f"{h.dtype} {h.shape}")
-    if state.shape != (len(stages) + 2,) or state.dtype != jnp.int32:
-        raise ValueError(f"gemv_flow: the state must be int32 [{len(stages) + 2}] (state_for"
-                         f"({len(stages)})), got {state.dtype} {state.shape}")
+    if state.shape != (state_size(len(stages)),) or state.dtype != jnp.int32:
+        raise ValueError(f"gemv_flow: the state must be int32 [{state_size(len(stages))}] "
+                         f"(state_for({len(stages)})), got {state.dtype} {state.shape}")
     plans = _plan(stages, x, h)
     m, dt = x.shape[0], x.dtype
     operands = [x] + ([h] if h is not None and any(p.add_norm for p in plans) else [])

@@ -27,24 +27,28 @@ from jax._src.pallas.triton import lowering as _lowering
 ref_asm_p = jax_core.Primitive("ouro_ref_asm")
 
 
-def ref_asm(ref, offset, asm: str):
+def ref_asm(ref, offset, asm: str, *, writes: bool = False):
     """Runs `asm` ($1: the address of element `offset` of `ref`, flat row-major; $0: an int32
-    result) in every thread of the program; returns the int32 result."""
+    result) in every thread of the program; returns the int32 result. writes: the asm stores
+    through the address; it then has a write effect on the ref, which keeps it in the kernel
+    even when its result is unused (a read-only one is dropped then)."""
     if "$1" not in asm or "$0" not in asm:
         raise ValueError("ref_asm's PTX must read the address as $1 and write an int32 to $0")
-    return ref_asm_p.bind(ref, jnp.asarray(offset, jnp.int32), asm=asm)
+    return ref_asm_p.bind(ref, jnp.asarray(offset, jnp.int32), asm=asm, writes=bool(writes))
 
 
 @ref_asm_p.def_effectful_abstract_eval
-def _abstract_eval(ref_aval, offset_aval, *, asm):
+def _abstract_eval(ref_aval, offset_aval, *, asm, writes):
     del offset_aval, asm
     if not isinstance(ref_aval, state.AbstractRef):
         raise ValueError(f"ref_asm takes a kernel ref, got {ref_aval}")
-    return jax_core.ShapedArray((), jnp.int32), {state.ReadEffect(0)}
+    return jax_core.ShapedArray((), jnp.int32), {
+        state.WriteEffect(0) if writes else state.ReadEffect(0)}
 
 
 @_lowering.register_lowering(ref_asm_p)
-def _lower(ctx, ptr, offset, *, asm):
+def _lower(ctx, ptr, offset, *, asm, writes):
+    del writes
     offset = _lowering._ensure_ir_value(offset, ctx.avals_in[1])  # a literal offset too
     if "ptr" not in str(ptr.type) or "tensor" in str(ptr.type):
         raise NotImplementedError(f"ref_asm needs a whole-array ref (a scalar pointer), got "
