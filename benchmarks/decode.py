@@ -236,7 +236,9 @@ PROJECTIONS_HELP = ("'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'),
                     "through the skinny Pallas GEMM), '+norms' (RMSNorms and residual adds in "
                     "the GEMV prologues), '+pfN' (the GEMV loads N K-chunks ahead, 0..4), '+stream' "
                     "(the streaming GEMV kernel), '+mgpu[:names]' (the Mosaic GPU GEMV for "
-                    "those projections' one-row calls; jax >= 0.11, slower so far)")
+                    "those projections' one-row calls; jax >= 0.11, slower so far), '+flow' / "
+                    "'+flow4' (with norms and stream: o -> gate/up -> down [-> next qkv] of a "
+                    "one-row layer as one gemv_flow kernel; experimental)")
 
 
 def main(argv=None) -> int:

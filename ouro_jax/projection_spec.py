@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import jax
 
-from ouro_jax import projections as _projections
-from ouro_jax.projections import (GEMM_MAX_ROWS, GEMM_ROW_LIMIT, GEMV_MAX_ROWS, GEMV_ROW_LIMIT,
-                                  NAMES, XLA, PallasGemv)
+from ouro_jax.projection_tuning import (GEMM_MAX_ROWS, GEMM_ROW_LIMIT, GEMV_MAX_ROWS,
+                                        GEMV_ROW_LIMIT, NAMES)
 
 
 def resolve(spec: str) -> str:
@@ -18,7 +17,8 @@ def resolve(spec: str) -> str:
     if spec != "auto":
         return spec
     from ouro_jax.attention import resolve_backend
-    return _projections.GPU_DEFAULT if resolve_backend("auto") == "pallas" else "xla"
+    from ouro_jax import projections
+    return projections.GPU_DEFAULT if resolve_backend("auto") == "pallas" else "xla"
 
 
 _LIMITS = {"gemv": (GEMV_MAX_ROWS, 1, GEMV_ROW_LIMIT), "gemm": (GEMM_MAX_ROWS, 2, GEMM_ROW_LIMIT)}
@@ -60,6 +60,7 @@ def parse(spec: str):
     ticket-ordered kernel (pallas_kernels.gemv_flow; experimental, opt-in); '+flow4' -> the
     same with the next layer's qkv as a fourth stage (not after a loop's last layer);
     'auto' -> see resolve."""
+    from ouro_jax.projections import XLA, PallasGemv  # (they import this module's names)
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
@@ -120,7 +121,8 @@ def _modes(spec: str, parts: list, kinds: list, mgpu_parts: list):
     if len(mgpu_parts) > 1 or (mgpu_parts and ("gemv" not in kinds or "@" in mgpu_parts[0])):
         raise ValueError(f"projections {spec!r}: 'mgpu[:NAME,...]' (the Mosaic GPU GEMV for "
                          f"one-row calls; no '@ROWS') is given once, with a 'gemv' part")
-    if mgpu_parts and not _projections.mgpu_available():  # looked up there: tests patch it
+    from ouro_jax import projections  # mgpu_available looked up there: tests patch it
+    if mgpu_parts and not projections.mgpu_available():
         raise ValueError(f"projections {spec!r}: 'mgpu' needs jax >= 0.11 with Mosaic GPU "
                          f"Pallas (jax.experimental.pallas.mosaic_gpu); this is jax "
                          f"{jax.__version__}")

@@ -260,8 +260,9 @@ class PallasGemv(XLA):
 
     def flows(self, attn, lp) -> bool:
         """Whether this layer's o -> gate/up -> down goes through one gemv_flow kernel."""
+        warps = {STREAM_TUNING[n]["num_warps"] for n in ("o", "gate_up", "down", "qkv")}
         return (self.flow and lp.gate_up_proj is not None and self._streams(attn)
-                and not self.mgpu_names
+                and not self.mgpu_names and len(warps) == 1  # one kernel: one warp count
                 and all(self._route(n, attn) == "gemv" for n in ("o", "gate_up", "down")))
 
     def mlp_flow(self, attn, x, lp, eps, state=None, next_lp=None):

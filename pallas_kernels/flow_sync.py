@@ -17,9 +17,9 @@ from pallas_kernels._common import pl, plt
 
 WORD = 32  # int32 elements per state word: 128 bytes, an L2 line
 SPIN_LIMIT = 1 << 22  # re-reads before a waiting program gives up (seconds, not a hang)
-# How a program waits: "thread0" (one thread spins in PTX, then a CTA barrier releases the
-# others: one L2 read per program per round, the pattern of CUTLASS's semaphore wait; its
-# acquire invalidates the SM's L1 for every thread) or "all" (every thread re-reads the count
+# How a program waits: "thread0" (one thread spins in PTX on relaxed loads, acquires once,
+# then a CTA barrier releases the others: one L2 read per program per round, the pattern of
+# CUTLASS's semaphore wait; the acquire invalidates the SM's L1 for every thread) or "all" (every thread re-reads the count
 # with ld.acquire.gpu, as the grid barrier's counter spin does, plus an acq_rel give-up add per
 # program whose fence may wait for the weight loads in flight).
 SPINS = ("thread0", "all")
@@ -64,22 +64,25 @@ def _sleep_zero(state_ref, ns: int):
 
 # The thread-0 wait: %d target, %s the backoff, %d re-reads before giving up, %d the give-up
 # word's byte offset from the awaited one (labels are scoped by the braces, as in CUTLASS).
+# It re-reads with relaxed GPU-scope loads (an acquire load invalidates the SM's L1 on every
+# read) and acquires once when the count is there (counts only grow within a call).
 _SPIN0 = ("{\n\t.reg .pred %%p_w0, %%p_w1;\n\t.reg .s32 %%v_w, %%n_w, %%t_w;\n\t"
           "mov.u32 $0, 0;\n\tmov.u32 %%t_w, %%tid.x;\n\tsetp.ne.s32 %%p_w0, %%t_w, 0;\n\t"
           "@%%p_w0 bra W_DONE;\n\tmov.s32 %%n_w, 0;\nW_LOOP:\n\t"
-          "ld.acquire.gpu.global.b32 %%v_w, [$1];\n\tsetp.ge.s32 %%p_w1, %%v_w, %d;\n\t"
-          "@%%p_w1 bra W_DONE;\n\t%s"
+          "ld.relaxed.gpu.global.b32 %%v_w, [$1];\n\tsetp.ge.s32 %%p_w1, %%v_w, %d;\n\t"
+          "@%%p_w1 bra W_SEEN;\n\t%s"
           "add.s32 %%n_w, %%n_w, 1;\n\tsetp.lt.s32 %%p_w1, %%n_w, %d;\n\t"
-          "@%%p_w1 bra W_LOOP;\n\tred.relaxed.gpu.global.add.u32 [$1+%d], 1;\nW_DONE:\n\t}")
+          "@%%p_w1 bra W_LOOP;\n\tred.relaxed.gpu.global.add.u32 [$1+%d], 1;\n\t"
+          "bra W_DONE;\nW_SEEN:\n\tld.acquire.gpu.global.b32 %%v_w, [$1];\nW_DONE:\n\t}")
 
 
 def wait(state_ref, stage: int, target: int, stages: int, *, gpu_sync: bool, backoff: int,
          spin: str):
-    """Waits until stage `stage`'s done count reaches target. Returns an int32 zero to add to
-    the offsets of the awaited output's reads (spin "all": it depends on the read). What
-    keeps those reads after the wait on the GPU is the impure asm and the CTA barrier (the
-    multiply by zero folds away in Triton). Interpret mode: one read (programs ran in order);
-    a count short of target is a give-up."""
+    """Waits until stage `stage`'s done count reaches target. Returns an int32 zero for the
+    offsets of the awaited output's reads (a plain 0 with "thread0"; with "all" a product of
+    the read, which Triton folds away). What keeps those reads after the wait on the GPU is
+    the impure asm (LLVM moves no memory access across it) and the CTA barrier. Interpret
+    mode: one read (programs ran in order); a count short of target is a give-up."""
     word, give_up = (1 + stage) * WORD, (stages + 1) * WORD
     if gpu_sync and spin == "thread0":
         from pallas_kernels.ref_ptx import ref_asm

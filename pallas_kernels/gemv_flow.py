@@ -32,8 +32,9 @@ reads the residual h (the first) or the previous add_norm stage's x' (later ones
 previous stage's output as the branch, and stores x' too. So the MLP chain is
 [o, gate_up(add_norm, gated), down] and with the next layer [.., qkv(add_norm)].
 
-Not in the engine: `benchmarks.gemv_flow` times it against the separate kernels on the GPU.
-In interpret mode (CPU tests) programs run in index order, so every wait is already met.
+In the engine as the opt-in projections '+flow' / '+flow4' (ouro_jax/projections.py);
+`benchmarks.gemv_flow` times it against the separate kernels on the GPU. In interpret mode
+(CPU tests) programs run in index order, so every wait is already met.
 """
 
 from __future__ import annotations
@@ -96,13 +97,12 @@ def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_pr
                         gated=pl_.gated, up_offset=pl_.n_out)
     first = load(q)  # in flight during the wait
     after = jnp.int32(0)
-    if s:
-        after = prefetch_blocks(w_ref, q, pl_.programs, min(l2_prefetch, pl_.per_program - 1),
-                                k=pl_.k, block_n=pl_.block_n, gated=pl_.gated,
-                                up_offset=pl_.n_out, interpret=not gpu_sync)
-        after = after + flow_sync.wait(refs["state"], s - 1, plans[s - 1].programs,
-                                       len(plans), gpu_sync=gpu_sync, backoff=backoff,
-                                       spin=spin)
+    if s:  # the prefetches kept by their write effect: their zeros stay out of `after`
+        prefetch_blocks(w_ref, q, pl_.programs, min(l2_prefetch, pl_.per_program - 1),
+                        k=pl_.k, block_n=pl_.block_n, gated=pl_.gated, up_offset=pl_.n_out,
+                        interpret=not gpu_sync, keep=True)
+        after = flow_sync.wait(refs["state"], s - 1, plans[s - 1].programs, len(plans),
+                               gpu_sync=gpu_sync, backoff=backoff, spin=spin)
     y_prev = refs["y"][s - 1] if s else None
     if pl_.add_norm:
         src = (refs["resid"][s], y_prev, *refs["norms"][s], refs["xo"][s])
@@ -153,7 +153,7 @@ def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin):
                                   l2_prefetch=l2_prefetch, spin=spin), s, p))
 
 
-def _plan(stages, x, h) -> tuple:
+def _plan(stages, x, h, num_warps: int) -> tuple:
     """The stages' static layout; ValueError names the first thing that does not chain."""
     m = x.shape[0]
     plans, start, width = [], 0, x.shape[1]
@@ -182,7 +182,7 @@ def _plan(stages, x, h) -> tuple:
             raise ValueError(f"{label}: tiling takes exactly {list(TILING_KEYS)}, got "
                              f"{sorted(t)}")
         k = st.w.shape[1]
-        check_supported(m, k, n_out, num_warps=4, **t)
+        check_supported(m, k, n_out, num_warps=num_warps, **t)
         programs = n_out // t["block_n"] // t["per_program"]
         plans.append(_Plan(st.gated, st.add_norm, n_out, k, t["block_n"], t["block_k"],
                            t["per_program"], programs, start))
@@ -222,7 +222,7 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     if state.shape != (state_size(len(stages)),) or state.dtype != jnp.int32:
         raise ValueError(f"gemv_flow: the state must be int32 [{state_size(len(stages))}] "
                          f"(state_for({len(stages)})), got {state.dtype} {state.shape}")
-    plans = _plan(stages, x, h)
+    plans = _plan(stages, x, h, num_warps)
     m, dt = x.shape[0], x.dtype
     operands = [x] + ([h] if h is not None and any(p.add_norm for p in plans) else [])
     for st in stages:

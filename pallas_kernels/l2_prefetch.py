@@ -37,27 +37,32 @@ def check_nbytes(nbytes: int) -> int:
     return nbytes
 
 
-def l2_prefetch(ref, offset, nbytes: int, *, interpret: bool):
+def l2_prefetch(ref, offset, nbytes: int, *, interpret: bool, keep: bool = False):
     """Prefetch `nbytes` of `ref` (a whole-array kernel ref, no BlockSpec) from element
     `offset` (int32, flat row-major) into L2. Returns an int32 zero for the caller to add into
-    a later index (that keeps the call alive); a plain 0 in interpret mode."""
+    a later index (that keeps the call alive); a plain 0 in interpret mode. keep: the asm is
+    kept by a write effect instead (ref_asm's writes=), so the caller need not use the zero:
+    an asm zero in the offsets of aligned loads hides their alignment from the compiler."""
     check_nbytes(nbytes)
     if interpret:
         return jnp.int32(0)
-    return ref_asm(ref, offset, _ASM % nbytes)
+    return ref_asm(ref, offset, _ASM % nbytes, writes=keep)
 
 
 # The streaming GEMV's uses (pallas_kernels/gemv_stream.py; gemv_chain's rolling prefetch):
 # which byte ranges of a weight a program asks for.
 
-def prefetch_block(w_ref, p, programs, i, *, k, block_n, gated, up_offset, interpret):
+def prefetch_block(w_ref, p, programs, i, *, k, block_n, gated, up_offset, interpret,
+                   keep=False):
     """L2 prefetch of the program's i-th block, p + i * programs, of w_ref (its block_n rows
-    of K are contiguous; gated: and its up rows); returns the prefetch's int32 zero."""
+    of K are contiguous; gated: and its up rows); returns the prefetch's int32 zero (keep:
+    as l2_prefetch's)."""
     nbytes = block_n * k * w_ref.dtype.itemsize
     row = (p + i * programs) * block_n
     zero = jnp.int32(0)
     for off in (0, up_offset) if gated else (0,):
-        zero = zero + l2_prefetch(w_ref, (off + row) * k, nbytes, interpret=interpret)
+        zero = zero + l2_prefetch(w_ref, (off + row) * k, nbytes, interpret=interpret,
+                                  **({"keep": True} if keep else {}))
     return zero
 
 

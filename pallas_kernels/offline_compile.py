@@ -170,7 +170,7 @@ def check_flow():
     """Every benchmarks/gemv_flow.py variant of the ticket-ordered chain (gemv_flow) on the
     1.4B shapes at one row: one kernel, whose registers are the largest stage's."""
     from benchmarks.gemv_flow import INTER, K, VARIANTS, tilings
-    from pallas_kernels.gemv_flow import gemv_flow, mlp_stages
+    from pallas_kernels.gemv_flow import gemv_flow, mlp_stages, state_size
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     vec, sq = S((K,), bf), S((K, K), bf)
     for vname, v in VARIANTS.items():
@@ -181,7 +181,8 @@ def check_flow():
             return gemv_flow(attn, st, state, h=h, **opts)
         jax.jit(f).trace(S((1, K), bf), S((1, K), bf), sq, S((2 * INTER, K), bf),
                          S((K, INTER), bf), S((3 * K, K), bf), vec,
-                         S((v["stages"] + 2,), jnp.int32)).lower(lowering_platforms=("cuda",))
+                         S((state_size(v["stages"]),), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
         compile_captured(f"flow {vname}", num_warps=4, num_stages=1)
 
 

@@ -161,7 +161,13 @@ def test_each_stage_waits_after_its_weight_requests_and_counts_after_its_stores(
     if spin == "thread0":  # the spin is PTX: one per wait, with its give-up add
         assert "scf.while" not in ir
         assert ir.count("W_LOOP") == 2 * 2 and ir.count("ld.acquire.gpu") == 2
+        assert ir.count("ld.relaxed.gpu") == 2
         assert ir.count("red.relaxed.gpu.global.add.u32") == 2
+        # gate/up waits for o's 64 programs on word 1, down for gate/up's 96 on word 2; the
+        # give-up word (4) lies 3 and 2 words (of 128 bytes) past them
+        for reg, target, give_up in ((stages[1], 64, 384), (stages[2], 96, 256)):
+            spin_asm = next(ln for ln in reg if "W_LOOP" in ln)
+            assert f"%v_w, {target};" in spin_asm and f"[$1+{give_up}], 1;" in spin_asm
     else:  # a first read and the loop's, per wait
         assert ir.count("ld.acquire.gpu") == 4
 
@@ -205,16 +211,17 @@ def test_the_real_grid_matches_the_separate_kernels_on_the_gpu(order, spin):
     program gave up."""
     from pallas_kernels.gemv_flow import ENGINE_TILING
     c = _case(2048, 5632, jnp.bfloat16, seed=3)
-    flow = jax.jit(lambda a, h, st: gemv_flow(a, _stages(c, True, ENGINE_TILING), st, h=h,
-                                              order=order, spin=spin), donate_argnums=2)
-    separate = jax.jit(lambda a, h: _separate(dict(c, attn=a, h=h), True, ENGINE_TILING,
-                                              interpret=False))
+    # the weights as jit arguments: closed over, ~100 MB would compile in as constants
+    flow = jax.jit(lambda c, st: gemv_flow(c["attn"], _stages(c, True, ENGINE_TILING), st,
+                                           h=c["h"], order=order, spin=spin),
+                   donate_argnums=1)
+    separate = jax.jit(lambda c: _separate(c, True, ENGINE_TILING, interpret=False))
     state = state_for(4)
     rng = np.random.default_rng(9)
     for _ in range(8):
-        a = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)
-        ys, xs, state = flow(a, c["h"], state)
-        want_ys, want_xs = separate(a, c["h"])
+        c = dict(c, attn=jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16))
+        ys, xs, state = flow(c, state)
+        want_ys, want_xs = separate(c)
         assert not np.asarray(state).any(), "a program gave up waiting, or the reset missed"
         _same(ys + xs, want_ys + want_xs)
 
@@ -319,3 +326,23 @@ def test_the_engine_path_threads_its_state_and_keeps_the_tokens():
     assert out["gemv+norms+stream"] == out["gemv+norms+stream+flow"] == \
         out["gemv+norms+stream+flow4"]
     assert out["gemv+norms+stream+flow4"][0] == out["gemv+norms+stream+flow4"][1]
+
+
+def test_offline_compile_lowers_every_benchmark_variant(monkeypatch):
+    """`python -m pallas_kernels.offline_compile --flow` (the pre-flight sm_90 compile of
+    every benchmarks.gemv_flow variant at the 1.4B shapes): its lowering runs for each, here
+    without Triton's compile (no Triton package in the test environment)."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    from benchmarks.gemv_flow import VARIANTS
+    from pallas_kernels import offline_compile as oc
+    tags = []
+
+    def record(tag, **kw):
+        tags.append((tag, len(oc._captured)))
+        oc._captured.clear()
+    monkeypatch.setattr(oc, "compile_captured", record)
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", oc._hook)
+    with oc.sm90_device_info():
+        oc.check_flow()
+    assert tags == [(f"flow {name}", 1) for name in VARIANTS]
+
