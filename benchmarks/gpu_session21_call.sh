@@ -15,8 +15,10 @@
 #   4. the same at k=4 d=2 (the draft runs the one-row kernels): default vs FLOW_K4 (default
 #      flow4; set it to the better of step 3);
 #   5. what session 19's call left (the CLI's cached start native and k=4, the load alone):
-#      gpu_session19_call.sh STEPS=34.
-# Two calls: STEPS=123 (about 9 minutes), then STEPS=45.
+#      gpu_session19_call.sh STEPS=34;
+#   6. (runs before 5) a kernel trace of batch-1 native with FLOW_K4: the flow kernel's time
+#      per layer application against session 11's per-kernel figures.
+# Two calls: STEPS=123 (about 9 minutes), then STEPS=456.
 # The chain pays if it saves >= ~1 us per layer (96 layer applications per decode step:
 # ~0.1 ms per step per us, ~2.4% at batch 1).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session21_call.sh
@@ -57,6 +59,9 @@ if on 4; then
 fi
 (on 3 || on 4) && python3 -m benchmarks.ab_arms $A $OUT/ab_flow_b1_session21_h200.json
 echo "A/B done at $SECONDS s"
+on 6 && timeout $(left 90) python3 -m benchmarks.kernel_trace --synthetic 1.4b --batch 1 --k 0 \
+  --attention pallas --projections gemv+norms+stream+${FLOW_K4:-flow4} --top 12 \
+  --out $OUT/kernel_trace_flow_b1_session21_h200.json 2>&1 | grep -E "gemv_flow|kernels_per|busy" | cut -c1-200
 on 5 && [ $SECONDS -lt $((CAP - 60)) ] && STEPS=34 CLI_K="0 4" CAP=$((CAP - SECONDS)) OUT=$OUT \
   bash benchmarks/gpu_session19_call.sh
 echo "elapsed $SECONDS s"
