@@ -46,8 +46,12 @@ def _at(word: int):
     return (jnp.int32(word * WORD),)
 
 
-def ticket(state_ref):
-    """This program's place in start order (one acq_rel atomic add by one thread)."""
+def ticket(state_ref, *, relaxed: bool = False):
+    """This program's place in start order (one atomic add by one thread): acq_rel, or with
+    relaxed (GPU only) a relaxed one, which later loads need not wait for."""
+    if relaxed:
+        from pallas_kernels.ref_ptx import relaxed_atomic_add
+        return relaxed_atomic_add(state_ref, 0, 1)
     return plt.atomic_add(state_ref, _at(0), jnp.int32(1))
 
 
@@ -129,7 +133,8 @@ def finish(state_ref, stage: int, programs: tuple, *, gpu_sync: bool, order: str
 
     @pl.when(old == programs[-1] - 1)
     def _():
-        words = ([0] if order == "ticket" else []) + [1 + j for j in range(len(programs))]
+        ticketed = order != "program_id"
+        words = ([0] if ticketed else []) + [1 + j for j in range(len(programs))]
         if gpu_sync:
             from pallas_kernels.ref_ptx import ref_asm
             stores = "".join(f"@%p_r st.relaxed.gpu.global.b32 [$1+{4 * w * WORD}], 0;\n\t"
@@ -137,7 +142,7 @@ def finish(state_ref, stage: int, programs: tuple, *, gpu_sync: bool, order: str
             ref_asm(state_ref, 0, _RESET % stores, writes=True)  # (stores: no % escapes)
             return
         # interpret mode (no asm): adds of what each word holds, which the atomics report
-        if order == "ticket":
+        if ticketed:
             plt.atomic_add(state_ref, _at(0), jnp.int32(-sum(programs)))
         for j, p in enumerate(programs):
             plt.atomic_add(state_ref, _at(1 + j), jnp.int32(-p))

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import flow_sync
 from pallas_kernels._common import compiler_params, pl
@@ -54,7 +55,11 @@ from pallas_kernels.gemv_stream import (block_loader, check_supported, row_input
                                         stream_blocks)
 from pallas_kernels.l2_prefetch import prefetch_blocks
 
-ORDERS = ("ticket", "program_id")
+# "guess": the first weight block of the program's index (the ticket it almost always
+# draws) is requested before a relaxed ticket is drawn; a program whose ticket differs drops
+# that block and runs as its ticket says (the "ticket" path), so the guess costs nothing in
+# safety. It saves the ticket's round trip before the first request (_guessed).
+ORDERS = ("ticket", "program_id", "guess")
 TILING_KEYS = ("block_n", "block_k", "per_program")
 
 
@@ -87,15 +92,21 @@ class _Plan(NamedTuple):
     start: int  # its first ticket
 
 
-def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_prefetch, spin):
-    """Program q of stage s: its first weight slab requested, the wait for stage s - 1, the
-    prologue and its blocks (gemv_stream's code), then its done count."""
+def _loader(refs: dict, pl_, s: int):
+    return block_loader(refs["w"][s], block_n=pl_.block_n, block_k=pl_.block_k,
+                        nk=pl_.k // pl_.block_k, gated=pl_.gated, up_offset=pl_.n_out)
+
+
+def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_prefetch, spin,
+           first=None):
+    """Program q of stage s: its first weight slab requested (unless `first` holds it), the
+    wait for stage s - 1, the prologue and its blocks (gemv_stream's code), then its done
+    count."""
     pl_ = plans[s]
     nk = pl_.k // pl_.block_k
     w_ref = refs["w"][s]
-    load = block_loader(w_ref, block_n=pl_.block_n, block_k=pl_.block_k, nk=nk,
-                        gated=pl_.gated, up_offset=pl_.n_out)
-    first = load(q)  # in flight during the wait
+    load = _loader(refs, pl_, s)
+    first = load(q) if first is None else first  # in flight during the wait
     after = jnp.int32(0)
     if s:  # the prefetches kept by their write effect: their zeros stay out of `after`
         prefetch_blocks(w_ref, q, pl_.programs, min(l2_prefetch, pl_.per_program - 1),
@@ -143,14 +154,41 @@ def _sort_refs(refs, plans, m: int) -> dict:
 
 def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin):
     r = _sort_refs(refs, plans, m)
-    ticket = flow_sync.ticket(r["state"]) if order == "ticket" else pl.program_id(0)
+    run = functools.partial(_stage, refs=r, plans=plans, eps=eps, gpu_sync=gpu_sync,
+                            order=order, backoff=backoff, l2_prefetch=l2_prefetch, spin=spin)
+    within = lambda t, p: (t >= p.start) & (t < p.start + p.programs)
+
+    def dispatch(t):  # run as ticket t says
+        for s, p in enumerate(plans):
+            pl.when(within(t, p))(functools.partial(
+                lambda s_, p_: run(t - p_.start, s_), s, p))
+
+    pid = pl.program_id(0)
+    if order == "guess":
+        ticket = _guessed(pid, r, plans, run, gpu_sync)
+        pl.when(ticket != pid)(lambda: dispatch(ticket))
+    else:
+        ticket = pid if order == "program_id" else flow_sync.ticket(r["state"])
+        dispatch(ticket)
     pl.when(ticket >= sum(p.programs for p in plans))(
         lambda: flow_sync.count_stray(r["state"], len(plans)))
-    for s, p in enumerate(plans):
-        pl.when((ticket >= p.start) & (ticket < p.start + p.programs))(functools.partial(
-            lambda s_, p_: _stage(ticket - p_.start, s_, r, plans, eps=eps,
-                                  gpu_sync=gpu_sync, order=order, backoff=backoff,
-                                  l2_prefetch=l2_prefetch, spin=spin), s, p))
+
+
+def _guessed(pid, r, plans, run, gpu_sync):
+    """order "guess": the first weight block of ticket == pid is requested, then the ticket
+    is drawn (a relaxed atomic: a fence before it would wait for those loads; Triton
+    broadcasts a scalar atomic's result through a CTA barrier, so loads placed after it
+    would wait for its round trip), and the stage runs with that block if the guess held.
+    Returns the ticket. (Interpret mode has no relaxed atomic: the acq_rel one there.)"""
+    def branch(s, p):
+        def f():
+            first = _loader(r, p, s)(pid - p.start)
+            t = flow_sync.ticket(r["state"], relaxed=gpu_sync)
+            pl.when(t == pid)(lambda: run(pid - p.start, s, first=first))
+            return t
+        return f
+    stage = sum((pid >= p.start).astype(jnp.int32) for p in plans[1:])
+    return lax.switch(stage, [branch(s, p) for s, p in enumerate(plans)])
 
 
 def _plan(stages, x, h, num_warps: int) -> tuple:

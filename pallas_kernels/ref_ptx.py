@@ -91,3 +91,36 @@ def store_timeline(t_ref, p, start):
     t_ref[p, 0] = start
     t_ref[p, 1] = global_timer(t_ref)
     t_ref[p, 2] = sm_id(t_ref)
+
+
+# A relaxed GPU-scope atomic add: Pallas's atomic_add is acq_rel (a fence before it and an L1
+# invalidate after it that waits for its result), which a ticket needs neither of; without
+# them the loads that follow it (and do not depend on its value) issue while it is in flight.
+relaxed_add_p = jax_core.Primitive("ouro_relaxed_atomic_add")
+
+
+def relaxed_atomic_add(ref, offset, value):
+    """atom.relaxed.gpu add of int32 `value` at element `offset` of `ref` (flat, whole-array
+    ref; GPU only, no interpret-mode rule); returns the old value (one thread's atomic, as
+    Triton does for a scalar atomic, its result given to every thread)."""
+    if jnp.dtype(ref.dtype) != jnp.int32:
+        raise ValueError(f"relaxed_atomic_add takes int32 refs, got {ref.dtype}")
+    return relaxed_add_p.bind(ref, jnp.asarray(offset, jnp.int32), jnp.asarray(value, jnp.int32))
+
+
+@relaxed_add_p.def_effectful_abstract_eval
+def _relaxed_abstract_eval(ref_aval, offset_aval, value_aval):
+    del offset_aval, value_aval
+    if not isinstance(ref_aval, state.AbstractRef):
+        raise ValueError(f"relaxed_atomic_add takes a kernel ref, got {ref_aval}")
+    return jax_core.ShapedArray((), jnp.int32), {state.WriteEffect(0)}
+
+
+@_lowering.register_lowering(relaxed_add_p)
+def _relaxed_lower(ctx, ptr, offset, value):
+    if "ptr" not in str(ptr.type) or "tensor" in str(ptr.type):
+        raise NotImplementedError(f"relaxed_atomic_add needs a whole-array ref, got {ptr.type}")
+    offset = _lowering._ensure_ir_value(offset, ctx.avals_in[1])
+    value = _lowering._ensure_ir_value(value, ctx.avals_in[2])
+    return _lowering._atomic_rmw(tt_dialect.RMWOp.ADD, _lowering._add(ptr, offset), value,
+                                 semantic=tt_dialect.MemSemantic.RELAXED)

@@ -60,7 +60,7 @@ def _same(got, want):
 
 @pytest.mark.parametrize("dtype,qkv,order", [
     (jnp.float32, False, "ticket"), (jnp.bfloat16, True, "ticket"),
-    (jnp.float32, True, "program_id")])
+    (jnp.float32, True, "program_id"), (jnp.bfloat16, True, "guess")])
 def test_matches_the_separate_kernels_bit_for_bit(dtype, qkv, order):
     c = _case(128, 192, dtype)
     stages = _stages(c, qkv)
@@ -138,7 +138,7 @@ def test_each_stage_waits_after_its_weight_requests_and_counts_after_its_stores(
     lines = ir.splitlines()
     first_load = next(i for i, ln in enumerate(lines) if "tt.load" in ln)
     assert "tt.atomic_rmw add" in "\n".join(lines[:first_load])  # the ticket
-    stray, *stages = _regions(ir)
+    *stages, stray = _regions(ir)  # the stray-ticket check comes last
     assert sum("tt.atomic_rmw" in ln for ln in stray) == 1
     assert len(stages) == 3
     find = lambda reg, word: [i for i, ln in enumerate(reg) if word in ln]
@@ -170,6 +170,30 @@ def test_each_stage_waits_after_its_weight_requests_and_counts_after_its_stores(
             assert f"%v_w, {target};" in spin_asm and f"[$1+{give_up}], 1;" in spin_asm
     else:  # a first read and the loop's, per wait
         assert ir.count("ld.acquire.gpu") == 4
+
+
+def test_the_guess_requests_weights_before_drawing_a_relaxed_ticket():
+    """order="guess", lowered for 'cuda': in each stage's branch (by program index) a weight
+    tile's load comes before the ticket, a relaxed atomic (no fence to wait for those loads);
+    there is no acq_rel ticket; the branch's stage runs under ticket == pid."""
+    from test_pdl import triton_ir
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    k, inter = 256, 384
+    tiling = {n: dict(v, block_k=128) for n, v in TILING.items()}
+    tiling["gate_up"]["per_program"] = 2
+    [ir] = triton_ir(lambda a, h, wo, wp, wm, wg, wd, st: gemv_flow(
+        a, mlp_stages(wo, wp, wm, wg, wd, tiling=tiling), st, h=h, order="guess"),
+        s((1, k), bf), s((1, k), bf), s((k, k), bf), s((k,), bf), s((k,), bf),
+        s((2 * inter, k), bf), s((k, inter), bf), s((5 * WORD,), jnp.int32))
+    lines = ir.splitlines()
+    tickets = [i for i, ln in enumerate(lines) if "tt.atomic_rmw add, relaxed" in ln]
+    assert len(tickets) == 3  # one per stage branch
+    for i in tickets:
+        before = [ln for ln in lines[:i] if "tt.load" in ln][-1]
+        assert re.search(r"tensor<[12]x128x!tt\.ptr<bf16>>", before), before
+    first_acq_rel = next(i for i, ln in enumerate(lines) if "atomic_rmw add, acq_rel" in ln)
+    assert first_acq_rel > tickets[0]  # the done counts, not a ticket
 
 
 def test_bad_input_is_refused_before_anything_runs():
@@ -204,7 +228,7 @@ def test_bad_input_is_refused_before_anything_runs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 @pytest.mark.parametrize("order,spin", [("ticket", "thread0"), ("program_id", "thread0"),
-                                        ("ticket", "all")])
+                                        ("guess", "thread0"), ("ticket", "all")])
 def test_the_real_grid_matches_the_separate_kernels_on_the_gpu(order, spin):
     """1.4B shapes, bf16, the engine's tilings: 4 stages (1,760 programs) with their spinning
     waits give the separate kernels' bits, call after call with a new input each time, and no
