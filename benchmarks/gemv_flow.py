@@ -31,11 +31,11 @@ NAMES = ("o", "gate_up", "down", "qkv")
 # name -> gemv_flow options; "stages": 4 (the chain through the next qkv) or 3 (the MLP,
 # then qkv as its own kernel); "tiling": per-projection overrides of ENGINE_TILING.
 VARIANTS = {
-    "flow4": dict(stages=4),  # the defaults: ticket order, one thread spins
+    "flow4": dict(stages=4),  # the defaults: "guess" order, one thread spins
     "flow4_all": dict(stages=4, spin="all"),  # every thread spins (gemv_flow.SPINS)
     "flow3": dict(stages=3),
     "flow4_pid": dict(stages=4, order="program_id"),
-    "flow4_guess": dict(stages=4, order="guess"),  # first block requested before the ticket
+    "flow4_ticket": dict(stages=4, order="ticket"),  # the ticket first (acq_rel), then loads
     "flow4_pf2": dict(stages=4, l2_prefetch=2),
     "flow4_sleep": dict(stages=4, backoff=100),
     # gate/up at 8 blocks per program sets the kernel's registers (146 per thread offline,
@@ -49,7 +49,7 @@ VARIANTS = {
                                              qkv=dict(block_n=2, per_program=2))),
 }
 # flow4_pid last: it trusts the start order, so it is the one likeliest to give up
-DEFAULT_VARIANTS = ("flow4,flow4_guess,flow4_all,flow3,flow4_pf2,flow4_sleep,flow4_gu2,"
+DEFAULT_VARIANTS = ("flow4,flow4_ticket,flow4_all,flow3,flow4_pf2,flow4_sleep,flow4_gu2,"
                     "flow4_lean,flow4_pid")
 
 

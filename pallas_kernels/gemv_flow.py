@@ -21,10 +21,13 @@ and the grid need not be resident at once (unlike a grid barrier). What it buys:
 programs start on free SMs and put their weight requests in flight while the previous stage's
 tail drains, with no kernel boundary in between. The last program of the last stage puts the
 state back to zeros (all others are past their waits by then), so it is threaded through calls.
-order="program_id" skips the ticket atomic (saves its latency before the first weight request)
-and relies on the hardware starting programs in index order, which CUDA does not promise: a
-program that waits too long (SPIN_LIMIT) counts itself in the give-up word and goes on, so a
-broken order shows as a nonzero count and wrong results, not a hang.
+The default order="guess" requests the first weight slab of the program's own index (the
+ticket it almost always draws) before drawing a relaxed ticket, so the ticket's round trip
+does not delay the first request; a program whose ticket differs runs as the ticket says
+(order="ticket": the ticket first). order="program_id" draws no ticket and relies on the
+hardware starting programs in index order, which CUDA does not promise. A program that
+waits too long (SPIN_LIMIT) counts itself in the give-up word and goes on, so a broken order
+shows as a nonzero count and wrong results, not a hang.
 
 Stages: stage 0 reads the kernel's input x; a plain stage reads the previous stage's output;
 an add_norm stage (the sandwich layer's residual add and RMSNorms, gemv_stream's prologue)
@@ -229,7 +232,7 @@ def _plan(stages, x, h, num_warps: int) -> tuple:
 
 
 def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = False,
-              num_warps: int = 4, order: str = "ticket", backoff: int = 0,
+              num_warps: int = 4, order: str = "guess", backoff: int = 0,
               l2_prefetch: int = 0, spin: str = "thread0"):
     """The chain of Stage GEMVs (see the module docstring) on x [M, K0] (M up to
     gemv_stream.MAX_ROWS), h [M, K] the residual for the add_norm stages, state: int32

@@ -121,7 +121,8 @@ def test_each_stage_waits_after_its_weight_requests_and_counts_after_its_stores(
     and its first load after it the input; every stage's stores all come before a CTA barrier
     that comes before its done count (the release), with no store in between; the last stage
     then resets the state (thread 0's relaxed stores); the ticket atomic precedes every load
-    and a ticket past the grid is counted."""
+    and a ticket past the grid is counted. order="ticket": one region per stage (the default
+    "guess" runs the same stage code, in branches by program index, and falls back to this)."""
     from test_pdl import triton_ir
     s = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
@@ -133,7 +134,7 @@ def test_each_stage_waits_after_its_weight_requests_and_counts_after_its_stores(
 
     def f(attn, h, w_o, w_post, w_pre, w_gu, w_down, state):
         st = mlp_stages(w_o, w_post, w_pre, w_gu, w_down, tiling=tiling)
-        return gemv_flow(attn, st, state, h=h, spin=spin)
+        return gemv_flow(attn, st, state, h=h, spin=spin, order="ticket")
     [ir] = triton_ir(f, *shapes)
     lines = ir.splitlines()
     first_load = next(i for i, ln in enumerate(lines) if "tt.load" in ln)
