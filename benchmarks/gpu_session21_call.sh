@@ -20,7 +20,7 @@
 #      per layer application against session 11's per-kernel figures.
 # Two calls: STEPS=123 (about 9 minutes), then STEPS=456.
 # The chain pays if it saves >= ~1 us per layer (96 layer applications per decode step:
-# ~0.1 ms per step per us, ~2.4% at batch 1).
+# ~0.1 ms per step per us, ~2.3% at batch 1).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session21_call.sh
 # STEPS= picks steps (default 123); CAP= the seconds the call may take (default 570).
 set -u
