@@ -31,11 +31,12 @@ NAMES = ("o", "gate_up", "down", "qkv")
 # name -> gemv_flow options; "stages": 4 (the chain through the next qkv) or 3 (the MLP,
 # then qkv as its own kernel); "tiling": per-projection overrides of ENGINE_TILING.
 VARIANTS = {
-    "flow4": dict(stages=4),  # the defaults: "guess" order, one thread spins
+    "flow4": dict(stages=4),  # the defaults: ticket order, one thread spins
     "flow4_all": dict(stages=4, spin="all"),  # every thread spins (gemv_flow.SPINS)
     "flow3": dict(stages=3),
     "flow4_pid": dict(stages=4, order="program_id"),
-    "flow4_ticket": dict(stages=4, order="ticket"),  # the ticket first (acq_rel), then loads
+    # the first block requested before a relaxed ticket (its misses are reported)
+    "flow4_guess": dict(stages=4, order="guess"),
     "flow4_pf2": dict(stages=4, l2_prefetch=2),
     "flow4_sleep": dict(stages=4, backoff=100),
     # gate/up at 8 blocks per program sets the kernel's registers (146 per thread offline,
@@ -49,7 +50,7 @@ VARIANTS = {
                                              qkv=dict(block_n=2, per_program=2))),
 }
 # flow4_pid last: it trusts the start order, so it is the one likeliest to give up
-DEFAULT_VARIANTS = ("flow4,flow4_ticket,flow4_all,flow3,flow4_pf2,flow4_sleep,flow4_gu2,"
+DEFAULT_VARIANTS = ("flow4,flow4_guess,flow4_all,flow3,flow4_pf2,flow4_sleep,flow4_gu2,"
                     "flow4_lean,flow4_pid")
 
 
@@ -119,7 +120,7 @@ def flow(ws, attn, h, state, tiling, stages: int, options, interpret: bool = Fal
 
 def _variant_row(name, v, ws, attn, h, sep_times, args, timers) -> dict:
     from pallas_kernels.flow_sync import WORD
-    from pallas_kernels.gemv_flow import give_ups, state_for
+    from pallas_kernels.gemv_flow import give_ups, misses, state_for
     time_calls, time_threaded = timers
     t = _freeze(tilings(v))
     if t not in sep_times:  # the separate kernels at this tiling: reference and baseline
@@ -134,7 +135,8 @@ def _variant_row(name, v, ws, attn, h, sep_times, args, timers) -> dict:
               for g, r in zip((q, x), ref))
     row = dict(variant=name, **{k: val for k, val in v.items() if k != "tiling"},
                tiling=tilings(v), max_abs_diff_vs_separate=err,
-               give_ups_first_call=int(give_ups(state)), separate_us_per_layer=sep_us)
+               give_ups_first_call=int(give_ups(state)),
+               guess_misses_first_call=int(misses(state)), separate_us_per_layer=sep_us)
     if err or row["give_ups_first_call"]:  # wrong, and each give-up spins for seconds
         row["flow_us_per_layer"] = None
         return row

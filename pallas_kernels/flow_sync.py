@@ -2,9 +2,10 @@
 on a stage's done count, the done count itself and the reset (pallas_kernels/gemv_flow.py
 says why; docs/kernels.md how).
 
-State: int32 [(stages + 2) * WORD], one word per 128-byte line so that the ticket's atomics,
+State: int32 [(stages + 3) * WORD], one word per 128-byte line so that the ticket's atomics,
 each stage's count and the spins on it do not share a line: word 0 the ticket, word 1 + s
-stage s's done count, word stages + 1 the give-ups. Word w is element w * WORD.
+stage s's done count, word stages + 1 the give-ups, word stages + 2 the guesses missed
+(order "guess": programs whose ticket was not their index). Word w is element w * WORD.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ WORD = 32  # int32 elements per state word: 128 bytes, an L2 line
 SPIN_LIMIT = 1 << 22  # re-reads before a waiting program gives up (seconds, not a hang)
 # How a program waits: "thread0" (one thread spins in PTX on relaxed loads, acquires once,
 # then a CTA barrier releases the others: one L2 read per program per round, the pattern of
-# CUTLASS's semaphore wait; the acquire invalidates the SM's L1 for every thread) or "all" (every thread re-reads the count
-# with ld.acquire.gpu, as the grid barrier's counter spin does, plus an acq_rel give-up add per
-# program whose fence may wait for the weight loads in flight).
+# CUTLASS's semaphore wait; the acquire invalidates the SM's L1 for every thread) or "all"
+# (every thread re-reads the count with ld.acquire.gpu, as the grid barrier's counter spin
+# does, plus an acq_rel give-up add per program whose fence may wait for the weight loads in
+# flight).
 SPINS = ("thread0", "all")
 
 
 def state_size(stages: int) -> int:
-    return (stages + 2) * WORD
+    return (stages + 3) * WORD
 
 
 def state_for(stages: int) -> jax.Array:
@@ -39,7 +41,17 @@ def give_ups(state) -> jax.Array:
     """Programs that stopped waiting without seeing their input complete, or that drew a
     ticket past the grid (a state not zeroed, e.g. after an earlier give-up): 0 when the
     handover held; nonzero means wrong results (start from a fresh state_for)."""
+    return state[-2 * WORD]
+
+
+def misses(state) -> jax.Array:
+    """order "guess": programs whose ticket was not their own index (each dropped a
+    requested block and loaded its ticket's), summed over the calls the state saw."""
     return state[-WORD]
+
+
+def count_miss(state_ref, stages: int):
+    plt.atomic_add(state_ref, _at(stages + 2), jnp.int32(1))
 
 
 def _at(word: int):

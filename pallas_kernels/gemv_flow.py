@@ -21,10 +21,10 @@ and the grid need not be resident at once (unlike a grid barrier). What it buys:
 programs start on free SMs and put their weight requests in flight while the previous stage's
 tail drains, with no kernel boundary in between. The last program of the last stage puts the
 state back to zeros (all others are past their waits by then), so it is threaded through calls.
-The default order="guess" requests the first weight slab of the program's own index (the
-ticket it almost always draws) before drawing a relaxed ticket, so the ticket's round trip
-does not delay the first request; a program whose ticket differs runs as the ticket says
-(order="ticket": the ticket first). order="program_id" draws no ticket and relies on the
+order="guess" requests the first weight slab of the program's own index (the ticket it
+usually draws; unmeasured) before drawing a relaxed ticket, so the ticket's round trip does
+not delay the first request; a program whose ticket differs runs as the ticket says (the
+default order="ticket": the ticket first). order="program_id" draws no ticket and relies on the
 hardware starting programs in index order, which CUDA does not promise. A program that
 waits too long (SPIN_LIMIT) counts itself in the give-up word and goes on, so a broken order
 shows as a nonzero count and wrong results, not a hang.
@@ -51,17 +51,18 @@ from jax import lax
 
 from pallas_kernels import flow_sync
 from pallas_kernels._common import compiler_params, pl
-from pallas_kernels.flow_sync import (SPIN_LIMIT, SPINS, give_ups, state_for,  # noqa: F401
-                                      state_size)
+from pallas_kernels.flow_sync import (SPIN_LIMIT, SPINS, give_ups, misses,  # noqa: F401
+                                      state_for, state_size)
 from pallas_kernels.gemv import check_norm_operands, check_operands
 from pallas_kernels.gemv_stream import (block_loader, check_supported, row_inputs,
                                         stream_blocks)
 from pallas_kernels.l2_prefetch import prefetch_blocks
 
-# "guess": the first weight block of the program's index (the ticket it almost always
-# draws) is requested before a relaxed ticket is drawn; a program whose ticket differs drops
-# that block and runs as its ticket says (the "ticket" path), so the guess costs nothing in
-# safety. It saves the ticket's round trip before the first request (_guessed).
+# "guess": the first weight block of the program's index (the ticket it usually draws: how
+# often is unmeasured; misses() counts the others) is requested before a relaxed ticket is
+# drawn; a program whose ticket differs drops that block and runs as its ticket says (the
+# "ticket" path), so the guess costs nothing in safety. It saves the ticket's round trip
+# before the first request (_guessed), at twice the code (each stage's body twice).
 ORDERS = ("ticket", "program_id", "guess")
 TILING_KEYS = ("block_n", "block_k", "per_program")
 
@@ -168,8 +169,13 @@ def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin):
 
     pid = pl.program_id(0)
     if order == "guess":
-        ticket = _guessed(pid, r, plans, run, gpu_sync)
-        pl.when(ticket != pid)(lambda: dispatch(ticket))
+        guess = _guess(pid, sum(p.programs for p in plans))
+        ticket = _guessed(guess, r, plans, run, gpu_sync)
+
+        @pl.when(ticket != guess)
+        def _():
+            flow_sync.count_miss(r["state"], len(plans))
+            dispatch(ticket)
     else:
         ticket = pid if order == "program_id" else flow_sync.ticket(r["state"])
         dispatch(ticket)
@@ -177,20 +183,27 @@ def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin):
         lambda: flow_sync.count_stray(r["state"], len(plans)))
 
 
-def _guessed(pid, r, plans, run, gpu_sync):
-    """order "guess": the first weight block of ticket == pid is requested, then the ticket
+def _guess(pid, programs: int):
+    """The ticket a program bets on: its own index (a test patches this to make every guess
+    miss, which interpret mode's in-order tickets never do)."""
+    del programs
+    return pid
+
+
+def _guessed(guess, r, plans, run, gpu_sync):
+    """order "guess": the first weight block of ticket `guess` is requested, then the ticket
     is drawn (a relaxed atomic: a fence before it would wait for those loads; Triton
     broadcasts a scalar atomic's result through a CTA barrier, so loads placed after it
     would wait for its round trip), and the stage runs with that block if the guess held.
     Returns the ticket. (Interpret mode has no relaxed atomic: the acq_rel one there.)"""
     def branch(s, p):
         def f():
-            first = _loader(r, p, s)(pid - p.start)
+            first = _loader(r, p, s)(guess - p.start)
             t = flow_sync.ticket(r["state"], relaxed=gpu_sync)
-            pl.when(t == pid)(lambda: run(pid - p.start, s, first=first))
+            pl.when(t == guess)(lambda: run(guess - p.start, s, first=first))
             return t
         return f
-    stage = sum((pid >= p.start).astype(jnp.int32) for p in plans[1:])
+    stage = sum((guess >= p.start).astype(jnp.int32) for p in plans[1:])
     return lax.switch(stage, [branch(s, p) for s, p in enumerate(plans)])
 
 
@@ -232,7 +245,7 @@ def _plan(stages, x, h, num_warps: int) -> tuple:
 
 
 def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = False,
-              num_warps: int = 4, order: str = "guess", backoff: int = 0,
+              num_warps: int = 4, order: str = "ticket", backoff: int = 0,
               l2_prefetch: int = 0, spin: str = "thread0"):
     """The chain of Stage GEMVs (see the module docstring) on x [M, K0] (M up to
     gemv_stream.MAX_ROWS), h [M, K] the residual for the add_norm stages, state: int32
