@@ -33,7 +33,7 @@ def state_size(stages: int) -> int:
 
 def state_for(stages: int) -> jax.Array:
     """The zeroed state for a chain of `stages` (the module docstring's layout). Each call
-    leaves it as it found it but for the give-ups."""
+    leaves it as it found it but for the give-ups and the misses."""
     return jnp.zeros((state_size(stages),), jnp.int32)
 
 
@@ -51,6 +51,7 @@ def misses(state) -> jax.Array:
 
 
 def count_miss(state_ref, stages: int):
+    """One program whose guess missed (off the usual path: its acq_rel fence is no cost)."""
     plt.atomic_add(state_ref, _at(stages + 2), jnp.int32(1))
 
 
