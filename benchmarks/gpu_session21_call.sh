@@ -18,13 +18,15 @@
 #      gpu_session19_call.sh STEPS=34;
 #   6. (runs before 5) a kernel trace of batch-1 native with FLOW_K4: the flow kernel's time
 #      per layer application against session 11's per-kernel figures.
-# Two calls: STEPS=123 (about 9 minutes), then STEPS=456.
+# Two calls, the decisive number first: STEPS=13 (the GPU tests, then the end-to-end A/B;
+# about 7 minutes), then STEPS=2456 (the microbenchmark, which says why, then k=4, the
+# trace and the leftovers; steps run in the script's order, 2 4 6 5).
 # The chain pays if it saves >= ~1 us per layer (96 layer applications per decode step:
 # ~0.1 ms per step per us, ~2.3% at batch 1).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session21_call.sh
-# STEPS= picks steps (default 123); CAP= the seconds the call may take (default 570).
+# STEPS= picks steps (default 13); CAP= the seconds the call may take (default 570).
 set -u
-STEPS=${STEPS:-123}
+STEPS=${STEPS:-13}
 on() { [[ $STEPS == *$1* ]]; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
