@@ -37,6 +37,8 @@ VARIANTS = {
     "flow4_pid": dict(stages=4, order="program_id"),
     # the first block requested before a relaxed ticket (its misses are reported)
     "flow4_guess": dict(stages=4, order="guess"),
+    # its cheaper form: the own index's first block asked into L2 before an ordinary ticket
+    "flow4_l2guess": dict(stages=4, l2_guess=True),
     "flow4_pf2": dict(stages=4, l2_prefetch=2),
     "flow4_sleep": dict(stages=4, backoff=100),
     # gate/up at 8 blocks per program sets the kernel's registers (146 per thread offline,
@@ -50,7 +52,7 @@ VARIANTS = {
                                              qkv=dict(block_n=2, per_program=2))),
 }
 # flow4_pid last: it trusts the start order, so it is the one likeliest to give up
-DEFAULT_VARIANTS = ("flow4,flow4_guess,flow4_all,flow3,flow4_pf2,flow4_sleep,flow4_gu2,"
+DEFAULT_VARIANTS = ("flow4,flow4_guess,flow4_l2guess,flow4_all,flow3,flow4_pf2,flow4_sleep,flow4_gu2,"
                     "flow4_lean,flow4_pid")
 
 

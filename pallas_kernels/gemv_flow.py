@@ -56,7 +56,7 @@ from pallas_kernels.flow_sync import (SPIN_LIMIT, SPINS, give_ups, misses,  # no
 from pallas_kernels.gemv import check_norm_operands, check_operands
 from pallas_kernels.gemv_stream import (block_loader, check_supported, row_inputs,
                                         stream_blocks)
-from pallas_kernels.l2_prefetch import prefetch_blocks
+from pallas_kernels.l2_prefetch import prefetch_block, prefetch_blocks
 
 # "guess": the first weight block of the program's index (the ticket it usually draws: how
 # often is unmeasured; misses() counts the others) is requested before a relaxed ticket is
@@ -156,7 +156,7 @@ def _sort_refs(refs, plans, m: int) -> dict:
     return out
 
 
-def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin):
+def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin, l2_guess):
     r = _sort_refs(refs, plans, m)
     run = functools.partial(_stage, refs=r, plans=plans, eps=eps, gpu_sync=gpu_sync,
                             order=order, backoff=backoff, l2_prefetch=l2_prefetch, spin=spin)
@@ -177,6 +177,13 @@ def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin):
             flow_sync.count_miss(r["state"], len(plans))
             dispatch(ticket)
     else:
+        if l2_guess:  # the block of ticket == pid asked into L2 before the ticket is drawn
+            def ask(s_, p_):  # (kept by its write effect; a pl.when body returns nothing)
+                prefetch_block(r["w"][s_], pid - p_.start, p_.programs, 0, k=p_.k,
+                               block_n=p_.block_n, gated=p_.gated, up_offset=p_.n_out,
+                               interpret=not gpu_sync, keep=True)
+            for s, p in enumerate(plans):
+                pl.when(within(pid, p))(functools.partial(ask, s, p))
         ticket = pid if order == "program_id" else flow_sync.ticket(r["state"])
         dispatch(ticket)
     pl.when(ticket >= sum(p.programs for p in plans))(
@@ -246,7 +253,7 @@ def _plan(stages, x, h, num_warps: int) -> tuple:
 
 def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = False,
               num_warps: int = 4, order: str = "ticket", backoff: int = 0,
-              l2_prefetch: int = 0, spin: str = "thread0"):
+              l2_prefetch: int = 0, spin: str = "thread0", l2_guess: bool = False):
     """The chain of Stage GEMVs (see the module docstring) on x [M, K0] (M up to
     gemv_stream.MAX_ROWS), h [M, K] the residual for the add_norm stages, state: int32
     [state_size(len(stages))] (state_for; donate it). Returns (ys, xs, state): every stage's output
@@ -254,7 +261,10 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     the give-up count, give_ups()). The bits are gemv_stream's / gemv_stream_normed's for the
     same tilings, call by call. order: ORDERS; backoff: nanoseconds a waiting program sleeps
     between re-reads (0: none); l2_prefetch: blocks a waiting program requests into L2 beyond
-    the one in registers, before it waits; spin: SPINS (how a program waits)."""
+    the one in registers, before it waits; spin: SPINS (how a program waits); l2_guess: with
+    order "ticket" / "program_id", each program first asks L2 for the first block of the
+    ticket it usually draws (its index), a cheaper bet than "guess" (no second copy of the
+    stage bodies; a miss wastes one prefetch)."""
     stages = list(stages)
     if not stages:
         raise ValueError("gemv_flow needs at least one stage")
@@ -262,6 +272,9 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
         raise ValueError(f"gemv_flow order must be one of {ORDERS}, got {order!r}")
     if spin not in SPINS:
         raise ValueError(f"gemv_flow spin must be one of {SPINS}, got {spin!r}")
+    if not isinstance(l2_guess, bool) or (l2_guess and order == "guess"):
+        raise ValueError(f"gemv_flow l2_guess must be a bool, and not with order 'guess' "
+                         f"(which loads that block itself), got {l2_guess!r}")
     for name, v in (("backoff", backoff), ("l2_prefetch", l2_prefetch)):
         if type(v) is not int or v < 0:
             raise ValueError(f"gemv_flow {name} must be an int >= 0, got {v!r}")
@@ -289,7 +302,7 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     out_shape.append(sd(state.shape, jnp.int32))
     kernel = functools.partial(_kernel, plans=plans, m=m, eps=float(eps),
                                gpu_sync=not interpret, order=order, backoff=backoff,
-                               l2_prefetch=l2_prefetch, spin=spin)
+                               l2_prefetch=l2_prefetch, spin=spin, l2_guess=l2_guess)
     outs = pl.pallas_call(
         kernel, grid=(sum(p.programs for p in plans),), out_shape=tuple(out_shape),
         input_output_aliases={len(operands): len(out_shape) - 1},

@@ -1,8 +1,9 @@
 """The ticket-ordered GEMV chain (pallas_kernels/gemv_flow.py): the same bits as the separate
 streaming GEMVs it replaces, its state threaded through calls, a wait that is not met counted
 as a give-up, the wait's place in the lowered kernel (after the first weight requests), and
-its errors. On the CPU programs run in index order (interpret mode); the GPU test runs the
-real grid with its spinning waits."""
+its errors, the benchmark's two arms. On the CPU programs run in index order (interpret
+mode); the GPU test runs the real grid with its spinning waits. The engine's use of it:
+tests/test_projections_flow.py."""
 
 from __future__ import annotations
 
@@ -200,6 +201,34 @@ def test_the_guess_requests_weights_before_drawing_a_relaxed_ticket():
     assert first_acq_rel > tickets[0]  # the done counts, not a ticket
 
 
+def test_l2_guess_asks_l2_for_the_own_block_before_the_ticket():
+    """l2_guess=True, lowered for 'cuda': one bulk L2 prefetch per stage branch (by program
+    index; gated: two) before the ticket atomic and any load; in interpret mode the same
+    bits (it is a prefetch)."""
+    from test_pdl import triton_ir
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    k, inter = 256, 384
+    tiling = {n: dict(v, block_k=128) for n, v in TILING.items()}
+    tiling["gate_up"]["per_program"] = 2
+    [ir] = triton_ir(lambda a, h, wo, wp, wm, wg, wd, st: gemv_flow(
+        a, mlp_stages(wo, wp, wm, wg, wd, tiling=tiling), st, h=h, l2_guess=True),
+        s((1, k), bf), s((1, k), bf), s((k, k), bf), s((k,), bf), s((k,), bf),
+        s((2 * inter, k), bf), s((k, inter), bf), s((state_size(3),), jnp.int32))
+    lines = ir.splitlines()
+    first = lambda word: next(i for i, ln in enumerate(lines) if word in ln)
+    before_ticket = "\n".join(lines[:first("tt.atomic_rmw")])
+    assert before_ticket.count("cp.async.bulk.prefetch.L2") == 1 + 2 + 1
+    assert first("tt.atomic_rmw") < first("tt.load")
+    c = _case(128, 192, jnp.float32)
+    ys, xs, state = gemv_flow(c["attn"], _stages(c, True), state_for(4), h=c["h"],
+                              interpret=True, l2_guess=True)
+    _same(ys + xs, sum(_separate(c, True), []))
+    with pytest.raises(ValueError, match="l2_guess"):
+        gemv_flow(c["attn"], _stages(c, True), state_for(4), h=c["h"], interpret=True,
+                  l2_guess=True, order="guess")
+
+
 def test_a_guess_that_misses_runs_as_its_ticket_says(monkeypatch):
     """order="guess" when the guess fails (interpret mode draws tickets in index order, so a
     test makes every program bet on the mirror index, across stage boundaries): each drops
@@ -302,77 +331,6 @@ def test_the_benchmark_refuses_a_cpu_and_unknown_variants():
         pytest.skip("has a GPU")
     with pytest.raises(SystemExit, match="needs a GPU"):
         main(["--layers", "1"])
-
-
-def test_the_flow_spec_parses_and_refuses_what_it_cannot_do():
-    from ouro_jax.projections import parse
-    p = parse("gemv+norms+stream+flow")
-    assert p.flow == 3 and parse(p.spec) == p and p.spec.endswith("+flow")
-    p4 = parse("gemv+norms+stream+flow4")
-    assert p4.flow == 4 and parse(p4.spec) == p4 and p4.spec.endswith("+flow4")
-    assert not parse("gemv+norms+stream").flow
-    assert parse("gemv:o,gate_up,down+norms+stream+flow").flow == 3
-    for bad in ("gemv+flow", "gemv+stream+flow", "gemv+norms+stream+flow+flow",
-                "gemv+norms+stream+flow+flow4", "gemv:qkv,o+norms+stream+flow",
-                "gemv:o,gate_up,down+norms+stream+flow4"):
-        with pytest.raises(ValueError, match="'flow"):
-            parse(bad)
-
-
-def test_the_engine_path_threads_its_state_and_keeps_the_tokens():
-    """'+flow': a one-row layer runs the qkv GEMV and one gemv_flow; through a loop the second
-    layer's kernel takes the first one's state (one fresh state per loop, not per layer);
-    '+flow4': the first layer's kernel also computes the second's qkv (no qkv kernel of its
-    own) and the last layer's is 3 stages. A loop's output has the bits of '+norms+stream'
-    (fp32, branch scale 1), and greedy decode, native and speculative, gives its tokens."""
-    from engine_helpers import pallas_call_names
-    from ouro_jax.api import Ouro
-    from ouro_jax.config import PRESETS
-    from ouro_jax.model import (decoder_layer, dense_causal_attend, rope_cos_sin, run_loop,
-                                unstack_layers)
-    from ouro_jax.params import random_params
-    from ouro_jax.projections import parse
-    from ouro_jax.sampling import SamplingParams
-    from ouro_jax.speculative import SpeculativeConfig
-
-    cfg = PRESETS["tiny-mha"]
-    flow, plain = parse("gemv+norms+stream+flow"), parse("gemv+norms+stream")
-    big = unstack_layers(random_params(cfg, 1, jnp.float32, 1.0, 0.1), fuse=True)
-    x = jax.random.normal(jax.random.PRNGKey(0), (1, cfg.hidden_size))
-    cos, sin = rope_cos_sin(jnp.zeros((1,), jnp.int32), cfg.head_dim, cfg.rope_theta,
-                            jnp.float32)
-    assert pallas_call_names(lambda a: decoder_layer(
-        big.layers[0], a, cos, sin, cfg, dense_causal_attend, None, 0, 0, flow)[0], x) == \
-        ["gemv_stream_norm", "gemv_flow"]
-
-    h0 = x[:, None, :]
-    cos1, sin1 = cos[:, None], sin[:, None]
-    loop = lambda proj: (lambda h: run_loop(big, h, cos1, sin1, cfg, dense_causal_attend,
-                                            None, 0, proj)[0])
-    _same([loop(flow)(h0)], [loop(plain)(h0)])
-    eqns = [e for e in jax.make_jaxpr(loop(flow))(h0).jaxpr.eqns
-            if e.primitive.name == "pallas_call" and "gemv_flow" in str(e.params)]
-    assert len(eqns) == cfg.num_hidden_layers == 2
-    assert eqns[1].invars[-1] is eqns[0].outvars[-1]  # the state, threaded
-    flow4 = parse("gemv+norms+stream+flow4")
-    _same([loop(flow4)(h0)], [loop(plain)(h0)])
-    assert pallas_call_names(loop(flow4), h0) == ["gemv_stream_norm", "gemv_flow", "gemv_flow"]
-    eqns = [e for e in jax.make_jaxpr(loop(flow4))(h0).jaxpr.eqns
-            if e.primitive.name == "pallas_call" and "gemv_flow" in str(e.params)]
-    assert [e.invars[-1].aval.shape for e in eqns] == [(state_size(4),), (state_size(3),)]
-
-    params = random_params(cfg, 0, jnp.float32, 0.003, 0.0)
-    sp = [SamplingParams(max_tokens=10, ignore_eos=True)]
-    out = {}
-    for spec in ("gemv+norms+stream", "gemv+norms+stream+flow", "gemv+norms+stream+flow4"):
-        llm = Ouro(cfg, params, None, attention="xla", projections=spec, decode_chunk=8)
-        out[spec] = (llm.generate([[3, 1, 4]], sp).outputs[0].token_ids,
-                     llm.generate([[3, 1, 4]], sp, speculative=SpeculativeConfig(4, 2))
-                     .outputs[0].token_ids)
-    assert llm.backend == "xla+gemv+norms+stream+flow4"
-    assert out["gemv+norms+stream"] == out["gemv+norms+stream+flow"] == \
-        out["gemv+norms+stream+flow4"]
-    assert out["gemv+norms+stream+flow4"][0] == out["gemv+norms+stream+flow4"][1]
 
 
 def test_offline_compile_lowers_every_benchmark_variant(monkeypatch):

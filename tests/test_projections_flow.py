@@ -1,0 +1,83 @@
+"""The engine's '+flow' / '+flow4' projections (ouro_jax/projections.py's mlp_flow, the
+gemv_flow kernel per one-row layer; pallas_kernels/gemv_flow.py has its own tests in
+tests/test_gemv_flow.py): the spec, the state threaded through a loop, and the tokens."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.flow_sync import state_size
+from test_gemv_flow import _same
+
+
+def test_the_flow_spec_parses_and_refuses_what_it_cannot_do():
+    from ouro_jax.projections import parse
+    p = parse("gemv+norms+stream+flow")
+    assert p.flow == 3 and parse(p.spec) == p and p.spec.endswith("+flow")
+    p4 = parse("gemv+norms+stream+flow4")
+    assert p4.flow == 4 and parse(p4.spec) == p4 and p4.spec.endswith("+flow4")
+    assert not parse("gemv+norms+stream").flow
+    assert parse("gemv:o,gate_up,down+norms+stream+flow").flow == 3
+    for bad in ("gemv+flow", "gemv+stream+flow", "gemv+norms+stream+flow+flow",
+                "gemv+norms+stream+flow+flow4", "gemv:qkv,o+norms+stream+flow",
+                "gemv:o,gate_up,down+norms+stream+flow4"):
+        with pytest.raises(ValueError, match="'flow"):
+            parse(bad)
+
+
+def test_the_engine_path_threads_its_state_and_keeps_the_tokens():
+    """'+flow': a one-row layer runs the qkv GEMV and one gemv_flow; through a loop the second
+    layer's kernel takes the first one's state (one fresh state per loop, not per layer);
+    '+flow4': the first layer's kernel also computes the second's qkv (no qkv kernel of its
+    own) and the last layer's is 3 stages. A loop's output has the bits of '+norms+stream'
+    (fp32, branch scale 1), and greedy decode, native and speculative, gives its tokens."""
+    from engine_helpers import pallas_call_names
+    from ouro_jax.api import Ouro
+    from ouro_jax.config import PRESETS
+    from ouro_jax.model import (decoder_layer, dense_causal_attend, rope_cos_sin, run_loop,
+                                unstack_layers)
+    from ouro_jax.params import random_params
+    from ouro_jax.projections import parse
+    from ouro_jax.sampling import SamplingParams
+    from ouro_jax.speculative import SpeculativeConfig
+
+    cfg = PRESETS["tiny-mha"]
+    flow, plain = parse("gemv+norms+stream+flow"), parse("gemv+norms+stream")
+    big = unstack_layers(random_params(cfg, 1, jnp.float32, 1.0, 0.1), fuse=True)
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, cfg.hidden_size))
+    cos, sin = rope_cos_sin(jnp.zeros((1,), jnp.int32), cfg.head_dim, cfg.rope_theta,
+                            jnp.float32)
+    assert pallas_call_names(lambda a: decoder_layer(
+        big.layers[0], a, cos, sin, cfg, dense_causal_attend, None, 0, 0, flow)[0], x) == \
+        ["gemv_stream_norm", "gemv_flow"]
+
+    h0 = x[:, None, :]
+    cos1, sin1 = cos[:, None], sin[:, None]
+    loop = lambda proj: (lambda h: run_loop(big, h, cos1, sin1, cfg, dense_causal_attend,
+                                            None, 0, proj)[0])
+    _same([loop(flow)(h0)], [loop(plain)(h0)])
+    eqns = [e for e in jax.make_jaxpr(loop(flow))(h0).jaxpr.eqns
+            if e.primitive.name == "pallas_call" and "gemv_flow" in str(e.params)]
+    assert len(eqns) == cfg.num_hidden_layers == 2
+    assert eqns[1].invars[-1] is eqns[0].outvars[-1]  # the state, threaded
+    flow4 = parse("gemv+norms+stream+flow4")
+    _same([loop(flow4)(h0)], [loop(plain)(h0)])
+    assert pallas_call_names(loop(flow4), h0) == ["gemv_stream_norm", "gemv_flow", "gemv_flow"]
+    eqns = [e for e in jax.make_jaxpr(loop(flow4))(h0).jaxpr.eqns
+            if e.primitive.name == "pallas_call" and "gemv_flow" in str(e.params)]
+    assert [e.invars[-1].aval.shape for e in eqns] == [(state_size(4),), (state_size(3),)]
+
+    params = random_params(cfg, 0, jnp.float32, 0.003, 0.0)
+    sp = [SamplingParams(max_tokens=10, ignore_eos=True)]
+    out = {}
+    for spec in ("gemv+norms+stream", "gemv+norms+stream+flow", "gemv+norms+stream+flow4"):
+        llm = Ouro(cfg, params, None, attention="xla", projections=spec, decode_chunk=8)
+        out[spec] = (llm.generate([[3, 1, 4]], sp).outputs[0].token_ids,
+                     llm.generate([[3, 1, 4]], sp, speculative=SpeculativeConfig(4, 2))
+                     .outputs[0].token_ids)
+    assert llm.backend == "xla+gemv+norms+stream+flow4"
+    assert out["gemv+norms+stream"] == out["gemv+norms+stream+flow"] == \
+        out["gemv+norms+stream+flow4"]
+    assert out["gemv+norms+stream+flow4"][0] == out["gemv+norms+stream+flow4"][1]
