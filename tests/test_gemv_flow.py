@@ -115,6 +115,22 @@ def _regions(ir: str) -> list[list[str]]:
     return out
 
 
+def _chain_ir(**options) -> str:
+    """The Triton IR (lowered for 'cuda' on this CPU) of the 3-stage chain at small bf16
+    shapes (K 256, I 384; TILING at block_k 128, gate/up at 2 blocks per program)."""
+    from test_pdl import triton_ir
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    k, inter = 256, 384
+    tiling = {n: dict(v, block_k=128) for n, v in TILING.items()}
+    tiling["gate_up"]["per_program"] = 2
+    [ir] = triton_ir(lambda a, h, wo, wp, wm, wg, wd, st: gemv_flow(
+        a, mlp_stages(wo, wp, wm, wg, wd, tiling=tiling), st, h=h, **options),
+        s((1, k), bf), s((1, k), bf), s((k, k), bf), s((k,), bf), s((k,), bf),
+        s((2 * inter, k), bf), s((k, inter), bf), s((state_size(3),), jnp.int32))
+    return ir
+
+
 @pytest.mark.parametrize("spin", ["thread0", "all"])
 def test_each_stage_waits_after_its_weight_requests_and_counts_after_its_stores(spin):
     """Lowered for 'cuda' (Triton IR, no GPU needed), per stage region: a waiting stage's
@@ -124,19 +140,7 @@ def test_each_stage_waits_after_its_weight_requests_and_counts_after_its_stores(
     then resets the state (thread 0's relaxed stores); the ticket atomic precedes every load
     and a ticket past the grid is counted. order="ticket": one region per stage (the default
     "guess" runs the same stage code, in branches by program index, and falls back to this)."""
-    from test_pdl import triton_ir
-    s = jax.ShapeDtypeStruct
-    bf = jnp.bfloat16
-    k, inter = 256, 384
-    shapes = (s((1, k), bf), s((1, k), bf), s((k, k), bf), s((k,), bf), s((k,), bf),
-              s((2 * inter, k), bf), s((k, inter), bf), s((state_size(3),), jnp.int32))
-    tiling = {n: dict(v, block_k=128) for n, v in TILING.items()}
-    tiling["gate_up"]["per_program"] = 2
-
-    def f(attn, h, w_o, w_post, w_pre, w_gu, w_down, state):
-        st = mlp_stages(w_o, w_post, w_pre, w_gu, w_down, tiling=tiling)
-        return gemv_flow(attn, st, state, h=h, spin=spin, order="ticket")
-    [ir] = triton_ir(f, *shapes)
+    ir = _chain_ir(spin=spin, order="ticket")
     lines = ir.splitlines()
     first_load = next(i for i, ln in enumerate(lines) if "tt.load" in ln)
     assert "tt.atomic_rmw add" in "\n".join(lines[:first_load])  # the ticket
@@ -178,17 +182,7 @@ def test_the_guess_requests_weights_before_drawing_a_relaxed_ticket():
     """order="guess", lowered for 'cuda': in each stage's branch (by program index) a weight
     tile's load comes before the ticket, a relaxed atomic (no fence to wait for those loads);
     there is no acq_rel ticket; the branch's stage runs under ticket == pid."""
-    from test_pdl import triton_ir
-    s = jax.ShapeDtypeStruct
-    bf = jnp.bfloat16
-    k, inter = 256, 384
-    tiling = {n: dict(v, block_k=128) for n, v in TILING.items()}
-    tiling["gate_up"]["per_program"] = 2
-    [ir] = triton_ir(lambda a, h, wo, wp, wm, wg, wd, st: gemv_flow(
-        a, mlp_stages(wo, wp, wm, wg, wd, tiling=tiling), st, h=h, order="guess"),
-        s((1, k), bf), s((1, k), bf), s((k, k), bf), s((k,), bf), s((k,), bf),
-        s((2 * inter, k), bf), s((k, inter), bf), s((state_size(3),), jnp.int32))
-    lines = ir.splitlines()
+    lines = _chain_ir(order="guess").splitlines()
     tickets = [i for i, ln in enumerate(lines) if "tt.atomic_rmw add, relaxed" in ln]
     assert len(tickets) == 3  # one per stage branch
     indent = lambda ln: len(ln) - len(ln.lstrip())
@@ -205,17 +199,7 @@ def test_l2_guess_asks_l2_for_the_own_block_before_the_ticket():
     """l2_guess=True, lowered for 'cuda': one bulk L2 prefetch per stage branch (by program
     index; gated: two) before the ticket atomic and any load; in interpret mode the same
     bits (it is a prefetch)."""
-    from test_pdl import triton_ir
-    s = jax.ShapeDtypeStruct
-    bf = jnp.bfloat16
-    k, inter = 256, 384
-    tiling = {n: dict(v, block_k=128) for n, v in TILING.items()}
-    tiling["gate_up"]["per_program"] = 2
-    [ir] = triton_ir(lambda a, h, wo, wp, wm, wg, wd, st: gemv_flow(
-        a, mlp_stages(wo, wp, wm, wg, wd, tiling=tiling), st, h=h, l2_guess=True),
-        s((1, k), bf), s((1, k), bf), s((k, k), bf), s((k,), bf), s((k,), bf),
-        s((2 * inter, k), bf), s((k, inter), bf), s((state_size(3),), jnp.int32))
-    lines = ir.splitlines()
+    lines = _chain_ir(l2_guess=True).splitlines()
     first = lambda word: next(i for i, ln in enumerate(lines) if word in ln)
     before_ticket = "\n".join(lines[:first("tt.atomic_rmw")])
     assert before_ticket.count("cp.async.bulk.prefetch.L2") == 1 + 2 + 1
