@@ -310,25 +310,22 @@ class PallasGemv(XLA):
 
 
 def _flow_stages(lp, next_lp=None) -> list:
-    """gemv_flow's stages for a layer's o -> gate/up -> down (STREAM_TUNING's tilings, fitted
-    to the shapes), and with next_lp the next layer's qkv, whose prologue adds down's output
-    (post_attention_layernorm_2) to the residual and norms it (next input_layernorm)."""
-    from pallas_kernels.gemv_flow import Stage
-
-    def tiling(name, w, gated=False):
-        t = fit_stream_tuning(STREAM_TUNING[name], w.shape[0] // (2 if gated else 1),
-                              w.shape[1])
-        return {key: t[key] for key in ("block_n", "block_k", "per_program")}
-    stages = [Stage(lp.o_proj, tiling=tiling("o", lp.o_proj), name="o"),
-              Stage(lp.gate_up_proj, gated=True, branch_w=lp.input_layernorm_2,
-                    norm_w=lp.post_attention_layernorm,
-                    tiling=tiling("gate_up", lp.gate_up_proj, True), name="gate_up"),
-              Stage(lp.down_proj, tiling=tiling("down", lp.down_proj), name="down")]
+    """gemv_flow's stages (mlp_stages) for a layer's o -> gate/up -> down with STREAM_TUNING's
+    tilings fitted to the shapes, and with next_lp the next layer's qkv, whose prologue adds
+    down's output (post_attention_layernorm_2) to the residual and norms it (next
+    input_layernorm)."""
+    from pallas_kernels.gemv_flow import TILING_KEYS, mlp_stages
+    weights = dict(o=(lp.o_proj, 1), gate_up=(lp.gate_up_proj, 2), down=(lp.down_proj, 1))
     if next_lp is not None:
-        stages.append(Stage(next_lp.qkv_proj, branch_w=lp.post_attention_layernorm_2,
-                            norm_w=next_lp.input_layernorm,
-                            tiling=tiling("qkv", next_lp.qkv_proj), name="qkv"))
-    return stages
+        weights["qkv"] = (next_lp.qkv_proj, 1)
+    tiling = {}
+    for name, (w, parts) in weights.items():
+        t = fit_stream_tuning(STREAM_TUNING[name], w.shape[0] // parts, w.shape[1])
+        tiling[name] = {key: t[key] for key in TILING_KEYS}
+    nxt = None if next_lp is None else (lp.post_attention_layernorm_2,
+                                        next_lp.input_layernorm, next_lp.qkv_proj)
+    return mlp_stages(lp.o_proj, lp.input_layernorm_2, lp.post_attention_layernorm,
+                      lp.gate_up_proj, lp.down_proj, next_qkv=nxt, tiling=tiling)
 
 
 # What 'auto' means on a GPU: one-row projections through the streaming GEMV with the

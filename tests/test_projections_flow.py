@@ -81,3 +81,13 @@ def test_the_engine_path_threads_its_state_and_keeps_the_tokens():
     assert out["gemv+norms+stream"] == out["gemv+norms+stream+flow"] == \
         out["gemv+norms+stream+flow4"]
     assert out["gemv+norms+stream+flow4"][0] == out["gemv+norms+stream+flow4"][1]
+
+
+def test_the_kernels_engine_tiling_is_the_engines():
+    """gemv_flow.ENGINE_TILING (what its benchmark and offline compile use) is
+    projections.STREAM_TUNING without num_warps: a retuned projection must change both."""
+    from ouro_jax.projections import STREAM_TUNING
+    from pallas_kernels.gemv_flow import ENGINE_TILING, TILING_KEYS
+    assert ENGINE_TILING == {n: {k: t[k] for k in TILING_KEYS}
+                             for n, t in STREAM_TUNING.items()}
+
