@@ -35,7 +35,7 @@ left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
 on 1 && timeout $(left 120) python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gemv_flow.py 2>&1 | tail -12
 echo "tests done at $SECONDS s"
 on 2 && timeout $(left 270) python3 -m benchmarks.gemv_flow --layers 8 \
-  --variants flow4,flow4_guess,flow4_l2guess,flow4_all,flow3,flow4_pf2,flow4_sleep,flow4_gu2,flow4_lean,flow4_pid \
+  --variants ${VARIANTS:-flow4,flow4_guess,flow4_l2guess,flow4_all,flow3,flow4_pf2,flow4_sleep,flow4_gu2,flow4_lean,flow4_pid} \
   --out $OUT/gemv_flow_session21_h200.json 2>&1 | \
   grep -oE '"variant": "[a-z0-9_]+"|"(max_abs_diff_vs_separate|give_ups_first_call|guess_misses_first_call|separate_us_per_layer|flow_us_per_layer|saving_us_per_layer)": [-0-9.e]+|rror.*|needs a GPU.*' | paste -sd' ' | sed 's/"variant"/\n&/g'
 echo "microbenchmark done at $SECONDS s"
@@ -53,8 +53,9 @@ arm() {  # arm pass
   esac
 }
 if on 3; then
-  for a in default flow flow4; do arm $a 1; done
-  for a in flow4 flow default; do arm $a 2; done
+  ARMS=${ARMS:-"default flow flow4"}  # ARMS="default flow4" when device time is short
+  for a in $ARMS; do arm $a 1; done
+  for a in $(echo $ARMS | tr ' ' '\n' | tac); do arm $a 2; done
 fi
 if on 4; then
   arm default_k4 1; arm flow_k4 1; arm flow_k4 2; arm default_k4 2
