@@ -39,6 +39,9 @@ VARIANTS = {
     "flow4_guess": dict(stages=4, order="guess"),
     # its cheaper form: the own index's first block asked into L2 before an ordinary ticket
     "flow4_l2guess": dict(stages=4, l2_guess=True),
+    # what the engine runs: a give-up stops the kernel (a trap, then this process's GPU is
+    # gone: not among the defaults; put it last in --variants)
+    "flow4_trap": dict(stages=4, trap=True),
     "flow4_pf2": dict(stages=4, l2_prefetch=2),
     "flow4_sleep": dict(stages=4, backoff=100),
     # gate/up at 8 blocks per program sets the kernel's registers (146 per thread offline,

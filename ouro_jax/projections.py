@@ -272,7 +272,8 @@ class PallasGemv(XLA):
         previous layer's (Residual.flow / Prepared.flow), or None for a fresh one. Returns
         the layer output as residual() gives it, carrying the state when deferred; with
         '+flow4' and next_lp (the next layer's weights, same loop) a Prepared: the kernel
-        also computes that layer's qkv."""
+        also computes that layer's qkv. A handover that gives up (gemv_flow.give_ups) stops
+        the kernel (trap=True): an error at the next synchronisation, never wrong tokens."""
         from pallas_kernels.gemv_flow import gemv_flow, state_for, state_size
         lead, k = x.shape[:-1], x.shape[-1]
         four = self.flow == 4 and next_lp is not None and next_lp.qkv_proj is not None
@@ -281,7 +282,7 @@ class PallasGemv(XLA):
             gemv_flow, attn.reshape(-1, attn.shape[-1]), stages,
             state_for(len(stages)) if state is None or state.shape[0] != state_size(len(stages))
             else state, h=x.reshape(-1, k), eps=eps,
-            interpret=jax.default_backend() != "gpu",
+            interpret=jax.default_backend() != "gpu", trap=True,
             num_warps=STREAM_TUNING["gate_up"]["num_warps"])
         if four:
             return Prepared(xs[1].reshape(*lead, k), ys[3].reshape(*lead, ys[3].shape[-1]),

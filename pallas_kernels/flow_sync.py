@@ -68,9 +68,24 @@ def ticket(state_ref, *, relaxed: bool = False):
     return plt.atomic_add(state_ref, _at(0), jnp.int32(1))
 
 
-def count_stray(state_ref, stages: int):
-    """A ticket past the grid (the state was not zeroed): counted as a give-up."""
+def count_stray(state_ref, stages: int, *, trap: bool = False):
+    """A ticket past the grid (the state was not zeroed): counted as a give-up (and with
+    trap the kernel stops, see trap_now)."""
     plt.atomic_add(state_ref, _at(stages + 1), jnp.int32(1))
+    if trap:
+        trap_now(state_ref)
+
+
+# PTX trap: the kernel stops and CUDA reports an error at the next synchronisation (the
+# process's GPU context is lost). What the engine asks for on a give-up: results computed
+# from an input that was not complete must never pass for tokens.
+_TRAP = "trap;\n\tmov.u32 $0, 0; // $1 (unused)"
+
+
+def trap_now(state_ref):
+    """Stops the kernel (GPU only; kept by its write effect)."""
+    from pallas_kernels.ref_ptx import ref_asm
+    ref_asm(state_ref, 0, _TRAP, writes=True)
 
 
 def _sleep_zero(state_ref, ns: int):
@@ -80,7 +95,8 @@ def _sleep_zero(state_ref, ns: int):
 
 
 # The thread-0 wait: %d target, %s the backoff, %d re-reads before giving up, %d the give-up
-# word's byte offset from the awaited one (labels are scoped by the braces, as in CUTLASS).
+# word's byte offset from the awaited one, %s what follows the give-up's count ("trap;" or
+# "") (labels are scoped by the braces, as in CUTLASS).
 # It re-reads with relaxed GPU-scope loads (an acquire load invalidates the SM's L1 on every
 # read) and acquires once when the count is there (counts only grow within a call).
 _SPIN0 = ("{\n\t.reg .pred %%p_w0, %%p_w1;\n\t.reg .s32 %%v_w, %%n_w, %%t_w;\n\t"
@@ -89,25 +105,26 @@ _SPIN0 = ("{\n\t.reg .pred %%p_w0, %%p_w1;\n\t.reg .s32 %%v_w, %%n_w, %%t_w;\n\t
           "ld.relaxed.gpu.global.b32 %%v_w, [$1];\n\tsetp.ge.s32 %%p_w1, %%v_w, %d;\n\t"
           "@%%p_w1 bra W_SEEN;\n\t%s"
           "add.s32 %%n_w, %%n_w, 1;\n\tsetp.lt.s32 %%p_w1, %%n_w, %d;\n\t"
-          "@%%p_w1 bra W_LOOP;\n\tred.relaxed.gpu.global.add.u32 [$1+%d], 1;\n\t"
+          "@%%p_w1 bra W_LOOP;\n\tred.relaxed.gpu.global.add.u32 [$1+%d], 1;\n\t%s"
           "bra W_DONE;\nW_SEEN:\n\tld.acquire.gpu.global.b32 %%v_w, [$1];\nW_DONE:\n\t}")
 
 
 def wait(state_ref, stage: int, target: int, stages: int, *, gpu_sync: bool, backoff: int,
-         spin: str):
+         spin: str, trap: bool = False):
     """Waits until stage `stage`'s done count reaches target. Returns an int32 zero for the
     offsets of the awaited output's reads (a plain 0 with "thread0"; with "all" a product of
     the read, which Triton folds away). What keeps those reads after the wait on the GPU is
     the impure asm (LLVM moves no memory access across it) and the CTA barrier. Interpret
-    mode: one read (programs ran in order); a count short of target is a give-up."""
+    mode: one read (programs ran in order); a count short of target is a give-up. trap (GPU):
+    a give-up also stops the kernel (trap_now)."""
     word, give_up = (1 + stage) * WORD, (stages + 1) * WORD
     if gpu_sync and spin == "thread0":
         from pallas_kernels.ref_ptx import ref_asm
         sleep = f"nanosleep.u32 {backoff};\n\t" if backoff else ""
         # writes=True (its give-up add): kept without a consumer, so the reads that follow
         # keep their alignment hints (an asm zero in their offsets would hide them)
-        ref_asm(state_ref, word, _SPIN0 % (target, sleep, SPIN_LIMIT, 4 * (give_up - word)),
-                writes=True)
+        ref_asm(state_ref, word, _SPIN0 % (target, sleep, SPIN_LIMIT, 4 * (give_up - word),
+                                           "trap;\n\t" if trap else ""), writes=True)
         plt.debug_barrier()  # the other threads wait here for thread 0
         return jnp.int32(0)
     if gpu_sync:
@@ -122,6 +139,8 @@ def wait(state_ref, stage: int, target: int, stages: int, *, gpu_sync: bool, bac
         seen = plt.atomic_add(state_ref, (jnp.int32(word),), jnp.int32(0))
     # unconditional (0 when the wait held): every thread takes the same path
     plt.atomic_add(state_ref, (jnp.int32(give_up),), (seen < target).astype(jnp.int32))
+    if gpu_sync and trap:
+        pl.when(seen < target)(lambda: trap_now(state_ref))
     if gpu_sync:
         plt.debug_barrier()
     return 0 * seen

@@ -102,7 +102,7 @@ def _loader(refs: dict, pl_, s: int):
 
 
 def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_prefetch, spin,
-           first=None):
+           trap, first=None):
     """Program q of stage s: its first weight slab requested (unless `first` holds it), the
     wait for stage s - 1, the prologue and its blocks (gemv_stream's code), then its done
     count."""
@@ -117,7 +117,7 @@ def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_pr
                         k=pl_.k, block_n=pl_.block_n, gated=pl_.gated, up_offset=pl_.n_out,
                         interpret=not gpu_sync, keep=True)
         after = flow_sync.wait(refs["state"], s - 1, plans[s - 1].programs, len(plans),
-                               gpu_sync=gpu_sync, backoff=backoff, spin=spin)
+                               gpu_sync=gpu_sync, backoff=backoff, spin=spin, trap=trap)
     y_prev = refs["y"][s - 1] if s else None
     if pl_.add_norm:
         src = (refs["resid"][s], y_prev, *refs["norms"][s], refs["xo"][s])
@@ -156,10 +156,12 @@ def _sort_refs(refs, plans, m: int) -> dict:
     return out
 
 
-def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin, l2_guess):
+def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin, l2_guess,
+            trap):
     r = _sort_refs(refs, plans, m)
     run = functools.partial(_stage, refs=r, plans=plans, eps=eps, gpu_sync=gpu_sync,
-                            order=order, backoff=backoff, l2_prefetch=l2_prefetch, spin=spin)
+                            order=order, backoff=backoff, l2_prefetch=l2_prefetch, spin=spin,
+                            trap=trap)
     within = lambda t, p: (t >= p.start) & (t < p.start + p.programs)
 
     def dispatch(t):  # run as ticket t says
@@ -187,7 +189,7 @@ def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin, l
         ticket = pid if order == "program_id" else flow_sync.ticket(r["state"])
         dispatch(ticket)
     pl.when(ticket >= sum(p.programs for p in plans))(
-        lambda: flow_sync.count_stray(r["state"], len(plans)))
+        lambda: flow_sync.count_stray(r["state"], len(plans), trap=trap and gpu_sync))
 
 
 def _guess(pid, programs: int):
@@ -253,7 +255,8 @@ def _plan(stages, x, h, num_warps: int) -> tuple:
 
 def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = False,
               num_warps: int = 4, order: str = "ticket", backoff: int = 0,
-              l2_prefetch: int = 0, spin: str = "thread0", l2_guess: bool = False):
+              l2_prefetch: int = 0, spin: str = "thread0", l2_guess: bool = False,
+              trap: bool = False):
     """The chain of Stage GEMVs (see the module docstring) on x [M, K0] (M up to
     gemv_stream.MAX_ROWS), h [M, K] the residual for the add_norm stages, state: int32
     [state_size(len(stages))] (state_for; donate it). Returns (ys, xs, state): every stage's output
@@ -264,7 +267,9 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     the one in registers, before it waits; spin: SPINS (how a program waits); l2_guess: with
     order "ticket" / "program_id", each program first asks L2 for the first block of the
     ticket it usually draws (its index), a cheaper bet than "guess" (no second copy of the
-    stage bodies; a miss wastes one prefetch)."""
+    stage bodies; a miss wastes one prefetch); trap: a give-up (see give_ups) also stops the
+    kernel with a PTX trap, an error at the next synchronisation instead of results computed
+    from an incomplete input (the engine's choice; GPU only: interpret mode counts)."""
     stages = list(stages)
     if not stages:
         raise ValueError("gemv_flow needs at least one stage")
@@ -272,6 +277,8 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
         raise ValueError(f"gemv_flow order must be one of {ORDERS}, got {order!r}")
     if spin not in SPINS:
         raise ValueError(f"gemv_flow spin must be one of {SPINS}, got {spin!r}")
+    if not isinstance(trap, bool):
+        raise ValueError(f"gemv_flow trap must be a bool, got {trap!r}")
     if not isinstance(l2_guess, bool) or (l2_guess and order == "guess"):
         raise ValueError(f"gemv_flow l2_guess must be a bool, and not with order 'guess' "
                          f"(which loads that block itself), got {l2_guess!r}")
@@ -302,7 +309,8 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     out_shape.append(sd(state.shape, jnp.int32))
     kernel = functools.partial(_kernel, plans=plans, m=m, eps=float(eps),
                                gpu_sync=not interpret, order=order, backoff=backoff,
-                               l2_prefetch=l2_prefetch, spin=spin, l2_guess=l2_guess)
+                               l2_prefetch=l2_prefetch, spin=spin, l2_guess=l2_guess,
+                               trap=trap)
     outs = pl.pallas_call(
         kernel, grid=(sum(p.programs for p in plans),), out_shape=tuple(out_shape),
         input_output_aliases={len(operands): len(out_shape) - 1},

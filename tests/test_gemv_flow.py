@@ -178,6 +178,31 @@ def test_each_stage_waits_after_its_weight_requests_and_counts_after_its_stores(
         assert ir.count("ld.acquire.gpu") == 4
 
 
+@pytest.mark.parametrize("spin", ["thread0", "all"])
+def test_trap_stops_the_kernel_after_a_give_up_and_nowhere_else(spin):
+    """trap=True (the engine's), lowered for 'cuda': a PTX trap follows each waiting stage's
+    give-up count (thread0: in the spin's asm, right after its give-up add, off the path
+    that saw the count; "all": one per wait) and the stray ticket's
+    count, so a handover that failed is an error, not results; without trap, none. Interpret
+    mode (no trap) gives the same bits."""
+    assert "trap;" not in _chain_ir(spin=spin)
+    ir = _chain_ir(spin=spin, trap=True)
+    *stages, stray = _regions(ir)
+    assert sum("trap;" in ln for ln in stray) == 1
+    for n, reg in enumerate(stages):
+        traps = [ln for ln in reg if "trap;" in ln]
+        assert len(traps) == (1 if n else 0), f"stage {n}: {traps}"
+        if n and spin == "thread0":  # the give-up add, the trap, then the exit
+            asm = traps[0].replace("\\0A", "\n").replace("\\09", "\t")
+            assert re.search(r"add\.u32 \[\$1\+\d+\], 1;\n\ttrap;\n\tbra W_DONE;\nW_SEEN:",
+                             asm), asm
+    c = _case(128, 192, jnp.float32)
+    ys, xs, state = gemv_flow(c["attn"], _stages(c, True), state_for(4), h=c["h"],
+                              interpret=True, trap=True, spin=spin)
+    _same(ys + xs, sum(_separate(c, True), []))
+    assert int(give_ups(state)) == 0
+
+
 def test_the_guess_requests_weights_before_drawing_a_relaxed_ticket():
     """order="guess", lowered for 'cuda': in each stage's branch (by program index) a weight
     tile's load comes before the ticket, a relaxed atomic (no fence to wait for those loads);
@@ -243,6 +268,8 @@ def test_bad_input_is_refused_before_anything_runs():
         run(order="fifo")
     with pytest.raises(ValueError, match="spin must be one of"):
         run(spin="thread1")
+    with pytest.raises(ValueError, match="trap must be a bool"):
+        run(trap=1)
     with pytest.raises(ValueError, match="backoff must be an int >= 0"):
         run(backoff=-1)
     with pytest.raises(ValueError, match="pass the residual h"):

@@ -83,6 +83,27 @@ def test_the_engine_path_threads_its_state_and_keeps_the_tokens():
     assert out["gemv+norms+stream+flow4"][0] == out["gemv+norms+stream+flow4"][1]
 
 
+def test_the_engine_asks_for_a_trap_on_a_give_up(monkeypatch):
+    """The engine's flow kernels run with trap=True: a handover that gives up stops the
+    kernel (an error), never hands on results computed from an incomplete input."""
+    from ouro_jax.config import PRESETS
+    from ouro_jax.model import rope_cos_sin, run_loop, dense_causal_attend, unstack_layers
+    from ouro_jax.params import random_params
+    from ouro_jax.projections import parse
+    from pallas_kernels import gemv_flow as gf
+    seen = []
+    real = gf.gemv_flow
+    monkeypatch.setattr(gf, "gemv_flow", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    cfg = PRESETS["tiny-mha"]
+    big = unstack_layers(random_params(cfg, 1, jnp.float32, 1.0, 0.1), fuse=True)
+    cos, sin = rope_cos_sin(jnp.zeros((1,), jnp.int32), cfg.head_dim, cfg.rope_theta,
+                            jnp.float32)
+    h = jax.random.normal(jax.random.PRNGKey(0), (1, 1, cfg.hidden_size))
+    run_loop(big, h, cos[:, None], sin[:, None], cfg, dense_causal_attend, None, 0,
+             parse("gemv+norms+stream+flow4"))
+    assert len(seen) == cfg.num_hidden_layers and all(kw["trap"] is True for kw in seen)
+
+
 def test_the_kernels_engine_tiling_is_the_engines():
     """gemv_flow.ENGINE_TILING (what its benchmark and offline compile use) is
     projections.STREAM_TUNING without num_warps: a retuned projection must change both."""
