@@ -313,6 +313,42 @@ def test_the_real_grid_matches_the_separate_kernels_on_the_gpu(order, spin):
         _same(ys + xs, want_ys + want_xs)
 
 
+# A child process (a trap loses the process's GPU context): the o stage's count starts one
+# short, so every gate/up program gives up; with trap=True the first one stops the kernel.
+_TRAP_CHILD = """
+import jax, jax.numpy as jnp
+from test_gemv_flow import _case, _stages
+from pallas_kernels.flow_sync import WORD
+from pallas_kernels.gemv_flow import gemv_flow, state_for
+c = _case(128, 192, jnp.bfloat16)
+ys, _, _ = gemv_flow(c["attn"], _stages(c, False), state_for(3).at[WORD].set(-1), h=c["h"],
+                     trap=True)
+jax.block_until_ready(ys)
+print("NO TRAP")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+def test_a_give_up_on_the_gpu_is_counted_and_with_trap_stops_the_kernel():
+    """On the GPU: a wait that is never met gives up after SPIN_LIMIT re-reads (seconds, not
+    a hang) and is counted, once per gate/up program; with trap=True the kernel stops
+    instead and the call fails (in a child process)."""
+    import os
+    import subprocess
+    import sys
+    c = _case(128, 192, jnp.bfloat16)
+    _, _, state = gemv_flow(c["attn"], _stages(c, False), state_for(3).at[WORD].set(-1),
+                            h=c["h"])
+    assert int(give_ups(state)) == 192 // 2 // 3
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    r = subprocess.run([sys.executable, "-c", _TRAP_CHILD], env=env, capture_output=True,
+                       text=True, timeout=300)
+    print("child's error:", r.stderr.strip().splitlines()[-1:] if r.stderr else None)
+    assert r.returncode != 0 and "NO TRAP" not in r.stdout
+
+
 @pytest.mark.parametrize("variant", ["flow4", "flow3", "flow4_gu2_pf1"])
 def test_the_benchmarks_chains_agree(variant):
     """benchmarks.gemv_flow's two arms on small shapes in interpret mode: three layers, each
