@@ -25,6 +25,8 @@
 # ~0.1 ms per step per us, ~2.3% at batch 1).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session21_call.sh
 # STEPS= picks steps (default 13); CAP= the seconds the call may take (default 570).
+# ARMS= step 3's arms (default "default flow flow4"); VARIANTS= step 2's (default:
+# benchmarks.gemv_flow's DEFAULT_VARIANTS).
 set -u
 STEPS=${STEPS:-13}
 on() { [[ $STEPS == *$1* ]]; }
@@ -35,7 +37,7 @@ left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
 on 1 && timeout $(left 120) python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gemv_flow.py 2>&1 | tail -12
 echo "tests done at $SECONDS s"
 on 2 && timeout $(left 270) python3 -m benchmarks.gemv_flow --layers 8 \
-  --variants ${VARIANTS:-flow4,flow4_guess,flow4_l2guess,flow4_all,flow3,flow4_pf2,flow4_sleep,flow4_gu2,flow4_lean,flow4_pid} \
+  ${VARIANTS:+--variants $VARIANTS} \
   --out $OUT/gemv_flow_session21_h200.json 2>&1 | \
   grep -oE '"variant": "[a-z0-9_]+"|"(max_abs_diff_vs_separate|give_ups_first_call|guess_misses_first_call|separate_us_per_layer|flow_us_per_layer|saving_us_per_layer)": [-0-9.e]+|rror.*|needs a GPU.*' | paste -sd' ' | sed 's/"variant"/\n&/g'
 echo "microbenchmark done at $SECONDS s"

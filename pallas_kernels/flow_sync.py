@@ -115,8 +115,8 @@ def wait(state_ref, stage: int, target: int, stages: int, *, gpu_sync: bool, bac
     offsets of the awaited output's reads (a plain 0 with "thread0"; with "all" a product of
     the read, which Triton folds away). What keeps those reads after the wait on the GPU is
     the impure asm (LLVM moves no memory access across it) and the CTA barrier. Interpret
-    mode: one read (programs ran in order); a count short of target is a give-up. trap (GPU):
-    a give-up also stops the kernel (trap_now)."""
+    mode: one read (programs ran in order); a count short of target is a give-up. trap: a
+    give-up also stops the kernel (trap_now; gemv_flow passes it on the GPU only)."""
     word, give_up = (1 + stage) * WORD, (stages + 1) * WORD
     if gpu_sync and spin == "thread0":
         from pallas_kernels.ref_ptx import ref_asm
@@ -139,7 +139,7 @@ def wait(state_ref, stage: int, target: int, stages: int, *, gpu_sync: bool, bac
         seen = plt.atomic_add(state_ref, (jnp.int32(word),), jnp.int32(0))
     # unconditional (0 when the wait held): every thread takes the same path
     plt.atomic_add(state_ref, (jnp.int32(give_up),), (seen < target).astype(jnp.int32))
-    if gpu_sync and trap:
+    if trap:
         pl.when(seen < target)(lambda: trap_now(state_ref))
     if gpu_sync:
         plt.debug_barrier()

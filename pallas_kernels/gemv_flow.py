@@ -189,7 +189,7 @@ def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin, l
         ticket = pid if order == "program_id" else flow_sync.ticket(r["state"])
         dispatch(ticket)
     pl.when(ticket >= sum(p.programs for p in plans))(
-        lambda: flow_sync.count_stray(r["state"], len(plans), trap=trap and gpu_sync))
+        lambda: flow_sync.count_stray(r["state"], len(plans), trap=trap))
 
 
 def _guess(pid, programs: int):
@@ -310,7 +310,7 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     kernel = functools.partial(_kernel, plans=plans, m=m, eps=float(eps),
                                gpu_sync=not interpret, order=order, backoff=backoff,
                                l2_prefetch=l2_prefetch, spin=spin, l2_guess=l2_guess,
-                               trap=trap)
+                               trap=trap and not interpret)  # no trap to run there
     outs = pl.pallas_call(
         kernel, grid=(sum(p.programs for p in plans),), out_shape=tuple(out_shape),
         input_output_aliases={len(operands): len(out_shape) - 1},
