@@ -96,13 +96,16 @@ def fold_new_key(qt, k_new, v_new, use, scale: float, m, l, acc):
 def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: int,
                    block_t: int, num_splits: int, scale: float, rowwise: bool, entry_stride: int,
                    write_new: bool = False, rope: bool = False, trash_page: int = 0,
-                   last_combine: bool = False, gpu_sync: bool = True, pdl: bool = False):
+                   last_combine: bool = False, gpu_sync: bool = True, pdl: bool = False,
+                   ids=None):
     """write_new: q_ref is the packed projection qkv [B, H + 2 KVH, hd] of the new token,
     whose K/V the kernel writes at (page, slot) [B] into the caches (aliased outputs); with
     `rope` the kernel also applies RoPE (cos, sin [B, hd]) to q and k. See
     paged_decode_attention_qkv. last_combine (with write_new): the last split program of each
     (row, KV head) to finish merges the partials (see _merge_if_last); gpu_sync: emit its CTA
-    barriers (interpret mode has no lowering for them and runs programs in order)."""
+    barriers (interpret mode has no lowering for them and runs programs in order). ids: (row,
+    KV head, split) when the body runs inside another kernel (gemv_flow's attention stage,
+    flow_attention.py) rather than as program (row, head, split) of its own grid."""
     out_ref = cnt_ref = None
     if write_new:
         (base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, *rest) = refs
@@ -117,10 +120,11 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
         base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     # PDL (_common.PDL, off by default): every read below depends on `after`, so none is
     # issued before the wait; the row index and the plane operands carry it.
-    after = pdl_wait(pdl_trigger(pl.program_id(2), interpret=not (gpu_sync and pdl)))
-    b = pl.program_id(0) + after
-    kvh = pl.program_id(1)
-    sp = pl.program_id(2)
+    if ids is None:
+        after = pdl_wait(pdl_trigger(pl.program_id(2), interpret=not (gpu_sync and pdl)))
+        b, kvh, sp = pl.program_id(0) + after, pl.program_id(1), pl.program_id(2)
+    else:
+        (b, kvh, sp), after = ids, 0
     entry = plane_index(base_ref, off_ref, entry_stride, after)
     kv_len = lens_ref[b]
     # With write_new the newest key is not read from the cache (this call writes it, and
@@ -331,6 +335,25 @@ def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_le
     return (out, kc, vc) if counters is None else (out, kc, vc, cnt[0] if cnt else counters)
 
 
+def key_tiling(bsz: int, kvh: int, group: int, cache_dtype, max_tokens: int, use_dot: bool,
+               *, block_t=None, num_splits=None):
+    """(block_t, num_splits, group_pad): the keys per inner step, the flash-decoding splits
+    and the query tile's rows; the arguments given (else TUNING's, else the defaults) win."""
+    block_t = TUNING.get("block_t") if block_t is None else block_t
+    num_splits = TUNING.get("num_splits") if num_splits is None else num_splits
+    if block_t is None:  # fp32 IEEE dots at 64 keys spill registers: 32 there
+        wide = jnp.dtype(cache_dtype).itemsize <= 2
+        wide_t = 32 if bsz <= SMALL_BATCH_ROWS else 64
+        block_t = (wide_t if wide else 32) if use_dot else (64 if group == 1 else 32)
+    group_pad = max(16, next_pow2(group)) if use_dot else group
+    if num_splits is None:
+        # One key block per split is enough for decode: at batch 1 (16 programs unsplit) the
+        # 2-block floor left 1-2 splits for a 256-token table; 4 splits took batch-1 decode
+        # from 163.5 to 170.2 tok/s on the H200 (benchmarks/results/ab_splits*_b1_h200.json).
+        num_splits = choose_num_splits(bsz * kvh, max_tokens, block_t, min_blocks_per_split=1)
+    return block_t, num_splits, group_pad
+
+
 def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, interpret,
           block_t=None, num_splits=None, num_warps=None, num_stages=None, use_dot=True,
           rowwise=False, entry_stride=1, rope=False, trash_page=0, counters=None):
@@ -341,21 +364,11 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
     page_size, kvh = k_cache.shape[2], k_cache.shape[3]
     group = h // kvh
     use_dot = bool(use_dot)
-    block_t = TUNING.get("block_t") if block_t is None else block_t
-    num_splits = TUNING.get("num_splits") if num_splits is None else num_splits
     num_warps = TUNING.get("num_warps", 4) if num_warps is None else num_warps
     num_stages = TUNING.get("num_stages", 2) if num_stages is None else num_stages
-    if block_t is None:  # fp32 IEEE dots at 64 keys spill registers: 32 there
-        wide = jnp.dtype(k_cache.dtype).itemsize <= 2
-        wide_t = 32 if bsz <= SMALL_BATCH_ROWS else 64
-        block_t = (wide_t if wide else 32) if use_dot else (64 if group == 1 else 32)
-    group_pad = max(16, next_pow2(group)) if use_dot else group
-    max_tokens = block_tables.shape[1] * page_size
-    if num_splits is None:
-        # One key block per split is enough for decode: at batch 1 (16 programs unsplit) the
-        # 2-block floor left 1-2 splits for a 256-token table; 4 splits took batch-1 decode
-        # from 163.5 to 170.2 tok/s on the H200 (benchmarks/results/ab_splits*_b1_h200.json).
-        num_splits = choose_num_splits(bsz * kvh, max_tokens, block_t, min_blocks_per_split=1)
+    block_t, num_splits, group_pad = key_tiling(
+        bsz, kvh, group, k_cache.dtype, block_tables.shape[1] * page_size, use_dot,
+        block_t=block_t, num_splits=num_splits)
     write_new = bool(write_args)
     last_combine = write_new and counters is not None and num_splits > 1
     # (the fused-write entry point takes the tensor-core path only, the one that merges)

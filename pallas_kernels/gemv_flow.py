@@ -49,8 +49,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import flow_sync
+from pallas_kernels import flow_attention, flow_sync
 from pallas_kernels._common import compiler_params, pl
+from pallas_kernels.flow_attention import AttnPlan, AttnStage  # noqa: F401
+# the stages (re-exported: the chain's callers have always found them here)
+from pallas_kernels.flow_stages import ENGINE_TILING, Stage, mlp_stages  # noqa: F401
 from pallas_kernels.flow_sync import (SPIN_LIMIT, SPINS, give_ups, misses,  # noqa: F401
                                       state_for, state_size)
 from pallas_kernels.gemv import check_norm_operands, check_operands
@@ -65,22 +68,6 @@ from pallas_kernels.l2_prefetch import prefetch_block, prefetch_blocks
 # before the first request (_guessed), at twice the code (each stage's body twice).
 ORDERS = ("ticket", "program_id", "guess")
 TILING_KEYS = ("block_n", "block_k", "per_program")
-
-
-class Stage(NamedTuple):
-    """One GEMV of the chain: weight w [N, K] (gated: [gate; up], [2I, K]); add_norm: the
-    stage's input is rms_norm(x', norm_w) with x' = resid + rms_norm(previous output,
-    branch_w). tiling: gemv_stream's block_n / block_k / per_program for this stage."""
-    w: jax.Array
-    gated: bool = False
-    branch_w: jax.Array | None = None
-    norm_w: jax.Array | None = None
-    tiling: dict | None = None
-    name: str = ""
-
-    @property
-    def add_norm(self) -> bool:
-        return self.norm_w is not None
 
 
 class _Plan(NamedTuple):
@@ -107,6 +94,17 @@ def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_pr
     wait for stage s - 1, the prologue and its blocks (gemv_stream's code), then its done
     count."""
     pl_ = plans[s]
+    wait = functools.partial(flow_sync.wait, refs["state"], s - 1, plans[s - 1].programs,
+                             len(plans), gpu_sync=gpu_sync, backoff=backoff, spin=spin,
+                             trap=trap) if s else (lambda: 0)
+    if isinstance(pl_, AttnPlan):  # nothing to request before its input is there
+        wait()
+        flow_attention.run(q, pl_, refs["attn_in"][s], refs["attn_out"][s],
+                           refs["y"][s - 1] if s else refs["x"], refs["y"][s],
+                           gpu_sync=gpu_sync)
+        flow_sync.finish(refs["state"], s, tuple(p.programs for p in plans),
+                         gpu_sync=gpu_sync, order=order)
+        return
     nk = pl_.k // pl_.block_k
     w_ref = refs["w"][s]
     load = _loader(refs, pl_, s)
@@ -116,8 +114,7 @@ def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_pr
         prefetch_blocks(w_ref, q, pl_.programs, min(l2_prefetch, pl_.per_program - 1),
                         k=pl_.k, block_n=pl_.block_n, gated=pl_.gated, up_offset=pl_.n_out,
                         interpret=not gpu_sync, keep=True)
-        after = flow_sync.wait(refs["state"], s - 1, plans[s - 1].programs, len(plans),
-                               gpu_sync=gpu_sync, backoff=backoff, spin=spin, trap=trap)
+        after = wait()
     y_prev = refs["y"][s - 1] if s else None
     if pl_.add_norm:
         src = (refs["resid"][s], y_prev, *refs["norms"][s], refs["xo"][s])
@@ -136,18 +133,27 @@ def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_pr
 
 
 def _sort_refs(refs, plans, m: int) -> dict:
-    """The kernel's refs by role: x, [h], per stage its weight (and branch_w, norm_w), the
-    state in; per stage y, per add_norm stage x', the state out."""
+    """The kernel's refs by role: x, [h], per stage its weight (and branch_w, norm_w; an
+    attention stage its flow_attention.operands), the state in; per stage y, per add_norm
+    stage x', per attention stage its flow_attention.outputs, the state out."""
     it = iter(refs)
     out = {"m": m, "x": next(it)}
     h = next(it) if any(p.add_norm for p in plans) else None
-    out["w"], out["norms"] = [], []
-    for p in plans:
+    out["w"], out["norms"], out["attn_in"], out["attn_out"] = [], [], {}, {}
+    for s, p in enumerate(plans):
+        if isinstance(p, AttnPlan):
+            out["w"].append(None)
+            out["norms"].append(None)
+            out["attn_in"][s] = [next(it) for _ in range(flow_attention.n_inputs(p))]
+            continue
         out["w"].append(next(it))
         out["norms"].append((next(it), next(it)) if p.add_norm else None)
     next(it)  # the state in, aliased with the state out: the atomics go through that
     out["y"] = [next(it) for _ in plans]
     xo = {s: next(it) for s, p in enumerate(plans) if p.add_norm}
+    for s, p in enumerate(plans):
+        if isinstance(p, AttnPlan):
+            out["attn_out"][s] = [next(it) for _ in range(flow_attention.n_outputs(p))]
     out["state"] = next(it)
     # an add_norm stage's residual: h for the first, the previous add_norm stage's x' after
     out["resid"], out["xo"], last = {}, {}, h
@@ -222,6 +228,10 @@ def _plan(stages, x, h, num_warps: int) -> tuple:
     plans, start, width = [], 0, x.shape[1]
     for s, st in enumerate(stages):
         label = f"gemv_flow stage {s}" + (f" ({st.name})" if st.name else "")
+        if isinstance(st, AttnStage):
+            plans.append(flow_attention.plan(st, m, width, start, label))
+            start, width = start + plans[-1].programs, plans[-1].n_out
+            continue
         if (st.branch_w is None) != (st.norm_w is None):
             raise ValueError(f"{label}: an add_norm stage takes both branch_w and norm_w")
         if st.add_norm and s == 0:
@@ -256,7 +266,7 @@ def _plan(stages, x, h, num_warps: int) -> tuple:
 def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = False,
               num_warps: int = 4, order: str = "ticket", backoff: int = 0,
               l2_prefetch: int = 0, spin: str = "thread0", l2_guess: bool = False,
-              trap: bool = False):
+              trap: bool = False, num_stages: int = 1):
     """The chain of Stage GEMVs (see the module docstring) on x [M, K0] (M up to
     gemv_stream.MAX_ROWS), h [M, K] the residual for the add_norm stages, state: int32
     [state_size(len(stages))] (state_for; donate it). Returns (ys, xs, state): every stage's output
@@ -269,7 +279,12 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     ticket it usually draws (its index), a cheaper bet than "guess" (no second copy of the
     stage bodies; a miss wastes one prefetch); trap: a give-up (see give_ups) also stops the
     kernel with a PTX trap, an error at the next synchronisation instead of results computed
-    from an incomplete input (the engine's choice; GPU only: interpret mode counts)."""
+    from an incomplete input (the engine's choice; GPU only: interpret mode counts).
+    num_stages: Triton's pipelining depth for the kernel (1: the GEMV stages' measured
+    setting; the separate attention kernel runs 2). A stage may also be a
+    flow_attention.AttnStage (decode attention on the previous stage's
+    packed qkv, or on x when first); then the call returns (ys, xs, state, caches), caches
+    per attention stage its (k_cache, v_cache, counters), updated in place."""
     stages = list(stages)
     if not stages:
         raise ValueError("gemv_flow needs at least one stage")
@@ -282,6 +297,8 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     if not isinstance(l2_guess, bool) or (l2_guess and order == "guess"):
         raise ValueError(f"gemv_flow l2_guess must be a bool, and not with order 'guess' "
                          f"(which loads that block itself), got {l2_guess!r}")
+    if type(num_stages) is not int or not 1 <= num_stages <= 4:
+        raise ValueError(f"gemv_flow num_stages must be an int in 1..4, got {num_stages!r}")
     for name, v in (("backoff", backoff), ("l2_prefetch", l2_prefetch)):
         if type(v) is not int or v < 0:
             raise ValueError(f"gemv_flow {name} must be an int >= 0, got {v!r}")
@@ -297,15 +314,31 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
         raise ValueError(f"gemv_flow: the state must be int32 [{state_size(len(stages))}] "
                          f"(state_for({len(stages)})), got {state.dtype} {state.shape}")
     plans = _plan(stages, x, h, num_warps)
+    attn = [s for s, p in enumerate(plans) if isinstance(p, AttnPlan)]
+    if attn and (order == "guess" or l2_guess):
+        raise ValueError("gemv_flow: an attention stage runs with order 'ticket' or "
+                         "'program_id' and without l2_guess (their first-block bets are "
+                         "GEMV blocks)")
     m, dt = x.shape[0], x.dtype
     operands = [x] + ([h] if h is not None and any(p.add_norm for p in plans) else [])
-    for st in stages:
+    in_at = {}
+    for s, st in enumerate(stages):
+        if s in attn:
+            in_at[s] = len(operands)
+            operands += flow_attention.operands(st, dt)
+            continue
         operands.append(st.w.astype(dt))
         if st.add_norm:
             operands += [st.branch_w.astype(dt), st.norm_w.astype(dt)]
     sd = jax.ShapeDtypeStruct
     out_shape = [sd((m, p.n_out), dt) for p in plans]
     out_shape += [sd((m, p.k), dt) for p in plans if p.add_norm]
+    aliases = {}
+    for s in attn:
+        for i, o in flow_attention.aliased(plans[s]):
+            aliases[in_at[s] + i] = len(out_shape) + o
+        out_shape += flow_attention.outputs(plans[s], stages[s], m)
+    aliases[len(operands)] = len(out_shape)
     out_shape.append(sd(state.shape, jnp.int32))
     kernel = functools.partial(_kernel, plans=plans, m=m, eps=float(eps),
                                gpu_sync=not interpret, order=order, backoff=backoff,
@@ -313,40 +346,17 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
                                trap=trap and not interpret)  # no trap to run there
     outs = pl.pallas_call(
         kernel, grid=(sum(p.programs for p in plans),), out_shape=tuple(out_shape),
-        input_output_aliases={len(operands): len(out_shape) - 1},
-        compiler_params=compiler_params(num_warps, 1), interpret=interpret,
+        input_output_aliases=aliases,
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="gemv_flow",
     )(*operands, state)
-    n = len(plans)
-    return list(outs[:n]), list(outs[n:-1]), outs[-1]
-
-
-# The engine's one-row tilings (projections.STREAM_TUNING without num_warps, 4 for all).
-ENGINE_TILING = dict(o=dict(block_n=2, block_k=512, per_program=2),
-                     gate_up=dict(block_n=2, block_k=512, per_program=8),
-                     down=dict(block_n=1, block_k=512, per_program=4),
-                     qkv=dict(block_n=4, block_k=512, per_program=4))
-
-
-def mlp_stages(w_o, w_post_attn, w_pre_mlp, w_gate_up, w_down, *, next_qkv=None,
-               tiling=None) -> list:
-    """The sandwich layer's o -> gate/up -> down as Stages (model.decoder_layer: h = x +
-    rms_norm(o, input_layernorm_2), m = silu(gate) * up of rms_norm(h, post_attention_
-    layernorm), then down), and with next_qkv = (post_attention_layernorm_2, the next layer's
-    input_layernorm, its qkv weight) the next layer's qkv of rms_norm(h + rms_norm(down,
-    ...)). tiling: per name, gemv_stream's block_n / block_k / per_program (default
-    ENGINE_TILING, whose block_k fits K=2048)."""
-    t = {n: dict(v) for n, v in ENGINE_TILING.items()}
-    for name, v in (tiling or {}).items():
-        if name not in t:
-            raise ValueError(f"mlp_stages tiling names one of {sorted(t)}, got {name!r}")
-        t[name].update(v)
-    stages = [Stage(w_o, tiling=t["o"], name="o"),
-              Stage(w_gate_up, gated=True, branch_w=w_post_attn, norm_w=w_pre_mlp,
-                    tiling=t["gate_up"], name="gate_up"),
-              Stage(w_down, tiling=t["down"], name="down")]
-    if next_qkv is not None:
-        w_post2, w_in, w_qkv = next_qkv
-        stages.append(Stage(w_qkv, branch_w=w_post2, norm_w=w_in, tiling=t["qkv"],
-                            name="qkv"))
-    return stages
+    n, n_x = len(plans), sum(p.add_norm for p in plans)
+    ys, xs, rest = list(outs[:n]), list(outs[n:n + n_x]), list(outs[n + n_x:-1])
+    if not attn:
+        return ys, xs, outs[-1]
+    caches = []  # per attention stage: the last three of its outputs
+    for s in attn:
+        k = flow_attention.n_outputs(plans[s])
+        caches.append(tuple(rest[k - 3:k]))
+        rest = rest[k:]
+    return ys, xs, outs[-1], caches

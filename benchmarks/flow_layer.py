@@ -1,0 +1,190 @@
+"""The whole decode layer in one kernel (gemv_flow with flow_attention's attention stage)
+against what the engine runs now, 1.4B shapes, bf16, one row (batch-1 decode).
+
+    python -m benchmarks.flow_layer --layers 8 --out flow_layer.json [--arms flow5,flow5_ns2]
+
+Each arm runs `layers` layer applications in one jit, every layer with its own weights and
+its own KV-cache plane (so weights stream from HBM, not L2), each layer's input the previous
+one's output: o -> gate/up -> down -> the next layer's qkv -> its attention over CTX cached
+keys plus the new one (RoPE, the K/V write, the split merge). The figure is microseconds per
+layer application (a batch-1 decode step runs 96; session 20's engine: 43.5 us each).
+
+Arms:
+  separate  the engine's default kernels: four streaming GEMVs, the decode attention kernel
+            and its XLA split combine (6 kernels per layer);
+  merged    the same with the attention's splits merged in its kernel (last_combine: the
+            bits every flow arm must match, so errors are against it: expected 0);
+  flow4     the engine's opt-in '+flow4' (o -> gate/up -> down -> next qkv in one kernel),
+            then the attention kernel (merged): 2 kernels per layer;
+  flow5     the attention as a fifth stage: 1 kernel per layer; flow5_ns2: the kernel at
+            Triton's num_stages=2 (the attention kernel's; the GEMV stages were measured at
+            1); flow5_pf2: each waiting GEMV program also asks L2 for 2 more blocks.
+Every flow arm's give-ups must be 0 (else its results are wrong and it is not timed).
+Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.gemv_flow import K, tilings, weights
+
+KVH, HD, PAGE = 16, 128, 16
+CTX = 160  # keys before the new one: the protocol's 128-token prompt, mid-way through 64
+ARMS = {
+    "separate": dict(kind="separate"),
+    "merged": dict(kind="separate", merged=True),
+    "flow4": dict(kind="flow", stages=4),
+    "flow5": dict(kind="flow", stages=5),
+    "flow5_ns2": dict(kind="flow", stages=5, num_stages=2),
+    "flow5_pf2": dict(kind="flow", stages=5, l2_prefetch=2),
+}
+DEFAULT_ARMS = "separate,merged,flow4,flow5,flow5_ns2,flow5_pf2"
+
+
+def kv_case(layers: int, seed: int = 2, ctx: int = CTX, kvh: int = KVH, hd: int = HD):
+    """Caches [layers, pages, PAGE, KVH, HD] (one plane per layer), the table, the lengths
+    (ctx + the new token), where the new token goes, RoPE's cos/sin, the merge counters."""
+    rng = np.random.default_rng(seed)
+    pages = -(-(ctx + 1) // PAGE) + 1
+    cache = lambda: jnp.asarray(rng.standard_normal((layers, pages, PAGE, kvh, hd)),
+                                jnp.bfloat16)
+    ang = rng.uniform(0, 6.28, (1, hd // 2))
+    cos = jnp.asarray(np.cos(np.concatenate([ang, ang], 1)), jnp.bfloat16)
+    sin = jnp.asarray(np.sin(np.concatenate([ang, ang], 1)), jnp.bfloat16)
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    fixed = dict(bt=i32(np.arange(1, pages + 1)[None] % pages), lens=i32([ctx + 1]),
+                 page=i32([1 + ctx // PAGE]), slot=i32([ctx % PAGE]), cos=cos, sin=sin)
+    return (cache(), cache(), jnp.zeros((1, kvh), jnp.int32)), fixed
+
+
+def _attention(q, caches, fx, layer, merged: bool, interpret: bool = False):
+    from pallas_kernels import paged_decode_attention_qkv
+    kc, vc, cnt = caches
+    args = (q.reshape(1, -1, kc.shape[-1]), kc, vc, jnp.int32(layer), fx["bt"], fx["lens"], fx["page"],
+            fx["slot"])
+    kw = dict(rope=(fx["cos"], fx["sin"]), trash_page=0, interpret=interpret)
+    if merged:
+        out, kc, vc, cnt = paged_decode_attention_qkv(*args, counters=cnt, **kw)
+    else:
+        out, kc, vc = paged_decode_attention_qkv(*args, **kw)
+    return out.reshape(1, -1), (kc, vc, cnt)
+
+
+def separate(ws, attn, h, caches, fx, tiling, merged: bool, interpret: bool = False):
+    """The engine's kernels per layer; returns (the last attention output, x', caches)."""
+    from benchmarks.gemv_flow import separate as gemvs
+    for layer, lw in enumerate(ws):
+        q, h = gemvs([lw], attn, h, tiling, interpret=interpret)
+        attn, caches = _attention(q, caches, fx, layer, merged, interpret)
+    return attn, h, caches
+
+
+def flow(ws, attn, h, caches, state, fx, tiling, stages: int, options,
+         interpret: bool = False):
+    """gemv_flow per layer (stages 4: then the attention kernel, merged)."""
+    from benchmarks.gemv_flow import _thaw
+    from pallas_kernels.flow_attention import AttnStage
+    from pallas_kernels.gemv_flow import gemv_flow, mlp_stages
+    t = _thaw(tiling)
+    for layer, lw in enumerate(ws):
+        att = None
+        if stages == 5:
+            att = AttnStage(caches[0], caches[1], jnp.int32(layer), fx["bt"], fx["lens"],
+                            fx["page"], fx["slot"], caches[2], rope=(fx["cos"], fx["sin"]),
+                            trash_page=0)
+        st = mlp_stages(lw["w_o"], lw["w_post"], lw["w_pre"], lw["w_gu"], lw["w_down"],
+                        next_qkv=(lw["w_post2"], lw["w_in"], lw["w_qkv"]), tiling=t,
+                        attention=att)
+        out = gemv_flow(attn, st, state, h=h, trap=False, interpret=interpret,
+                        **dict(options))
+        ys, xs, state = out[:3]
+        h = xs[1]
+        if stages == 5:
+            attn, caches = ys[4], out[3][0]
+        else:
+            attn, caches = _attention(ys[3], caches, fx, layer, True, interpret)
+    return attn, h, caches, state
+
+
+def _row(name, arm, ws, attn, h, fx, ref, args, timers) -> dict:
+    from benchmarks.gemv_flow import _freeze
+    from pallas_kernels.gemv_flow import give_ups, state_for
+    time_threaded = timers
+    t = _freeze(tilings({}))
+    caches, _ = kv_case(args.layers)
+    row = dict(arm=name, **arm)
+    if arm["kind"] == "separate":
+        f = jax.jit(separate, static_argnums=(5, 6), donate_argnums=3)
+        step = lambda c: (lambda r: (r[0], r[2]))(f(ws, attn, h, c, fx, t,
+                                                      arm.get("merged", False)))
+        out, caches = step(caches)
+        got = out
+    else:
+        options = tuple(sorted((k, v) for k, v in arm.items() if k not in ("kind", "stages")))
+        f = jax.jit(flow, static_argnums=(6, 7, 8), donate_argnums=(3, 4))
+        s0 = state_for(arm["stages"])
+        got, _, caches, state = f(ws, attn, h, caches, s0, fx, t, arm["stages"], options)
+        row["give_ups_first_call"] = int(give_ups(state))
+        step = lambda cs: (lambda r: (r[0], (r[2], r[3])))(
+            f(ws, attn, h, cs[0], cs[1], fx, t, arm["stages"], options))
+        caches = (caches, state)
+    row["max_abs_diff_vs_merged"] = float(jnp.max(jnp.abs(
+        got.astype(jnp.float32) - ref.astype(jnp.float32))))
+    if row.get("give_ups_first_call"):
+        row["us_per_layer"] = None  # wrong, and each give-up spins for seconds
+        return row, got
+    best, _ = time_threaded(step, caches, args.calls, args.trials)
+    row["us_per_layer"] = 1e6 * best / args.layers
+    return row, got
+
+
+def main(argv=None) -> int:
+    from benchmarks.grid_barrier import require_gpu
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.flow_layer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, from {list(ARMS)}")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    names = [n for n in args.arms.split(",") if n]
+    if not names or any(n not in ARMS for n in names):
+        ap.error(f"--arms: from {list(ARMS)}, got {args.arms!r}")
+    if min(args.layers, args.calls, args.trials) < 1:
+        ap.error("--layers, --calls and --trials must be >= 1")
+    require_gpu("flow_layer", "its stages wait for each other's programs")
+    return _main(args, argv, names)
+
+
+def _main(args, argv, names) -> int:
+    from benchmarks.grid_barrier import time_threaded
+    from benchmarks.gemv_flow import _freeze
+    from benchmarks.record import save_record
+    ws = weights(args.layers)
+    rng = np.random.default_rng(1)
+    attn = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
+    _, fx = kv_case(args.layers)
+    # the reference bits: the separate kernels with the merge in the attention kernel
+    ref = jax.jit(separate, static_argnums=(5, 6))(ws, attn, h, kv_case(args.layers)[0], fx,
+                                                   _freeze(tilings({})), True)[0]
+    rows = []
+    for name in names:
+        row, _ = _row(name, ARMS[name], ws, attn, h, fx, ref, args, time_threaded)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        save_record("benchmarks.flow_layer", argv, args.out, layers=args.layers, ctx=CTX,
+                    rows=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
