@@ -93,7 +93,8 @@ def _entry(loop, layer):
 
 
 def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.Array,
-                      page_size: int, backend: str = "xla", fused_kv_write: bool = True):
+                      page_size: int, backend: str = "xla", fused_kv_write: bool = True,
+                      merge_splits: bool | None = None):
     """attend(q, k, v, planes, loop, layer) over query positions [B, C] (all rows have C).
 
     With the pallas backend, C == 1 (decode, draft) and `fused_kv_write`, the function also
@@ -103,14 +104,17 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     when it has the fused qkv). H200, 1.4B, native greedy, fused vs XLA in the same call
     (session 6, benchmarks/results/ab_kvwrite_*_session6_h200.json): batch 1 210.0 vs 192.8
     tok/s, 8 1,488.5 vs 1,442.9, 16 2,741.8 vs 2,636.8, 32 4,873.0 vs 4,716.4, 64 7,607.4
-    vs 7,498.5. fused_kv_write=False (engine option '+kvxla') keeps the XLA path."""
+    vs 7,498.5. fused_kv_write=False (engine option '+kvxla') keeps the XLA path.
+    merge_splits: the decode kernel merges its splits itself (None: LAST_COMBINE or the
+    kernel's TUNING); then `attend.qkv_stage` also gives the decode attention as a gemv_flow
+    stage ('+flow5')."""
     page, slot = slot_indices(block_tables, positions, page_size)
     if backend == "pallas":
         kv_lens = positions[:, -1] + 1
         attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot)
         if positions.shape[1] == 1 and fused_kv_write:
             attend = _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page,
-                                        slot)
+                                        slot, merge_splits)
         return attend
     return _xla_attend(cfg, block_tables, positions, page_size, page, slot)
 
@@ -142,7 +146,8 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot):
     return attend
 
 
-def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot):
+def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot,
+                       merge_splits=None):
     """Adds attend.qkv (the decode kernel with RoPE and the K/V write) and, with fuse_o at
     one row, attend.qkv_o (the kernel fused with the o projection); with last_combine or
     fuse_o, their counters ride along with the planes (attend.wrap / unwrap)."""
@@ -151,7 +156,8 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
     b = kv_lens.shape[0]
     num_layers = cfg.num_hidden_layers
     interpret = jax.default_backend() != "gpu"
-    last_combine = bool(pk.decode.TUNING.get("last_combine", LAST_COMBINE))
+    last_combine = bool(pk.decode.TUNING.get("last_combine", LAST_COMBINE)) \
+        if merge_splits is None else merge_splits
     fuse_o = bool(pk.decode.TUNING.get("fuse_o", FUSE_O))
     if fuse_o and last_combine:
         raise ValueError("decode kernel tuning: fuse_o and last_combine are alternatives (the "
@@ -183,6 +189,18 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
         attend.wrap = lambda planes: (*planes, counters)
         attend.unwrap = lambda state: state[:2]
     attend.qkv = attend_qkv
+    if last_combine:
+        def qkv_stage(cos, sin, state, loop, layer):
+            """The decode attention of (loop, layer) as a gemv_flow stage on the packed
+            projection the previous stage computes (flow_attention.AttnStage: the same
+            kernel body, merge and K/V write as attend_qkv); the call's caches (k, v,
+            counters) replace state[:3]."""
+            from pallas_kernels.flow_attention import AttnStage
+            e = _entry(loop, layer)
+            return AttnStage(state[0], state[1], e, block_tables, kv_lens, page[:, 0],
+                             slot[:, 0], state[2], rope=(cos[:, 0], sin[:, 0]),
+                             trash_page=TRASH_PAGE, entry_stride=num_layers)
+        attend.qkv_stage = qkv_stage
     if fuse_o:
         def attend_qkv_o(qkv, w_o, cos, sin, state, loop, layer):
             y, kc, vc, cnt = trace_once.call(

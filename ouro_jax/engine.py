@@ -18,6 +18,7 @@ from ouro_jax.attention import make_paged_attend
 from ouro_jax.config import OuroConfig
 from ouro_jax.model import ExitSpec, embed, rope_cos_sin, run_loops, select_exit
 from ouro_jax.params import OuroParams
+from ouro_jax.projection_spec import FLOW_PARTS
 from ouro_jax.projections import parse as parse_projections
 from ouro_jax.sampling import SamplingArrays, SamplingMode, sample, token_logprobs
 
@@ -48,25 +49,28 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     kernels instead of inside the Pallas decode kernel; "+gemv[@N][:names]" and
     "+gemm[@N][:names]" compute few-row projections (and with "+norms" the RMSNorms and
     residual adds around them; "+pfN" sets the GEMV's prefetch depth; "+stream" uses the
-    streaming GEMV kernel, "+mgpu[:names]" the Mosaic GPU one, "+flow[4]" o -> gate/up -> down
-    [-> next qkv] as one kernel) with the Pallas GEMV /
+    streaming GEMV kernel, "+mgpu[:names]" the Mosaic GPU one, "+flow[4|5]" o -> gate/up ->
+    down [-> next qkv [-> its attention]] as one kernel) with the Pallas GEMV /
     skinny GEMM (ouro_jax.projections.parse). `h` overrides the embedding input
     (verification starts from the draft's states)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options
                if o.startswith(("gemv", "gemm", "pf", "mgpu"))
-               or o in ("norms", "stream", "flow", "flow4")]
+               or o in ("norms", "stream", *FLOW_PARTS)]
     unknown = [o for o in options if o not in ("unroll", "kvxla") and o not in kernels]
     if unknown:
         raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', "
                          f"'kvxla', 'gemv...', 'gemm...', 'norms', 'pfN', 'stream', 'mgpu...', "
-                         f"'flow', 'flow4'")
+                         f"'flow', 'flow4', 'flow5'")
     proj = parse_projections("+".join(kernels) or "xla")
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
     if h is None:
         h = embed(params, ids, params.dtype)
+    # '+flow5' runs the decode attention's body in the flow kernel, which merges the splits
+    # itself: the counters the decode kernel then needs ride with the planes
     attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], attention,
-                               fused_kv_write="kvxla" not in options)
+                               fused_kv_write="kvxla" not in options,
+                               merge_splits=True if getattr(proj, "flow", 0) == 5 else None)
     # Some attends carry extra state with the planes (the decode kernel's split counters).
     state = attend.wrap(planes) if hasattr(attend, "wrap") else planes
     hidden, gates, state = run_loops(params, h, cos, sin, cfg, attend, state, loops,

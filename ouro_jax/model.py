@@ -117,6 +117,8 @@ def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, 
     the o projection."""
     eps = cfg.rms_norm_eps
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    if isinstance(x, Prepared) and x.attn is not None:  # '+flow5': attention done too
+        return x.attn, x.x, state, False
     if isinstance(x, Prepared):  # '+flow4': the previous layer's kernel computed it
         qkv, x = x.qkv, x.x
     elif lp.qkv_proj is not None:
@@ -163,7 +165,8 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     if not projected:
         attn = attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim)
         if hasattr(proj, "flows") and proj.flows(attn, lp):
-            return proj.mlp_flow(attn, x, lp, eps, flow, next_lp), state
+            return _mlp_flow(proj, attn, x, lp, eps, flow, next_lp, attend, cos, sin, state,
+                             loop, layer)
         attn = proj.project("o", attn, lp.o_proj, next_weight=None if lp.gate_up_proj is None
                             else (lp.gate_up_proj, 2))
     h = Residual(x, attn, lp.input_layernorm_2)  # h = x + rms_norm(attn, input_layernorm_2)
@@ -177,6 +180,20 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
     m = proj.project("down", m, lp.down_proj,
                      next_weight=None if next_qkv is None else (next_qkv, 1))
     return proj.residual(h, m, lp.post_attention_layernorm_2, eps), state
+
+
+def _mlp_flow(proj, attn, x, lp, eps, flow, next_lp, attend, cos, sin, state, loop, layer):
+    """proj.mlp_flow; with '+flow5' (and an attend that gives its decode attention as a
+    gemv_flow stage) the next layer's attention runs in this layer's kernel too, and the
+    caches it wrote become the state. Returns (the layer's output, state)."""
+    attention = None
+    if getattr(proj, "flow", 0) == 5 and next_lp is not None and hasattr(attend, "qkv_stage"):
+        attention = attend.qkv_stage(cos, sin, state, loop, layer + 1)
+    out = proj.mlp_flow(attn, x, lp, eps, flow, next_lp, attention=attention)
+    if isinstance(out, Prepared) and out.caches is not None:
+        state = (*out.caches, *state[3:])
+        out = out._replace(caches=None)
+    return out, state
 
 
 def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn, state, loop,

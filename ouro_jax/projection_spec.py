@@ -47,6 +47,11 @@ def _parse_part(spec: str, part: str):
     return kind, tuple(n for n in NAMES if n in chosen), max_rows
 
 
+# '+flow' parts: the gemv_flow kernel's stages per layer (projections.PallasGemv.flow)
+FLOW_PARTS = {"flow": 3, "flow4": 4, "flow5": 5}
+FLOW_NAME = {v: k for k, v in FLOW_PARTS.items()}
+
+
 def parse(spec: str):
     """'xla' -> XLA(); 'gemv' -> all four through the GEMV for one-row calls; 'gemv@5' -> for
     calls of up to 5 rows; 'gemv:gate_up,down' (or 'gemv@5:...') -> only those; 'gemm[@N]' ->
@@ -59,6 +64,8 @@ def parse(spec: str):
     '+flow' (with 'norms' and 'stream') -> a one-row layer's o, gate/up and down as one
     ticket-ordered kernel (pallas_kernels.gemv_flow; experimental, opt-in); '+flow4' -> the
     same with the next layer's qkv as a fourth stage (not after a loop's last layer);
+    '+flow5' -> and that layer's decode attention as a fifth (flow_attention: the whole layer
+    in one kernel; the decode kernel then merges its splits itself, as last_combine=1);
     'auto' -> see resolve."""
     from ouro_jax.projections import XLA, PallasGemv  # (they import this module's names)
     spec = resolve(spec)
@@ -69,7 +76,7 @@ def parse(spec: str):
     mgpu_parts = [p for p, kind in zip(parts, kinds) if kind == "mgpu"]
     fuse_norms, stream, prefetch, flow = _modes(spec, parts, kinds, mgpu_parts)
     kw = {}
-    for part in (p for p in parts if p not in ("norms", "stream", "flow", "flow4")
+    for part in (p for p in parts if p not in ("norms", "stream", *FLOW_PARTS)
                  and p not in mgpu_parts
                  and not p.startswith("pf")):
         kind, names, rows = _parse_part(spec, part)
@@ -79,9 +86,9 @@ def parse(spec: str):
     gemv_names, gemv_rows = kw.get("gemv", ((), GEMV_MAX_ROWS))
     gemm_names, gemm_rows = kw.get("gemm", ((), GEMM_MAX_ROWS))
     mgpu_names = _mgpu_names(spec, mgpu_parts, gemv_names)
-    need = {"o", "gate_up", "down"} | ({"qkv"} if flow == 4 else set())
+    need = {"o", "gate_up", "down"} | ({"qkv"} if flow >= 4 else set())
     if flow and not need <= set(gemv_names):
-        raise ValueError(f"projections {spec!r}: '{'flow' if flow == 3 else 'flow4'}' needs "
+        raise ValueError(f"projections {spec!r}: '{FLOW_NAME[flow]}' needs "
                          f"{sorted(need)} in the "
                          f"'gemv' part")
     return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream,
@@ -90,7 +97,7 @@ def parse(spec: str):
 
 def _modes(spec: str, parts: list, kinds: list, mgpu_parts: list):
     """The spec's switches, checked: (norms, stream, the 'pfN' depth or None, the flow
-    kernel's stages: 0, 3 or 4)."""
+    kernel's stages: 0, 3, 4 or 5)."""
     fuse_norms = "norms" in parts
     stream = "stream" in parts
     if parts.count("norms") > 1 or (fuse_norms and "gemv" not in kinds):
@@ -112,12 +119,13 @@ def _modes(spec: str, parts: list, kinds: list, mgpu_parts: list):
             raise ValueError(f"projections {spec!r}: 'pfN' is the per-block GEMV's prefetch "
                              f"depth; with 'stream' one-row calls take the streaming kernel, "
                              f"which has none (give one of the two)")
-    flows = [p for p in parts if p in ("flow", "flow4")]
-    flow = {"flow": 3, "flow4": 4}[flows[0]] if flows else 0
+    flows = [p for p in parts if p in FLOW_PARTS]
+    flow = FLOW_PARTS[flows[0]] if flows else 0
     if flow and (len(flows) > 1 or not (fuse_norms and stream) or mgpu_parts):
-        raise ValueError(f"projections {spec!r}: 'flow' or 'flow4' (o -> gate/up -> down "
-                         f"[-> the next qkv] of one-row calls in one gemv_flow kernel) is "
-                         f"given once, with 'norms' and 'stream' and without 'mgpu'")
+        raise ValueError(f"projections {spec!r}: 'flow', 'flow4' or 'flow5' (o -> gate/up -> "
+                         f"down [-> the next qkv [-> its attention]] of one-row calls in one "
+                         f"gemv_flow kernel) is given once, with 'norms' and 'stream' and "
+                         f"without 'mgpu'")
     if len(mgpu_parts) > 1 or (mgpu_parts and ("gemv" not in kinds or "@" in mgpu_parts[0])):
         raise ValueError(f"projections {spec!r}: 'mgpu[:NAME,...]' (the Mosaic GPU GEMV for "
                          f"one-row calls; no '@ROWS') is given once, with a 'gemv' part")

@@ -57,10 +57,14 @@ class Residual(NamedTuple):
 class Prepared(NamedTuple):
     """'+flow4': a layer's output with the next layer's qkv projection already computed (the
     gemv_flow kernel's fourth stage): x the residual stream (added up), qkv the projection
-    of rms_norm(x, the next input_layernorm), flow the kernel's counter state."""
+    of rms_norm(x, the next input_layernorm), flow the kernel's counter state. '+flow5':
+    attn, that layer's attention output too (the fifth stage), and caches, the attention's
+    (k, v, counters) as the kernel left them (decoder_layer puts them in its state)."""
     x: jax.Array
-    qkv: jax.Array
+    qkv: jax.Array | None
     flow: jax.Array
+    attn: jax.Array | None = None
+    caches: tuple | None = None
 
 
 def _rms_norm(x, w, eps):
@@ -130,8 +134,8 @@ class PallasGemv(XLA):
     prefetch: int | None = None  # '+pf<N>': every GEMV's prefetch depth instead of GEMV_TUNING's
     stream: bool = False  # '+stream': the streaming GEMV for calls of up to STREAM_MAX_ROWS rows
     mgpu_names: tuple = ()  # '+mgpu[:NAME,...]': the Mosaic GPU GEMV for their one-row calls
-    # '+flow' (3) / '+flow4' (4): a one-row layer's o -> gate/up -> down [-> the next layer's
-    # qkv] as one gemv_flow kernel; 0: off
+    # '+flow' (3) / '+flow4' (4) / '+flow5' (5): a one-row layer's o -> gate/up -> down [->
+    # the next layer's qkv [-> its attention]] as one gemv_flow kernel; 0: off
     flow: int = 0
 
     @property
@@ -155,7 +159,8 @@ class PallasGemv(XLA):
         if self.prefetch is not None:
             parts.append(f"pf{self.prefetch}")
         if self.flow:
-            parts.append("flow" if self.flow == 3 else "flow4")
+            from ouro_jax.projection_spec import FLOW_NAME
+            parts.append(FLOW_NAME[self.flow])
         return "+".join(parts)
 
     def tuning(self, name: str, n_out: int, k: int) -> dict:
@@ -265,25 +270,31 @@ class PallasGemv(XLA):
                 and not self.mgpu_names and len(warps) == 1  # one kernel: one warp count
                 and all(self._route(n, attn) == "gemv" for n in ("o", "gate_up", "down")))
 
-    def mlp_flow(self, attn, x, lp, eps, state=None, next_lp=None):
+    def mlp_flow(self, attn, x, lp, eps, state=None, next_lp=None, attention=None):
         """The layer after attention in one kernel (pallas_kernels.gemv_flow: o, then gate/up
         of rms_norm(x + rms_norm(o, input_layernorm_2), post_attention_layernorm), then
         down), the same bits as the three streaming GEMVs at the same tilings. state: the
         previous layer's (Residual.flow / Prepared.flow), or None for a fresh one. Returns
         the layer output as residual() gives it, carrying the state when deferred; with
         '+flow4' and next_lp (the next layer's weights, same loop) a Prepared: the kernel
-        also computes that layer's qkv. A handover that gives up (gemv_flow.give_ups) stops
-        the kernel (trap=True): an error at the next synchronisation, never wrong tokens."""
+        also computes that layer's qkv, with '+flow5' and `attention` (its decode attention
+        as a flow_attention.AttnStage) that layer's attention too. A handover that gives up
+        (gemv_flow.give_ups) stops the kernel (trap=True): an error at the next
+        synchronisation, never wrong tokens."""
         from pallas_kernels.gemv_flow import gemv_flow, state_for, state_size
         lead, k = x.shape[:-1], x.shape[-1]
-        four = self.flow == 4 and next_lp is not None and next_lp.qkv_proj is not None
-        stages = _flow_stages(lp, next_lp if four else None)
-        ys, xs, state = trace_once.call(
+        four = self.flow >= 4 and next_lp is not None and next_lp.qkv_proj is not None
+        five = four and self.flow == 5 and attention is not None
+        stages = _flow_stages(lp, next_lp if four else None, attention if five else None)
+        ys, xs, state, *caches = trace_once.call(
             gemv_flow, attn.reshape(-1, attn.shape[-1]), stages,
             state_for(len(stages)) if state is None or state.shape[0] != state_size(len(stages))
             else state, h=x.reshape(-1, k), eps=eps,
             interpret=jax.default_backend() != "gpu", trap=True,
             num_warps=STREAM_TUNING["gate_up"]["num_warps"])
+        if five:
+            return Prepared(xs[1].reshape(*lead, k), None, state,
+                            ys[4].reshape(*lead, ys[4].shape[-1]), caches[0][0])
         if four:
             return Prepared(xs[1].reshape(*lead, k), ys[3].reshape(*lead, ys[3].shape[-1]),
                             state)
@@ -310,11 +321,11 @@ class PallasGemv(XLA):
             super().gated(x, w)
 
 
-def _flow_stages(lp, next_lp=None) -> list:
+def _flow_stages(lp, next_lp=None, attention=None) -> list:
     """gemv_flow's stages (mlp_stages) for a layer's o -> gate/up -> down with STREAM_TUNING's
     tilings fitted to the shapes, and with next_lp the next layer's qkv, whose prologue adds
     down's output (post_attention_layernorm_2) to the residual and norms it (next
-    input_layernorm)."""
+    input_layernorm), and with `attention` (an AttnStage) that layer's decode attention."""
     from pallas_kernels.gemv_flow import TILING_KEYS, mlp_stages
     weights = dict(o=(lp.o_proj, 1), gate_up=(lp.gate_up_proj, 2), down=(lp.down_proj, 1))
     if next_lp is not None:
@@ -326,7 +337,8 @@ def _flow_stages(lp, next_lp=None) -> list:
     nxt = None if next_lp is None else (lp.post_attention_layernorm_2,
                                         next_lp.input_layernorm, next_lp.qkv_proj)
     return mlp_stages(lp.o_proj, lp.input_layernorm_2, lp.post_attention_layernorm,
-                      lp.gate_up_proj, lp.down_proj, next_qkv=nxt, tiling=tiling)
+                      lp.gate_up_proj, lp.down_proj, next_qkv=nxt, tiling=tiling,
+                      attention=attention)
 
 
 # What 'auto' means on a GPU: one-row projections through the streaming GEMV with the
