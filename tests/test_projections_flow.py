@@ -112,3 +112,55 @@ def test_the_kernels_engine_tiling_is_the_engines():
     assert ENGINE_TILING == {n: {k: t[k] for k in TILING_KEYS}
                              for n, t in STREAM_TUNING.items()}
 
+
+
+def test_flow5_runs_the_next_layers_attention_in_the_layer_kernel_and_keeps_the_tokens():
+    """'+flow5' with the Pallas attention (interpret mode): in a loop of two one-row layers
+    the first layer's attention is the decode kernel's, the first layer's gemv_flow then runs
+    the second layer's qkv and attention (5 stages, the caches aliased through it), the
+    second's is 3 stages; the loop's output and the caches have the bits of the separate
+    kernels with the decode kernel's split merge (last_combine, which '+flow5' turns on), and
+    greedy decode, native and speculative (k=4 d=2), gives those tokens."""
+    from engine_helpers import pallas_call_eqns, pallas_call_names
+    from ouro_jax.api import Ouro
+    from ouro_jax.attention import make_paged_attend
+    from ouro_jax.config import PRESETS
+    from ouro_jax.kv_cache import init_planes
+    from ouro_jax.model import rope_cos_sin, run_loop, unstack_layers
+    from ouro_jax.params import random_params
+    from ouro_jax.projections import parse
+    from ouro_jax.sampling import SamplingParams
+    from ouro_jax.speculative import SpeculativeConfig
+
+    cfg = PRESETS["tiny-mha"]
+    p5, plain = parse("gemv+norms+stream+flow5"), parse("gemv+norms+stream")
+    assert p5.flow == 5 and parse(p5.spec) == p5
+    big = unstack_layers(random_params(cfg, 1, jnp.float32, 1.0, 0.1), fuse=True)
+    pos = jnp.array([[5]], jnp.int32)
+    tables = jnp.array([[1, 2, 0, 0]], jnp.int32)
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, jnp.float32)
+    attend = make_paged_attend(cfg, tables, pos, 4, "pallas", merge_splits=True)
+    k0, v0 = init_planes(cfg, 4, 4, jnp.float32)
+    k0 = k0 + jax.random.normal(jax.random.PRNGKey(3), k0.shape)  # keys to attend over
+    planes = (k0, v0 + 1.0, jnp.zeros((1, cfg.num_key_value_heads), jnp.int32))
+    h0 = jax.random.normal(jax.random.PRNGKey(0), (1, 1, cfg.hidden_size))
+    loop = lambda proj: (lambda h, st: run_loop(big, h, cos, sin, cfg, attend, st, 1, proj))
+    got, want = loop(p5)(h0, planes), loop(plain)(h0, planes)
+    _same([got[0], *got[1]], [want[0], *want[1]])
+    assert pallas_call_names(loop(p5), h0, planes) == [
+        "gemv_stream_norm", "paged_decode_attention", "gemv_flow", "gemv_flow"]
+    flows = [e for e in pallas_call_eqns(loop(p5), h0, planes) if "gemv_flow" in str(e.params)]
+    assert [e.invars[-1].aval.shape for e in flows] == [(state_size(5),), (state_size(3),)]
+    assert any(v.aval.shape == k0.shape for v in flows[0].outvars)  # the caches, written
+
+    params = random_params(cfg, 0, jnp.float32, 0.003, 0.0)
+    sp = [SamplingParams(max_tokens=10, ignore_eos=True)]
+    out = {}
+    for spec in ("gemv+norms+stream", "gemv+norms+stream+flow5"):
+        llm = Ouro(cfg, params, None, attention="pallas", projections=spec, decode_chunk=8)
+        out[spec] = (llm.generate([[3, 1, 4]], sp).outputs[0].token_ids,
+                     llm.generate([[3, 1, 4]], sp, speculative=SpeculativeConfig(4, 2))
+                     .outputs[0].token_ids)
+    assert llm.backend == "pallas+gemv+norms+stream+flow5"
+    assert out["gemv+norms+stream"] == out["gemv+norms+stream+flow5"]
+    assert out["gemv+norms+stream+flow5"][0] == out["gemv+norms+stream+flow5"][1]
