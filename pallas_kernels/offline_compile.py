@@ -184,6 +184,33 @@ def check_flow():
                          S((state_size(v["stages"]),), jnp.int32)).lower(
             lowering_platforms=("cuda",))
         compile_captured(f"flow {vname}", num_warps=4, num_stages=1)
+    check_flow_layer()
+
+
+def check_flow_layer():
+    """benchmarks.flow_layer's whole-layer kernel (the attention as a fifth stage) at the 1.4B
+    shapes and one row, at num_stages 1 and 2."""
+    from benchmarks.flow_layer import CTX, HD, KVH, PAGE
+    from benchmarks.gemv_flow import INTER, K
+    from pallas_kernels.flow_attention import AttnStage
+    from pallas_kernels.gemv_flow import gemv_flow, mlp_stages, state_size
+    S, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    vec, sq = S((K,), bf), S((K, K), bf)
+    pages = -(-(CTX + 1) // PAGE) + 1
+    cache = S((8, pages, PAGE, KVH, HD), bf)
+    for ns in (1, 2):
+        def f(attn, h, w_o, w_gu, w_down, w_qkv, n, kc, vc, bt, lens, page, slot, cnt, cos,
+              sin, state, ns=ns):
+            att = AttnStage(kc, vc, jnp.int32(3), bt, lens, page, slot, cnt, rope=(cos, sin),
+                            trash_page=0)
+            st = mlp_stages(w_o, n, n, w_gu, w_down, next_qkv=(n, n, w_qkv), attention=att)
+            return gemv_flow(attn, st, state, h=h, num_stages=ns, trap=True)
+        jax.jit(f).trace(S((1, K), bf), S((1, K), bf), sq, S((2 * INTER, K), bf),
+                         S((K, INTER), bf), S((3 * K, K), bf), vec, cache, cache,
+                         S((1, pages), i32), S((1,), i32), S((1,), i32), S((1,), i32),
+                         S((1, KVH), i32), S((1, HD), bf), S((1, HD), bf),
+                         S((state_size(5),), i32)).lower(lowering_platforms=("cuda",))
+        compile_captured(f"flow_layer flow5 ns{ns}", num_warps=4, num_stages=ns)
 
 
 def main():

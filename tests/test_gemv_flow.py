@@ -396,5 +396,6 @@ def test_offline_compile_lowers_every_benchmark_variant(monkeypatch):
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", oc._hook)
     with oc.sm90_device_info():
         oc.check_flow()
-    assert tags == [(f"flow {name}", 1) for name in VARIANTS]
+    assert tags == [(f"flow {name}", 1) for name in VARIANTS] + [
+        (f"flow_layer flow5 ns{n}", 1) for n in (1, 2)]
 
