@@ -237,8 +237,9 @@ PROJECTIONS_HELP = ("'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'),
                     "the GEMV prologues), '+pfN' (the GEMV loads N K-chunks ahead, 0..4), '+stream' "
                     "(the streaming GEMV kernel), '+mgpu[:names]' (the Mosaic GPU GEMV for "
                     "those projections' one-row calls; jax >= 0.11, slower so far), '+flow' / "
-                    "'+flow4' (with norms and stream: o -> gate/up -> down [-> next qkv] of a "
-                    "one-row layer as one gemv_flow kernel; experimental)")
+                    "'+flow4' / '+flow5' (with norms and stream: o -> gate/up -> down [-> next "
+                    "qkv [-> its attention]] of a one-row layer as one gemv_flow kernel; "
+                    "experimental)")
 
 
 def main(argv=None) -> int:
