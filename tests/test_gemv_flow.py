@@ -332,15 +332,18 @@ print("NO TRAP")
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 def test_a_give_up_on_the_gpu_is_counted_and_with_trap_stops_the_kernel():
     """On the GPU: a wait that is never met gives up after SPIN_LIMIT re-reads (seconds, not
-    a hang) and is counted, once per gate/up program; with trap=True the kernel stops
-    instead and the call fails (in a child process)."""
+    a hang) and is counted, once per gate/up program (32); the down programs, spinning from
+    about the same moment on gate/up's count, may give up too before the late gate/up
+    programs count themselves done (on the H100: all 32 did, 64 in all; interpret mode runs
+    programs in order, so there only gate/up's). With trap=True the kernel stops instead
+    and the call fails (in a child process)."""
     import os
     import subprocess
     import sys
     c = _case(128, 192, jnp.bfloat16)
     _, _, state = gemv_flow(c["attn"], _stages(c, False), state_for(3).at[WORD].set(-1),
                             h=c["h"])
-    assert int(give_ups(state)) == 192 // 2 // 3
+    assert 192 // 2 // 3 <= int(give_ups(state)) <= 192 // 2 // 3 + 128 // 1 // 4
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
     r = subprocess.run([sys.executable, "-c", _TRAP_CHILD], env=env, capture_output=True,
