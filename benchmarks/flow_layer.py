@@ -140,8 +140,10 @@ def _row(name, arm, ws, attn, h, fx, ref, args, timers) -> dict:
     if row.get("give_ups_first_call"):
         row["us_per_layer"] = None  # wrong, and each give-up spins for seconds
         return row, got
-    best, _ = time_threaded(step, caches, args.calls, args.trials)
+    best, last = time_threaded(step, caches, args.calls, args.trials)
     row["us_per_layer"] = 1e6 * best / args.layers
+    if arm["kind"] == "flow":  # every timed call's give-ups add up in the state
+        row["give_ups_after_timing"] = int(give_ups(last[1]))
     return row, got
 
 

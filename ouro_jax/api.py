@@ -166,6 +166,12 @@ class Ouro:
         # run, the key says so ("+kvxla"), so results are never labelled with a path not taken.
         resolved = resolve_backend(attention)
         kv_xla = resolved == "pallas" and not (fused_kv_write and fuse_projections)
+        if getattr(proj, "flow", 0) == 5 and (resolved != "pallas" or kv_xla):
+            raise ValueError(
+                f"projections {projections!r}: '+flow5' runs the Pallas decode attention (with "
+                f"its RoPE and K/V write) inside the layer kernel, so it needs "
+                f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), fused_kv_write and "
+                f"fuse_projections (the fused qkv weight); use '+flow4' otherwise")
         self.backend = (resolved + ("+unroll" if unroll_loops else "")
                         + ("+kvxla" if kv_xla else "")
                         + ("" if proj == XLAProjections() else "+" + proj.spec))

@@ -161,7 +161,8 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
     fuse_o = bool(pk.decode.TUNING.get("fuse_o", FUSE_O))
     if fuse_o and last_combine:
         raise ValueError("decode kernel tuning: fuse_o and last_combine are alternatives (the "
-                         "fused kernel sums its own partials); set one of them")
+                         "fused kernel sums its own partials; '+flow5' projections turn "
+                         "last_combine on); set one of them")
     fuse_o = fuse_o and b == 1 and _fused_o_fits(cfg, block_tables.shape[1] * page_size)
     new_token = dict(rope=None, trash_page=TRASH_PAGE, interpret=interpret,
                      entry_stride=num_layers)

@@ -66,11 +66,13 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
     if h is None:
         h = embed(params, ids, params.dtype)
-    # '+flow5' runs the decode attention's body in the flow kernel, which merges the splits
-    # itself: the counters the decode kernel then needs ride with the planes
+    # '+flow5' runs the decode attention's body in the flow kernel of one-row layers, which
+    # merges the splits itself: there the counters the decode kernel then needs ride with the
+    # planes (other batch sizes keep the default combine)
+    flow5 = getattr(proj, "flow", 0) == 5 and positions.shape[0] == 1
     attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], attention,
                                fused_kv_write="kvxla" not in options,
-                               merge_splits=True if getattr(proj, "flow", 0) == 5 else None)
+                               merge_splits=True if flow5 else None)
     # Some attends carry extra state with the planes (the decode kernel's split counters).
     state = attend.wrap(planes) if hasattr(attend, "wrap") else planes
     hidden, gates, state = run_loops(params, h, cos, sin, cfg, attend, state, loops,

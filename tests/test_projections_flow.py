@@ -114,13 +114,17 @@ def test_the_kernels_engine_tiling_is_the_engines():
 
 
 
-def test_flow5_runs_the_next_layers_attention_in_the_layer_kernel_and_keeps_the_tokens():
+def test_flow5_runs_the_next_layers_attention_in_the_layer_kernel_and_keeps_the_tokens(
+        monkeypatch):
     """'+flow5' with the Pallas attention (interpret mode): in a loop of two one-row layers
     the first layer's attention is the decode kernel's, the first layer's gemv_flow then runs
     the second layer's qkv and attention (5 stages, the caches aliased through it), the
     second's is 3 stages; the loop's output and the caches have the bits of the separate
-    kernels with the decode kernel's split merge (last_combine, which '+flow5' turns on), and
-    greedy decode, native and speculative (k=4 d=2), gives those tokens."""
+    kernels with the decode kernel's split merge (last_combine, which '+flow5' turns on; two
+    splits of 4 keys, so the merge and its counters run, and come back at zero), and greedy
+    decode, native and speculative (k=4 d=2), gives those tokens. Without the Pallas
+    attention '+flow5' cannot run: the engine says so."""
+    import pallas_kernels.decode as dk
     from engine_helpers import pallas_call_eqns, pallas_call_names
     from ouro_jax.api import Ouro
     from ouro_jax.attention import make_paged_attend
@@ -132,6 +136,8 @@ def test_flow5_runs_the_next_layers_attention_in_the_layer_kernel_and_keeps_the_
     from ouro_jax.sampling import SamplingParams
     from ouro_jax.speculative import SpeculativeConfig
 
+    monkeypatch.setitem(dk.TUNING, "num_splits", 2)
+    monkeypatch.setitem(dk.TUNING, "block_t", 4)
     cfg = PRESETS["tiny-mha"]
     p5, plain = parse("gemv+norms+stream+flow5"), parse("gemv+norms+stream")
     assert p5.flow == 5 and parse(p5.spec) == p5
@@ -147,6 +153,7 @@ def test_flow5_runs_the_next_layers_attention_in_the_layer_kernel_and_keeps_the_
     loop = lambda proj: (lambda h, st: run_loop(big, h, cos, sin, cfg, attend, st, 1, proj))
     got, want = loop(p5)(h0, planes), loop(plain)(h0, planes)
     _same([got[0], *got[1]], [want[0], *want[1]])
+    assert not got[1][2].any()  # the merge counters, back at zero
     assert pallas_call_names(loop(p5), h0, planes) == [
         "gemv_stream_norm", "paged_decode_attention", "gemv_flow", "gemv_flow"]
     flows = [e for e in pallas_call_eqns(loop(p5), h0, planes) if "gemv_flow" in str(e.params)]
@@ -164,3 +171,6 @@ def test_flow5_runs_the_next_layers_attention_in_the_layer_kernel_and_keeps_the_
     assert llm.backend == "pallas+gemv+norms+stream+flow5"
     assert out["gemv+norms+stream"] == out["gemv+norms+stream+flow5"]
     assert out["gemv+norms+stream+flow5"][0] == out["gemv+norms+stream+flow5"][1]
+    for kw in (dict(attention="xla"), dict(attention="pallas", fused_kv_write=False)):
+        with pytest.raises(ValueError, match="'\\+flow5' runs the Pallas decode attention"):
+            Ouro(cfg, params, None, projections="gemv+norms+stream+flow5", **kw)
