@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.gemv_flow import K, tilings, weights
+from benchmarks.gemv_flow import layer_inputs, tilings
 
 KVH, HD, PAGE = 16, 128, 16
 CTX = 160  # keys before the new one: the protocol's 128-token prompt, mid-way through 64
@@ -170,10 +170,7 @@ def _main(args, argv, names) -> int:
     from benchmarks.grid_barrier import time_threaded
     from benchmarks.gemv_flow import _freeze
     from benchmarks.record import save_record
-    ws = weights(args.layers)
-    rng = np.random.default_rng(1)
-    attn = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
-    h = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
+    ws, attn, h = layer_inputs(args.layers)
     _, fx = kv_case(args.layers)
     # the reference bits: the separate kernels with the merge in the attention kernel
     ref = jax.jit(separate, static_argnums=(5, 6))(ws, attn, h, kv_case(args.layers)[0], fx,

@@ -68,6 +68,14 @@ def weights(layers: int, seed: int = 0, k: int = K, inter: int = INTER, dtype=jn
                  w_post2=u(), w_in=u(), w_qkv=w(3 * k, k)) for _ in range(layers)]
 
 
+def layer_inputs(layers: int):
+    """(weights(layers), the first layer's attention output, its residual): one bf16 row."""
+    rng = np.random.default_rng(1)
+    attn = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
+    return weights(layers), attn, h
+
+
 def tilings(variant: dict) -> dict:
     """Per projection: block_n / block_k / per_program (ENGINE_TILING with the variant's
     overrides)."""
@@ -177,10 +185,7 @@ def main(argv=None) -> int:
 def _main(args, argv, names) -> int:
     from benchmarks.grid_barrier import time_calls, time_threaded
     from benchmarks.record import save_record
-    ws = weights(args.layers)
-    rng = np.random.default_rng(1)
-    attn = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
-    h = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
+    ws, attn, h = layer_inputs(args.layers)
     sep_times, rows = {}, []
     for name in names:
         row = _variant_row(name, VARIANTS[name], ws, attn, h, sep_times, args,

@@ -196,3 +196,16 @@ def test_bad_attention_stages_are_named():
         run([_stage(c), o], num_stages=0)
     with pytest.raises(ValueError, match="attention stage reads the next layer's qkv"):
         mlp_stages(c["w_o"], None, None, None, None, attention=_stage(c))
+
+
+def test_the_layer_benchmark_refuses_unknown_arms_and_a_cpu():
+    from benchmarks.flow_layer import main
+    from engine_helpers import has_gpu
+    with pytest.raises(SystemExit):
+        main(["--arms", "flow9"])
+    with pytest.raises(SystemExit):
+        main(["--layers", "0"])
+    if has_gpu():
+        pytest.skip("has a GPU")
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        main(["--layers", "1"])
