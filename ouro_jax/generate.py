@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "streaming GEMV kernel, '+mgpu[:names]' the Mosaic GPU GEMV for those "
                         "projections (jax >= 0.11), '+flow' / '+flow4' / '+flow5' (with norms "
                         "and stream, experimental: a one-row layer's o -> gate/up -> down [-> "
-                        "the next qkv [-> its attention]] as one kernel); measured on the H200 "
-                        "in docs/performance.md")
+                        "the next qkv [-> its attention]] as one kernel, measured slower); "
+                        "figures in docs/performance.md")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
     r.add_argument("--kv-pool-tokens", type=int, default=None,
