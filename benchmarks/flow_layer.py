@@ -67,8 +67,8 @@ def kv_case(layers: int, seed: int = 2, ctx: int = CTX, kvh: int = KVH, hd: int 
 def _attention(q, caches, fx, layer, merged: bool, interpret: bool = False):
     from pallas_kernels import paged_decode_attention_qkv
     kc, vc, cnt = caches
-    args = (q.reshape(1, -1, kc.shape[-1]), kc, vc, jnp.int32(layer), fx["bt"], fx["lens"], fx["page"],
-            fx["slot"])
+    args = (q.reshape(1, -1, kc.shape[-1]), kc, vc, jnp.int32(layer), fx["bt"], fx["lens"],
+            fx["page"], fx["slot"])
     kw = dict(rope=(fx["cos"], fx["sin"]), trash_page=0, interpret=interpret)
     if merged:
         out, kc, vc, cnt = paged_decode_attention_qkv(*args, counters=cnt, **kw)

@@ -35,8 +35,8 @@ reads the residual h (the first) or the previous add_norm stage's x' (later ones
 previous stage's output as the branch, and stores x' too. So the MLP chain is
 [o, gate_up(add_norm, gated), down] and with the next layer [.., qkv(add_norm)].
 
-In the engine as the opt-in projections '+flow' / '+flow4' / '+flow5' (ouro_jax/projections.py);
-`benchmarks.gemv_flow` times it against the separate kernels on the GPU: exact there, and
+In the engine as the opt-in projections '+flow' / '+flow4' / '+flow5'
+(ouro_jax/projections.py); `benchmarks.gemv_flow` times it against the separate kernels on the GPU: exact there, and
 4-15 us per layer slower (session 23, H100; docs/performance.md), so it stays opt-in. In interpret mode
 (CPU tests) programs run in index order, so every wait is already met.
 """
