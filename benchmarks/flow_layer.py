@@ -124,8 +124,7 @@ def _row(name, arm, ws, attn, h, fx, ref, args, timers) -> dict:
         f = jax.jit(separate, static_argnums=(5, 6), donate_argnums=3)
         step = lambda c: (lambda r: (r[0], r[2]))(f(ws, attn, h, c, fx, t,
                                                       arm.get("merged", False)))
-        out, caches = step(caches)
-        got = out
+        got, caches = step(caches)
     else:
         options = tuple(sorted((k, v) for k, v in arm.items() if k not in ("kind", "stages")))
         f = jax.jit(flow, static_argnums=(6, 7, 8), donate_argnums=(3, 4))

@@ -23,6 +23,7 @@ against 51.9 for the separate kernels; opt-in only ('+flow5').
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import plane_operands
+from pallas_kernels.decode import _decode_kernel, key_tiling
 
 
 class AttnStage(NamedTuple):
@@ -77,7 +79,6 @@ class AttnPlan(NamedTuple):
 
 def plan(st: AttnStage, m: int, width: int, start: int, label: str) -> AttnPlan:
     """The stage's plan; ValueError names the first operand that does not fit."""
-    from pallas_kernels.decode import key_tiling
     kc, vc = st.k_cache, st.v_cache
     if kc.ndim != 5 or vc.shape != kc.shape or vc.dtype != kc.dtype:
         raise ValueError(f"{label}: k_cache and v_cache must be one [E, P, page_size, KVH, hd] "
@@ -147,7 +148,6 @@ def run(q, p: AttnPlan, ins: list, outs: list, x_ref, y_ref, *, gpu_sync: bool):
     """Program q of the stage: decode._decode_kernel for (row, KV head, split) = q's place,
     reading x_ref [M, (H + 2 KVH) * hd] and writing y_ref [M, H * hd] (merged by the last
     split when there are several)."""
-    from pallas_kernels.decode import _decode_kernel
     b = q // (p.kvh * p.splits)
     kvh = lax.rem(q // p.splits, p.kvh)
     sp = lax.rem(q, p.splits)
@@ -177,7 +177,7 @@ class FlatView:
 
     def __init__(self, ref, inner):
         self.ref, self.inner = ref, tuple(inner)
-        assert ref.shape[1] == _prod(self.inner), (ref.shape, self.inner)
+        assert ref.shape[1] == math.prod(self.inner), (ref.shape, self.inner)
 
     @property
     def shape(self):
@@ -190,7 +190,7 @@ class FlatView:
     def _flat(self, key):
         row, *idx = key
         assert len(idx) == len(self.inner), (key, self.inner)
-        strides = [_prod(self.inner[j + 1:]) for j in range(len(self.inner))]
+        strides = [math.prod(self.inner[j + 1:]) for j in range(len(self.inner))]
         n_sl = 0
         while n_sl < len(idx) and isinstance(idx[-1 - n_sl], slice):
             assert idx[-1 - n_sl] == slice(None), "only full slices"
@@ -209,10 +209,3 @@ class FlatView:
 
     def __setitem__(self, key, value):
         self.ref[self._flat(key)] = value
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
