@@ -18,7 +18,15 @@ Arms:
             then the attention kernel (merged): 2 kernels per layer;
   flow5     the attention as a fifth stage: 1 kernel per layer; flow5_ns2: the kernel at
             Triton's num_stages=2 (the attention kernel's; the GEMV stages were measured at
-            1); flow5_pf2: each waiting GEMV program also asks L2 for 2 more blocks.
+            1); flow5_pf2: each waiting GEMV program also asks L2 for 2 more blocks;
+  ao*       the attention and the next layer's o in one gemv_flow ([attention, o]), the
+            other three projections as the engine's kernels (4 kernels per layer). In
+            flow5 the cut falls between the attention and o, so o's weights never stream
+            while the attention's latency chain runs; here o's programs request their
+            weights before they wait for it. ao: o at the engine's tiling (bits: merged's);
+            ao_nB: o in blocks of B rows, one block per program (B=8: 256 programs, 32 KB
+            each, all of o's 8.4 MB requested at once; another summation tree, so the
+            bits may differ from merged's by rounding); _ns2: Triton num_stages 2.
 Every flow arm's give-ups must be 0 (else its results are wrong and it is not timed).
 Needs a GPU.
 """
@@ -44,7 +52,13 @@ ARMS = {
     "flow5": dict(kind="flow", stages=5),
     "flow5_ns2": dict(kind="flow", stages=5, num_stages=2),
     "flow5_pf2": dict(kind="flow", stages=5, l2_prefetch=2),
+    "ao": dict(kind="ao", stages=2),
+    "ao_n4": dict(kind="ao", stages=2, o_block_n=4, o_per_program=1),
+    "ao_n8": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1),
+    "ao_n16": dict(kind="ao", stages=2, o_block_n=16, o_per_program=1),
+    "ao_n8_ns2": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, num_stages=2),
 }
+AO_KEYS = ("o_block_n", "o_per_program")
 DEFAULT_ARMS = "separate,merged,flow4,flow5,flow5_ns2,flow5_pf2"
 
 
@@ -113,6 +127,38 @@ def flow(ws, attn, h, caches, state, fx, tiling, stages: int, options,
     return attn, h, caches, state
 
 
+def attn_o(ws, attn, h, caches, state, fx, tiling, o_tiling, options, interpret=False):
+    """Per layer gate/up, down and qkv as the engine's kernels, then one gemv_flow of
+    [this layer's attention, the next layer's o] (the last layer: the attention kernel
+    alone, merged); the first layer's o is its own kernel. The same work as `separate`.
+    o_tiling: (block_n, per_program) of the flow's o stage (None: the engine's)."""
+    from benchmarks.gemv_flow import _qkv, _thaw
+    from pallas_kernels.flow_attention import AttnStage
+    from pallas_kernels.gemv_flow import Stage, gemv_flow
+    from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+    t = _thaw(tiling)
+    ot = dict(t["o"]) if o_tiling is None else dict(t["o"], block_n=o_tiling[0],
+                                                     per_program=o_tiling[1])
+    o = gemv_stream(attn, ws[0]["w_o"], num_warps=4, interpret=interpret, **t["o"])
+    for layer, lw in enumerate(ws):
+        y, x1 = gemv_stream_normed(h, lw["w_pre"], lw["w_gu"], eps=1e-6, branch=o,
+                                   branch_w=lw["w_post"], gated=True, num_warps=4,
+                                   interpret=interpret, **t["gate_up"])
+        d = gemv_stream(y, lw["w_down"], num_warps=4, interpret=interpret, **t["down"])
+        q, h = _qkv(lw, x1, d, t, interpret)
+        if layer == len(ws) - 1:
+            attn, caches = _attention(q, caches, fx, layer, True, interpret)
+            break
+        att = AttnStage(caches[0], caches[1], jnp.int32(layer), fx["bt"], fx["lens"],
+                        fx["page"], fx["slot"], caches[2], rope=(fx["cos"], fx["sin"]),
+                        trash_page=0)
+        st = [att, Stage(ws[layer + 1]["w_o"], tiling=ot, name="o")]
+        ys, _, state, cs = gemv_flow(q, st, state, trap=False, interpret=interpret,
+                                     **dict(options))
+        attn, o, caches = ys[0], ys[1], cs[0]
+    return attn, h, caches, state
+
+
 def _row(name, arm, ws, attn, h, fx, ref, args, timers) -> dict:
     from benchmarks.gemv_flow import _freeze
     from pallas_kernels.gemv_flow import give_ups, state_for
@@ -126,8 +172,15 @@ def _row(name, arm, ws, attn, h, fx, ref, args, timers) -> dict:
                                                       arm.get("merged", False)))
         got, caches = step(caches)
     else:
-        options = tuple(sorted((k, v) for k, v in arm.items() if k not in ("kind", "stages")))
-        f = jax.jit(flow, static_argnums=(6, 7, 8), donate_argnums=(3, 4))
+        options = tuple(sorted((k, v) for k, v in arm.items()
+                               if k not in ("kind", "stages") + AO_KEYS))
+        if arm["kind"] == "ao":
+            o_t = (arm["o_block_n"], arm["o_per_program"]) if "o_block_n" in arm else None
+            f = jax.jit(lambda ws_, a, h_, c, s, x, t_, _, opt:
+                        attn_o(ws_, a, h_, c, s, x, t_, o_t, opt),
+                        static_argnums=(6, 7, 8), donate_argnums=(3, 4))
+        else:
+            f = jax.jit(flow, static_argnums=(6, 7, 8), donate_argnums=(3, 4))
         s0 = state_for(arm["stages"])
         got, _, caches, state = f(ws, attn, h, caches, s0, fx, t, arm["stages"], options)
         row["give_ups_first_call"] = int(give_ups(state))
@@ -141,7 +194,7 @@ def _row(name, arm, ws, attn, h, fx, ref, args, timers) -> dict:
         return row, got
     best, last = time_threaded(step, caches, args.calls, args.trials)
     row["us_per_layer"] = 1e6 * best / args.layers
-    if arm["kind"] == "flow":  # every timed call's give-ups add up in the state
+    if arm["kind"] != "separate":  # every timed call's give-ups add up in the state
         row["give_ups_after_timing"] = int(give_ups(last[1]))
     return row, got
 
