@@ -168,6 +168,21 @@ def check_fuse_o_run(args) -> None:
                          f"shorter --prompt-len / --new-tokens")
 
 
+def check_flow_o_run(args) -> None:
+    """--decode-kernel flow_o=1 changes only one-row decode steps on the Pallas attention with
+    the fused K/V write and the fused qkv weight (as fuse_o=1): say so rather than measure
+    the default under its name."""
+    if "flow_o=1" not in args.decode_kernel.replace(" ", ""):
+        return
+    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
+        raise SystemExit("--decode-kernel flow_o=1 needs --attention pallas, --kv-write fused "
+                         "and fused projections (its first stage is the fused-write decode "
+                         "kernel's body)")
+    if "1" not in [b.strip() for b in args.batch.split(",")]:
+        raise SystemExit("--decode-kernel flow_o=1 changes one-row decode only: give --batch 1 "
+                         "(other batch sizes run the default kernels)")
+
+
 def token_digest(result) -> str:
     """sha256 (16 hex digits) of every output's token ids, in order."""
     h = hashlib.sha256()
@@ -304,6 +319,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     check_pdl_run(args)
     check_fuse_o_run(args)
+    check_flow_o_run(args)
     if args.mgpu_tiling and "mgpu" not in args.projections:
         raise SystemExit("--mgpu-tiling sets the Mosaic GPU GEMV's tiling: give --projections "
                          "with an 'mgpu' part (e.g. gemv+norms+stream+mgpu:down), or leave it "

@@ -10,10 +10,11 @@ from __future__ import annotations
 # kernel; ouro_jax.attention.FUSE_O), with block_t / num_warps / num_stages and o_block_n /
 # o_w_early / o_split (its split_keys) as its tuning; other batch sizes are unchanged
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine", "pdl",
-                      "fuse_o", "o_block_n", "o_w_early", "o_split")
+                      "fuse_o", "o_block_n", "o_w_early", "o_split", "flow_o",
+                      "flow_o_block_n", "flow_o_per_program")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
-BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early", "o_split")
-POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps", "o_block_n")  # tile sizes, Triton warps
+BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early", "o_split", "flow_o")
+POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps", "o_block_n", "flow_o_block_n")  # tile sizes, Triton warps
 
 
 def parse_tuning(spec: str, keys) -> dict:
@@ -219,6 +220,12 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     if not d.get("fuse_o") and {"o_block_n", "o_w_early", "o_split"} & set(d):
         raise SystemExit("--decode-kernel o_block_n / o_w_early / o_split tune the fused "
                          "attention + o kernel: they need fuse_o=1")
+    if d.get("flow_o") and (d.get("fuse_o") or d.get("pdl")):
+        raise SystemExit("--decode-kernel flow_o=1 ([attention, o] as one gemv_flow) takes "
+                         "neither fuse_o nor pdl")
+    if not d.get("flow_o") and {"flow_o_block_n", "flow_o_per_program"} & set(d):
+        raise SystemExit("--decode-kernel flow_o_block_n / flow_o_per_program tile the o "
+                         "stage of flow_o=1: they need flow_o=1")
     for name in ("decode", "ragged"):
         mod = importlib.import_module(f"pallas_kernels.{name}")
         mod.TUNING.clear()

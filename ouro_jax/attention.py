@@ -31,6 +31,15 @@ BACKENDS = ("auto", "xla", "pallas")
 # session 10; batch 8: 1,499.1 vs 1,496.4); `benchmarks.decode --decode-kernel
 # last_combine=1` turns it on for a run. Read when an engine compiles its programs.
 LAST_COMBINE = False
+# Pallas decode at one row: the attention and the o projection as one gemv_flow kernel of
+# two stages ([attention, o], pallas_kernels.gemv_flow): o's programs request their weight
+# blocks, then wait for the attention's completion count, so o's 8.4 MB (1.4B) stream while
+# the attention's latency chain runs, and the split combine and one kernel boundary go.
+# Exact (the attention stage is the decode kernel's body with its in-kernel merge; o is the
+# streaming GEMV at FLOW_O_TILING). Off until measured end to end; `benchmarks.decode
+# --decode-kernel flow_o=1[,flow_o_block_n=B,flow_o_per_program=P]` turns it on for a run.
+FLOW_O = False
+FLOW_O_TILING = dict(block_n=8, per_program=1)  # 256 programs of 32 KB at 2048 x 2048
 
 
 # Pallas decode at one row: the attention and the o projection in one kernel
@@ -164,6 +173,12 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
                          "fused kernel sums its own partials; '+flow5' projections turn "
                          "last_combine on); set one of them")
     fuse_o = fuse_o and b == 1 and _fused_o_fits(cfg, block_tables.shape[1] * page_size)
+    flow_o = bool(pk.decode.TUNING.get("flow_o", FLOW_O))
+    if flow_o and fuse_o:
+        raise ValueError("decode kernel tuning: flow_o and fuse_o are alternatives (both "
+                         "compute the o projection with the attention); set one of them")
+    flow_o = flow_o and b == 1
+    last_combine = last_combine or flow_o  # the flow's attention stage merges its splits
     new_token = dict(rope=None, trash_page=TRASH_PAGE, interpret=interpret,
                      entry_stride=num_layers)
 
@@ -173,7 +188,7 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
             pk.paged_decode_attention_qkv, qkv[:, 0], planes[0], planes[1],
             _entry(loop, layer), block_tables, kv_lens, page[:, 0], slot[:, 0],
             **dict(new_token, rope=(cos[:, 0], sin[:, 0])), **counters)
-        return out[:, None], (kc, vc, *cnt)
+        return out[:, None], (kc, vc, *cnt, *planes[3 if last_combine else 2:])
 
     if last_combine or fuse_o:
         # The decode kernel merges its splits itself (or the fused kernel sums its heads'
@@ -187,7 +202,8 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
         def attend(q, k, v, state, loop, layer):  # same, counters kept
             out, planes = plain(q, k, v, state[:2], loop, layer)
             return out, (*planes, *state[2:])
-        attend.wrap = lambda planes: (*planes, counters)
+        extra = (_flow_o_state(),) if flow_o else ()  # the flow's counters, kept at zero
+        attend.wrap = lambda planes: (*planes, counters, *extra)
         attend.unwrap = lambda state: state[:2]
     attend.qkv = attend_qkv
     if last_combine:
@@ -210,7 +226,38 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
                 **dict(new_token, rope=(cos[:, 0], sin[:, 0])), **_fused_o_tuning())
             return y[:, None], (kc, vc, cnt)
         attend.qkv_o = attend_qkv_o
+    if flow_o:
+        def attend_qkv_o_flow(qkv, w_o, cos, sin, state, loop, layer):
+            """[attention, o] as one gemv_flow (FLOW_O); state[3] is its counter state.
+            A handover that gives up stops the kernel (trap): an error, never wrong
+            tokens."""
+            from pallas_kernels.gemv_flow import Stage, gemv_flow
+            stages = [qkv_stage(cos, sin, state, loop, layer),
+                      Stage(w_o, tiling=_flow_o_tiling(w_o), name="o")]
+            ys, _, fstate, caches = trace_once.call(
+                gemv_flow, qkv[:, 0].reshape(b, -1), stages, state[3], trap=not interpret,
+                interpret=interpret)
+            return ys[1][:, None], (*caches[0], fstate, *state[4:])
+        attend.qkv_o = attend_qkv_o_flow
     return attend
+
+
+def _flow_o_state() -> jax.Array:
+    from pallas_kernels.gemv_flow import state_for
+    return state_for(2)
+
+
+def _flow_o_tiling(w_o) -> dict:
+    """The flow's o stage tiling: the streaming GEMV's for o (fitted to the shape) with
+    FLOW_O_TILING's block_n / per_program, the decode kernel's overrides winning."""
+    import pallas_kernels.decode as dk
+    from ouro_jax.projections import STREAM_TUNING, fit_stream_tuning
+    t = dict(STREAM_TUNING["o"], **FLOW_O_TILING)
+    for key in ("block_n", "per_program"):
+        if f"flow_o_{key}" in dk.TUNING:
+            t[key] = int(dk.TUNING[f"flow_o_{key}"])
+    t = fit_stream_tuning(t, w_o.shape[0], w_o.shape[1])
+    return {key: t[key] for key in ("block_n", "block_k", "per_program")}
 
 
 def _xla_attend(cfg, block_tables, positions, page_size, page, slot):
