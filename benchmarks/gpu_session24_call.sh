@@ -1,18 +1,40 @@
 #!/usr/bin/env bash
 # Session 24's GPU call: the attention and the next layer's o in one kernel (gemv_flow
-# [attention, o], benchmarks.flow_layer's ao arms), so that o's weights stream while the
-# attention's latency chain runs; against the engine's kernels and session 23's flow5.
+# [attention, o]), so that o's weights stream while the attention's latency chain runs.
+#   a. benchmarks.flow_layer's ao arms (us per layer application, 1.4B shapes, bf16, one
+#      row) against the engine's kernels ('separate', 'merged') and session 23's flow5;
+#   b. batch-1 native greedy end to end (benchmarks.decode, 1.4B synthetic, bf16): default,
+#      --decode-kernel flow_o=1 (o in 8-row one-block programs), flow_o at 16-row blocks and
+#      at the engine's o tiling (2 rows, 2 blocks), two passes, the second in reverse order.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session24_call.sh
-# LAYER_ARMS= overrides the arms; CAP= seconds for the whole call (default 570). The
-# results are named by the card (h200 / h100), read from nvidia-smi.
+# LAYER_ARMS= overrides a's arms (none: skip a); ARMS= b's (default "default flow_o
+# flow_o16 flow_o2"); CAP= seconds for the whole call (default 570). Results are named by
+# the card (h200 / h100), read from nvidia-smi.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
 CAP=${CAP:-570}
+left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
 DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-case "$DEV" in *H200*) D=h200 ;; *H100*) D=h100 ;; *) D=gpu ;; esac
+case "$DEV" in *H200*) G=h200 ;; *H100*) G=h100 ;; *) G=gpu ;; esac
 echo "device: $DEV"
-ARMS=${LAYER_ARMS:-separate,merged,ao,ao_n8,ao_n4,ao_n16,ao_n8_ns2,flow5,separate}
-timeout $((CAP - 20)) python3 -m benchmarks.flow_layer --layers 8 --arms $ARMS \
-  --out $OUT/flow_layer_ao_session24_$D.json 2>&1 | grep -E '^\{|rror' | cut -c1-400
+LA=${LAYER_ARMS:-separate,merged,ao,ao_n8,ao_n16,ao_n4,flow5,separate}
+[ "$LA" != none ] && timeout $(left 230) python3 -m benchmarks.flow_layer --layers 8 \
+  --arms $LA --out $OUT/flow_layer_ao_session24_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-400
+echo "flow_layer done at $SECONDS s"
+A=$OUT/arms24; mkdir -p $A
+D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --temperature 0 --k 0"
+run() { [ $SECONDS -lt $((CAP - 45)) ] && timeout $(left 80) $D "${@:2}" --out $A/$1.json 2>&1 | grep -E "rror" ; }
+arm() {
+  case $1 in
+    default) run default_p$2 ;;
+    flow_o) run flow_o_p$2 --decode-kernel flow_o=1 ;;
+    flow_o16) run flow_o16_p$2 --decode-kernel flow_o=1,flow_o_block_n=16 ;;
+    flow_o2) run flow_o2_p$2 --decode-kernel flow_o=1,flow_o_block_n=2,flow_o_per_program=2 ;;
+  esac
+}
+ARMS=${ARMS:-"default flow_o flow_o16 flow_o2"}
+for a in $ARMS; do arm $a 1; done
+for a in $(echo $ARMS | tr ' ' '\n' | tac); do arm $a 2; done
+ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_flow_o_b1_session24_$G.json
 echo "elapsed $SECONDS s"
