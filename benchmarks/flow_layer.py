@@ -26,7 +26,9 @@ Arms:
             weights before they wait for it. ao: o at the engine's tiling (bits: merged's);
             ao_nB: o in blocks of B rows, one block per program (B=8: 256 programs, 32 KB
             each, all of o's 8.4 MB requested at once; another summation tree, so the
-            bits may differ from merged's by rounding); _ns2: Triton num_stages 2.
+            bits may differ from merged's by rounding); _ns2: Triton num_stages 2; _pid:
+            roles by program index, no ticket (safe only while every program is resident
+            at once: 96 + 256 here; a give-up says otherwise).
 Every flow arm's give-ups must be 0 (else its results are wrong and it is not timed).
 Needs a GPU.
 """
@@ -57,6 +59,7 @@ ARMS = {
     "ao_n8": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1),
     "ao_n16": dict(kind="ao", stages=2, o_block_n=16, o_per_program=1),
     "ao_n8_ns2": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, num_stages=2),
+    "ao_n8_pid": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, order="program_id"),
 }
 AO_KEYS = ("o_block_n", "o_per_program")
 DEFAULT_ARMS = "separate,merged,flow4,flow5,flow5_ns2,flow5_pf2"

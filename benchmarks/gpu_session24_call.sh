@@ -18,7 +18,7 @@ left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
 DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 case "$DEV" in *H200*) G=h200 ;; *H100*) G=h100 ;; *) G=gpu ;; esac
 echo "device: $DEV"
-LA=${LAYER_ARMS:-separate,merged,ao,ao_n8,ao_n16,ao_n4,flow5,separate}
+LA=${LAYER_ARMS:-separate,merged,ao,ao_n8,ao_n16,ao_n4,ao_n8_pid,flow5,separate}
 [ "$LA" != none ] && timeout $(left 230) python3 -m benchmarks.flow_layer --layers 8 \
   --arms $LA --out $OUT/flow_layer_ao_session24_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-400
 echo "flow_layer done at $SECONDS s"

@@ -1,7 +1,7 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --stream | --flow]
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --stream | --flow | --flow-o]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints
@@ -213,6 +213,29 @@ def check_flow_layer():
         compile_captured(f"flow_layer flow5 ns{ns}", num_warps=4, num_stages=ns)
 
 
+def check_flow_o():
+    """[attention, o] as one gemv_flow (ouro_jax.attention's flow_o, benchmarks.flow_layer's
+    ao arms) at the 1.4B shapes and one row, per o tiling (block_n, per_program)."""
+    from benchmarks.flow_layer import CTX, HD, KVH, PAGE
+    from benchmarks.gemv_flow import K
+    from pallas_kernels.flow_attention import AttnStage
+    from pallas_kernels.gemv_flow import Stage, gemv_flow, state_size
+    S, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    pages = -(-(CTX + 1) // PAGE) + 1
+    cache = S((8, pages, PAGE, KVH, HD), bf)
+    for bn, pp in ((2, 2), (4, 1), (8, 1), (16, 1)):
+        def f(qkv, w_o, kc, vc, bt, lens, page, slot, cnt, cos, sin, state, bn=bn, pp=pp):
+            att = AttnStage(kc, vc, jnp.int32(3), bt, lens, page, slot, cnt, rope=(cos, sin),
+                            trash_page=0)
+            st = [att, Stage(w_o, tiling=dict(block_n=bn, block_k=512, per_program=pp))]
+            return gemv_flow(qkv, st, state, trap=True)
+        jax.jit(f).trace(S((1, 3 * K), bf), S((K, K), bf), cache, cache, S((1, pages), i32),
+                         S((1,), i32), S((1,), i32), S((1,), i32), S((1, KVH), i32),
+                         S((1, HD), bf), S((1, HD), bf), S((state_size(2),), i32)).lower(
+            lowering_platforms=("cuda",))
+        compile_captured(f"flow_o block_n {bn} per_program {pp}", num_warps=4, num_stages=1)
+
+
 def main():
     if os.environ.get("TRITON_PKG"):
         sys.path.insert(0, os.environ["TRITON_PKG"])
@@ -231,6 +254,8 @@ def _main():
         return check_stream()
     if "--flow" in sys.argv:
         return check_flow()
+    if "--flow-o" in sys.argv:
+        return check_flow_o()
     from pallas_kernels import (paged_decode_attention, paged_decode_attention_qkv,
                                 ragged_paged_attention)
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
