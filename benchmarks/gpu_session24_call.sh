@@ -4,12 +4,12 @@
 #   a. benchmarks.flow_layer's ao arms (us per layer application, 1.4B shapes, bf16, one
 #      row) against the engine's kernels ('separate', 'merged') and session 23's flow5;
 #   b. batch-1 native greedy end to end (benchmarks.decode, 1.4B synthetic, bf16): default,
-#      --decode-kernel flow_o=1 (o in 8-row one-block programs), flow_o at 16-row blocks and
-#      at the engine's o tiling (2 rows, 2 blocks), two passes, the second in reverse order.
+#      --decode-kernel flow_o=1 (o in 8-row one-block programs) and flow_o at 16-row
+#      blocks, two passes, the second in reverse order.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session24_call.sh
 # LAYER_ARMS= overrides a's arms (none: skip a); ARMS= b's (default "default flow_o
-# flow_o16 flow_o2"); CAP= seconds for the whole call (default 570). Results are named by
-# the card (h200 / h100), read from nvidia-smi.
+# flow_o16"; also flow_o2, the engine's o tiling); CAP= seconds for the whole call (default
+# 570). Results are named by the card (h200 / h100), read from nvidia-smi.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
@@ -33,7 +33,7 @@ arm() {
     flow_o2) run flow_o2_p$2 --decode-kernel flow_o=1,flow_o_block_n=2,flow_o_per_program=2 ;;
   esac
 }
-ARMS=${ARMS:-"default flow_o flow_o16 flow_o2"}
+ARMS=${ARMS:-"default flow_o flow_o16"}
 for a in $ARMS; do arm $a 1; done
 for a in $(echo $ARMS | tr ' ' '\n' | tac); do arm $a 2; done
 ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_flow_o_b1_session24_$G.json
