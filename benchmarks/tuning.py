@@ -171,7 +171,7 @@ def add_stream_args(p) -> None:
                         "the branch read before the first weight block)")
 
 
-STREAM_SWITCHES = ("x_first",)  # gemv_stream's boolean tuning keys settable per projection
+STREAM_SWITCHES = ("x_first", "defer_norm")  # gemv_stream's boolean keys settable per projection
 
 
 def parse_stream_set(spec: str) -> dict:

@@ -60,9 +60,15 @@ PDL_MODES = (False, "start", "end")
 # ("end"); the later kernel's first blocks then come from L2. Without next_w: nothing.
 # x_first: the reads of x and the branch are issued before the first weight block's (same
 # math; see raw_rows).
+# defer_norm (with a prologue): the row's RMS scale leaves the prologue's chain. The GEMV
+# runs on x' * norm_w in fp32 and multiplies each output by rsqrt(mean(x'^2) + eps) before
+# its rounding, W (s x' w) = s (W (x' w)); the scale's block-wide reduction runs after the
+# first block's multiply-adds instead of before them. Same math, another rounding: the
+# normed input is not rounded to the dtype before the multiply (model.rms_norm rounds it
+# twice), so the bits differ from the default's at that level; opt-in.
 NEXT_AT = ("start", "end")
 DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False,
-                l2_prefetch=0, next_rows=0, next_at="end", x_first=False)
+                l2_prefetch=0, next_rows=0, next_at="end", x_first=False, defer_norm=False)
 
 
 def raw_rows(refs, rows, nk, block_k, prologue, row2d, after, f32=False):
@@ -83,12 +89,14 @@ def raw_rows(refs, rows, nk, block_k, prologue, row2d, after, f32=False):
     return out
 
 
-def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, raw):
+def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, raw,
+                defer=False):
     """Row r's GEMV input as nk fp32 chunks ([1, block_k] with row2d, else [block_k]), after
     the prologue (stores x' for add_norm), from raw_rows' loads `raw` = (x chunks, branch
     chunks). The row statistics are summed chunk by chunk (gemv._rms_scale sums the whole
     row at once); otherwise the rounding is gemv.py's, through the same helpers. With row2d
-    the norm weights arrive as [1, K] arrays."""
+    the norm weights arrive as [1, K] arrays. defer (DEFAULTS' defer_norm, with a prologue):
+    returns (x' * norm_w chunks, a thunk for the row's RMS scale) instead."""
     _, _, wb_ref, wx_ref, xo_ref = refs
     cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
     row = pl.ds(r, 1) if row2d else r
@@ -108,7 +116,10 @@ def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d
             for c in range(nk):
                 xo_ref[row, cols[c]] = xs[c].astype(dt)
 
-    s_x = lax.rsqrt(sum(jnp.sum(x * x) for x in xs) / k + eps)
+    scale = lambda: lax.rsqrt(sum(jnp.sum(x * x) for x in xs) / k + eps)
+    if defer:
+        return [xs[c] * vec(wx_ref, c).astype(jnp.float32) for c in range(nk)], scale
+    s_x = scale()
     return [_normed(xs[c], s_x, vec(wx_ref, c), dt).astype(jnp.float32) for c in range(nk)]
 
 
@@ -140,7 +151,7 @@ def _rows(j, block_n, offset=0):
 
 def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, block_n: int,
                   block_k: int, nk: int, gated: bool, last_hook=None, tail=None,
-                  ahead=None, store=None):
+                  ahead=None, store=None, scales=None):
     """Blocks p, p + programs, ... (per_program of them) of y = x @ W^T into y_ref, each
     block's loads requested before the math on the one before; `first` holds block p's
     (requested by the caller, ahead of its prologue). xs: per row, nk [1, block_k] fp32
@@ -148,9 +159,27 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
     tail() -> int32 zero runs once they are requested (the late L2 prefetch of next_w);
     ahead(i) -> int32 zero runs in iteration i, before block i + 1's loads (a rolling L2
     prefetch of a later block, gemv_chain's). store(j, tiles): computes and stores block j
-    from its loads (default store_block; gemv_packed passes its own)."""
-    compute_store = store or functools.partial(store_block, y_ref, xs=xs, block_n=block_n,
-                                               block_k=block_k, nk=nk, gated=gated)
+    from its loads (default store_block; gemv_packed passes its own). scales (defer_norm):
+    per row a thunk for the factor every output is multiplied by; its reduction is traced
+    after the first block's multiply-adds (block p peeled off the loop)."""
+    if scales is not None:
+        if store is not None:
+            raise ValueError("stream_blocks: scales go with the default store")
+        dots = functools.partial(block_dots, xs=xs, block_n=block_n, nk=nk, gated=gated)
+        d0 = dots(first)
+        if per_program > 1:
+            first = load(p + programs)  # requested before the scale's reduction
+        factors = [f() for f in scales]
+        finish_block(y_ref, p, d0, factors, block_n=block_n)
+        if per_program == 1:
+            return
+        compute_store = lambda j, tiles: finish_block(y_ref, j, dots(tiles), factors,
+                                                      block_n=block_n)
+        p, per_program = p + programs, per_program - 1
+    else:
+        compute_store = store or functools.partial(store_block, y_ref, xs=xs,
+                                                   block_n=block_n, block_k=block_k, nk=nk,
+                                                   gated=gated)
 
     def body(i, cur):
         j = p + i * programs
@@ -165,6 +194,30 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
         last = last_hook(last)
     j = p + (per_program - 1) * programs
     compute_store(j if tail is None else j + tail(), last)
+
+
+def block_dots(tiles, *, xs, block_n, nk, gated):
+    """Per row, (gate or plain, up or None) fp32 dot products of one block's weight tiles
+    with the rows' input chunks: store_block's sums, before the epilogue."""
+    wf = [t.astype(jnp.float32) for t in tiles]
+    out = []
+    for r in range(len(xs)):
+        def dotrow(ws):
+            acc = jnp.zeros((block_n, ws[0].shape[1]), jnp.float32)
+            for c in range(nk):
+                acc = acc + ws[c] * xs[r][c]
+            return jnp.sum(acc, axis=1)
+        out.append((dotrow(wf[:nk]), dotrow(wf[nk:]) if gated else None))
+    return out
+
+
+def finish_block(y_ref, j, dots, factors, *, block_n):
+    """Stores block j from block_dots' sums, each row's multiplied by its factor first
+    (gated: both halves, then silu(gate) * up as the model rounds it)."""
+    for r, (g, u) in enumerate(dots):
+        g = g * factors[r]
+        y = g.astype(y_ref.dtype) if u is None else _silu_mul(g, u * factors[r], y_ref.dtype)
+        y_ref[r, _rows(j, block_n)] = y
 
 
 def store_block(y_ref, j, tiles, *, xs, block_n, block_k, nk, gated):
@@ -183,16 +236,21 @@ def store_block(y_ref, j, tiles, *, xs, block_n, block_k, nk, gated):
 
 
 def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=None,
-               raw=None):
+               raw=None, defer=False):
     """Every row's GEMV input chunks (_row_chunks), as [1, block_k] arrays. after: pdl_wait's
     zero (default: an int32 0, which the Triton lowering's multiple_of hint needs as a value).
-    raw: raw_rows' loads, when they were issued earlier (else they are issued here)."""
+    raw: raw_rows' loads, when they were issued earlier (else they are issued here). defer
+    (with a prologue): returns (chunks, per row its scale thunk), see _row_chunks."""
     after = jnp.int32(0) if after is None else after
     load = lambda r: raw[r] if raw is not None else \
         raw_rows(refs, [r], nk, block_k, prologue, row2d, after, f32=True)[0]  # row by row
-    xs = [_row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, load(r))
-          for r in range(m)]
-    return xs if row2d else [[xc[None, :] for xc in xr] for xr in xs]
+    xs = [_row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, load(r),
+                      defer=defer) for r in range(m)]
+    scales = None
+    if defer and prologue:
+        xs, scales = [x for x, _ in xs], [f for _, f in xs]
+    xs = xs if row2d else [[xc[None, :] for xc in xr] for xr in xs]
+    return (xs, scales) if defer else xs
 
 
 def split_refs(refs, prologue: str, n_weights: int):
@@ -209,7 +267,8 @@ def split_refs(refs, prologue: str, n_weights: int):
 
 
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
-            row2d, interpret, pdl, l2_prefetch, next_rows, next_split, next_at, x_first):
+            row2d, interpret, pdl, l2_prefetch, next_rows, next_split, next_at, x_first,
+            defer_norm=False):
     refs = list(refs)
     next_ref = refs.pop(-3 if prologue == "add_norm" else -2) if next_rows else None
     x_ref, b_ref, wb_ref, wx_ref, (w_ref,), y_ref, xo_ref = split_refs(refs, prologue, 1)
@@ -233,9 +292,11 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
     if nxt is not None and next_at == "start":
         ahead = ahead + nxt()
     after = (after0 if x_first else pdl_wait(token)) + ahead
+    defer = defer_norm and bool(prologue)
     xs = row_inputs((x_ref, b_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=block_k, k=k,
                     dt=y_ref.dtype, prologue=prologue, eps=eps, first_program=p == 0,
-                    row2d=row2d, after=after, raw=raw)
+                    row2d=row2d, after=after, raw=raw, defer=defer)
+    xs, scales = xs if defer else (xs, None)
     late = [nxt] if nxt is not None and next_at == "end" else []
     if x_first:  # the reads of x no longer take `after`: keep the prefetches alive here
         late.append(lambda: ahead)
@@ -245,7 +306,7 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
         hook = lambda last: (pdl_trigger_on(last[0], interpret=pdl_off), *last[1:])
     stream_blocks(load, first, xs, y_ref, p=p, programs=pl.num_programs(0),
                   per_program=per_program, block_n=block_n, block_k=block_k, nk=nk,
-                  gated=gated, last_hook=hook, tail=tail)
+                  gated=gated, last_hook=hook, tail=tail, scales=scales)
 
 
 def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,
@@ -277,8 +338,9 @@ def _config(tuning: dict, k: int) -> dict:
         raise ValueError(f"unknown gemv_stream tuning keys {sorted(unknown)}; valid: "
                          f"{sorted(DEFAULTS)}")
     cfg = dict(DEFAULTS, **tuning)
-    if not isinstance(cfg["x_first"], bool):
-        raise ValueError(f"gemv_stream x_first must be a bool, got {cfg['x_first']!r}")
+    for key in ("x_first", "defer_norm"):
+        if not isinstance(cfg[key], bool):
+            raise ValueError(f"gemv_stream {key} must be a bool, got {cfg[key]!r}")
     if cfg["x_first"] and cfg.get("pdl"):
         raise ValueError("gemv_stream x_first with pdl would put PDL's wait ahead of the first "
                          "weight block's request (which pdl requests before it): use one")
@@ -314,7 +376,7 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
                                row2d=cfg["row2d"], interpret=interpret, pdl=cfg["pdl"],
                                l2_prefetch=cfg["l2_prefetch"], next_rows=next_rows,
                                next_split=next_split, next_at=cfg["next_at"],
-                               x_first=cfg["x_first"])
+                               x_first=cfg["x_first"], defer_norm=cfg["defer_norm"])
     if cfg["row2d"]:  # the norm weights as [1, K] rows
         operands = tuple(o.reshape(1, -1) if o.ndim == 1 else o for o in operands)
     dt = operands[0].dtype

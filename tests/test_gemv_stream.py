@@ -110,6 +110,42 @@ def test_stream_norm_prologues_match_the_layer_math(dtype, gated, m, eps):
         assert np.max(np.abs(f32(tiny) - f32(ref))) > 1e-2
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("m,per_program", [(1, 1), (1, 4), (2, 2)])
+def test_stream_defer_norm_is_the_same_math(gated, m, per_program):
+    """defer_norm: the RMS scale applied to the outputs, not the input. fp32: the layer's math
+    within accumulation order (1e-5); bf16: within one rounding of the output of the
+    default's bits (the input is no longer rounded before the multiply), and not bit-equal
+    everywhere (else the switch would do nothing). The residual x' keeps its bits; a plain
+    GEMV (no prologue) ignores the switch."""
+    from ouro_jax.model import rms_norm
+    ks = jax.random.split(jax.random.PRNGKey(7), 5)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jax.random.normal(ks[0], (m, 256)).astype(dtype)
+        b = (jax.random.normal(ks[1], (m, 256)) * 3).astype(dtype)
+        wb, wx = ((1 + 0.1 * jax.random.normal(kk, (256,))).astype(dtype) for kk in ks[2:4])
+        w = (jax.random.normal(ks[4], (128, 256)) * 0.06).astype(dtype)
+        kw = dict(eps=1e-6, gated=gated, interpret=True, block_n=4, block_k=64,
+                  per_program=per_program)
+        for branch in (None, b):
+            bk = {} if branch is None else dict(branch=branch, branch_w=wb)
+            y0, x0 = gemv_stream_normed(x, wx, w, **bk, **kw)
+            y1, x1 = gemv_stream_normed(x, wx, w, defer_norm=True, **bk, **kw)
+            np.testing.assert_array_equal(f32(x1), f32(x0))
+            if dtype == jnp.float32:
+                xr = x if branch is None else x + rms_norm(b, wb, 1e-6)
+                ref = gemv_reference(rms_norm(xr, wx, 1e-6), w, gated=gated)
+                np.testing.assert_allclose(f32(y1), f32(ref), rtol=1e-5, atol=1e-5)
+            else:
+                np.testing.assert_allclose(f32(y1), f32(y0), rtol=2 ** -7, atol=2 ** -7)
+                assert np.any(f32(y1) != f32(y0))
+    plain = dict(interpret=True, block_n=4, block_k=64)
+    np.testing.assert_array_equal(f32(gemv_stream(x, w, defer_norm=True, **plain)),
+                                  f32(gemv_stream(x, w, **plain)))
+    with pytest.raises(ValueError, match="defer_norm must be a bool"):
+        gemv_stream_normed(x, wx, w, eps=1e-6, defer_norm=1, **plain)
+
+
 @pytest.mark.parametrize("bad,msg", [
     (dict(block_n=3), "block_n must be a power of two"),
     (dict(block_k=96), "block_k must be a power of two"),
