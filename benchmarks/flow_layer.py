@@ -28,7 +28,8 @@ Arms:
             each, all of o's 8.4 MB requested at once; another summation tree, so the
             bits may differ from merged's by rounding); _ns2: Triton num_stages 2; _pid:
             roles by program index, no ticket (safe only while every program is resident
-            at once: 96 + 256 here; a give-up says otherwise).
+            at once: 96 + 256 here; a give-up says otherwise); _bo: waiting programs sleep
+            200 ns between re-reads of the attention's count.
 Every flow arm's give-ups must be 0 (else its results are wrong and it is not timed).
 Needs a GPU.
 """
@@ -58,8 +59,9 @@ ARMS = {
     "ao_n4": dict(kind="ao", stages=2, o_block_n=4, o_per_program=1),
     "ao_n8": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1),
     "ao_n16": dict(kind="ao", stages=2, o_block_n=16, o_per_program=1),
-    "ao_n8_ns2": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, num_stages=2),
     "ao_n8_pid": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, order="program_id"),
+    "ao_n8_bo": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, backoff=200),
+    "ao_n8_ns2": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, num_stages=2),
 }
 AO_KEYS = ("o_block_n", "o_per_program")
 DEFAULT_ARMS = "separate,merged,flow4,flow5,flow5_ns2,flow5_pf2"
