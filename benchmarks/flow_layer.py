@@ -29,7 +29,10 @@ Arms:
             bits may differ from merged's by rounding); _ns2: Triton num_stages 2; _pid:
             roles by program index, no ticket (safe only while every program is resident
             at once: 96 + 256 here; a give-up says otherwise); _bo: waiting programs sleep
-            200 ns between re-reads of the attention's count.
+            200 ns between re-reads of the attention's count;
+  *_nowait  DIAGNOSTIC, wrong results: no stage waits for the one before (gemv_flow's
+            diag_no_wait), the time of the stages overlapped with no handover at all (is it
+            the handover or the overlap itself that does not pay?).
 Every flow arm's give-ups must be 0 (else its results are wrong and it is not timed).
 Needs a GPU.
 """
@@ -62,6 +65,9 @@ ARMS = {
     "ao_n8_pid": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, order="program_id"),
     "ao_n8_bo": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, backoff=200),
     "ao_n8_ns2": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, num_stages=2),
+    "ao_n8_nowait": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1,
+                         diag_no_wait=True),
+    "flow5_nowait": dict(kind="flow", stages=5, diag_no_wait=True),
 }
 AO_KEYS = ("o_block_n", "o_per_program")
 DEFAULT_ARMS = "separate,merged,flow4,flow5,flow5_ns2,flow5_pf2"
@@ -192,6 +198,7 @@ def _row(name, arm, ws, attn, h, fx, ref, args, timers) -> dict:
         step = lambda cs: (lambda r: (r[0], (r[2], r[3])))(
             f(ws, attn, h, cs[0], cs[1], fx, t, arm["stages"], options))
         caches = (caches, state)
+    row["diagnostic_wrong_results"] = bool(arm.get("diag_no_wait"))
     row["max_abs_diff_vs_merged"] = float(jnp.max(jnp.abs(
         got.astype(jnp.float32) - ref.astype(jnp.float32))))
     if row.get("give_ups_first_call"):

@@ -90,14 +90,14 @@ def _loader(refs: dict, pl_, s: int):
 
 
 def _stage(q, s: int, refs: dict, plans, *, eps, gpu_sync, order, backoff, l2_prefetch, spin,
-           trap, first=None):
+           trap, first=None, no_wait=False):
     """Program q of stage s: its first weight slab requested (unless `first` holds it), the
     wait for stage s - 1, the prologue and its blocks (gemv_stream's code), then its done
     count."""
     pl_ = plans[s]
     wait = functools.partial(flow_sync.wait, refs["state"], s - 1, plans[s - 1].programs,
                              len(plans), gpu_sync=gpu_sync, backoff=backoff, spin=spin,
-                             trap=trap) if s else (lambda: 0)
+                             trap=trap) if s and not no_wait else (lambda: jnp.int32(0))
     if isinstance(pl_, AttnPlan):  # nothing to request before its input is there
         wait()
         flow_attention.run(q, pl_, refs["attn_in"][s], refs["attn_out"][s],
@@ -164,11 +164,11 @@ def _sort_refs(refs, plans, m: int) -> dict:
 
 
 def _kernel(*refs, plans, m, eps, gpu_sync, order, backoff, l2_prefetch, spin, l2_guess,
-            trap):
+            trap, no_wait=False):
     r = _sort_refs(refs, plans, m)
     run = functools.partial(_stage, refs=r, plans=plans, eps=eps, gpu_sync=gpu_sync,
                             order=order, backoff=backoff, l2_prefetch=l2_prefetch, spin=spin,
-                            trap=trap)
+                            trap=trap, no_wait=no_wait)
     within = lambda t, p: (t >= p.start) & (t < p.start + p.programs)
 
     def dispatch(t):  # run as ticket t says
@@ -267,7 +267,7 @@ def _plan(stages, x, h, num_warps: int) -> tuple:
 def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = False,
               num_warps: int = 4, order: str = "ticket", backoff: int = 0,
               l2_prefetch: int = 0, spin: str = "thread0", l2_guess: bool = False,
-              trap: bool = False, num_stages: int = 1):
+              trap: bool = False, num_stages: int = 1, diag_no_wait: bool = False):
     """The chain of Stage GEMVs (see the module docstring) on x [M, K0] (M up to
     gemv_stream.MAX_ROWS), h [M, K] the residual for the add_norm stages, state: int32
     [state_size(len(stages))] (state_for; donate it). Returns (ys, xs, state): every stage's output
@@ -282,7 +282,10 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     kernel with a PTX trap, an error at the next synchronisation instead of results computed
     from an incomplete input (the engine's choice; GPU only: interpret mode counts).
     num_stages: Triton's pipelining depth for the kernel (1: the GEMV stages' measured
-    setting; the separate attention kernel runs 2). A stage may also be a
+    setting; the separate attention kernel runs 2). diag_no_wait: a DIAGNOSTIC that gives
+    wrong results: no stage waits for the one before (it reads whatever its input holds),
+    to time the stages' overlap without the handover (benchmarks.flow_layer's _nowait
+    arms); never for results. A stage may also be a
     flow_attention.AttnStage (decode attention on the previous stage's
     packed qkv, or on x when first); then the call returns (ys, xs, state, caches), caches
     per attention stage its (k_cache, v_cache, counters), updated in place."""
@@ -298,6 +301,8 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     if not isinstance(l2_guess, bool) or (l2_guess and order == "guess"):
         raise ValueError(f"gemv_flow l2_guess must be a bool, and not with order 'guess' "
                          f"(which loads that block itself), got {l2_guess!r}")
+    if not isinstance(diag_no_wait, bool):
+        raise ValueError(f"gemv_flow diag_no_wait must be a bool, got {diag_no_wait!r}")
     if type(num_stages) is not int or not 1 <= num_stages <= 4:
         raise ValueError(f"gemv_flow num_stages must be an int in 1..4, got {num_stages!r}")
     for name, v in (("backoff", backoff), ("l2_prefetch", l2_prefetch)):
@@ -344,7 +349,8 @@ def gemv_flow(x, stages, state, *, h=None, eps: float = 1e-6, interpret: bool = 
     kernel = functools.partial(_kernel, plans=plans, m=m, eps=float(eps),
                                gpu_sync=not interpret, order=order, backoff=backoff,
                                l2_prefetch=l2_prefetch, spin=spin, l2_guess=l2_guess,
-                               trap=trap and not interpret)  # no trap to run there
+                               trap=trap and not interpret,  # no trap to run there
+                               no_wait=diag_no_wait)
     outs = pl.pallas_call(
         kernel, grid=(sum(p.programs for p in plans),), out_shape=tuple(out_shape),
         input_output_aliases=aliases,
