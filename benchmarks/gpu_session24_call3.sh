@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Session 24's third GPU call, for the H200 (calls 1-2 ran on an H100):
+#   a. benchmarks.flow_layer's diagnostics: merged, ao_n8 and flow5 against their _nowait
+#      twins (no stage waits: wrong results, the time of the overlap with no handover);
+#   b. batch-1 native greedy, default vs --stream-set qkv.defer_norm=1,gate_up.defer_norm=1,
+#      two passes (the second in reverse order);
+#   c. (STEPS with 5) the CLI's first and cached start (gpu_session19_call.sh STEPS=34).
+# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session24_call3.sh
+# STEPS= a subset of "abc" (default abc); CAP= seconds (default 570). Results are named by
+# the card (h200 / h100), read from nvidia-smi.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-benchmarks/results}
+CAP=${CAP:-570}
+STEPS=${STEPS:-abc}
+on() { [[ $STEPS == *$1* ]]; }
+left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
+DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case "$DEV" in *H200*) G=h200 ;; *H100*) G=h100 ;; *) G=gpu ;; esac
+echo "device: $DEV"
+on a && timeout $(left 120) python3 -m benchmarks.flow_layer --layers 8 \
+  --arms merged,ao_n8,ao_n8_nowait,flow5,flow5_nowait,merged \
+  --out $OUT/flow_layer_nowait_session24_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-300
+echo "a done at $SECONDS s"
+A=$OUT/arms24c; mkdir -p $A
+D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --temperature 0 --k 0"
+DEFER=qkv.defer_norm=1,gate_up.defer_norm=1
+run() { [ $SECONDS -lt $((CAP - 45)) ] && timeout $(left 80) $D "${@:2}" --out $A/$1.json 2>&1 | grep -E "rror" ; }
+if on b; then
+  run default_p1; run defer_p1 --stream-set $DEFER
+  run defer_p2 --stream-set $DEFER; run default_p2
+  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_defer_b1_session24_$G.json
+fi
+echo "b done at $SECONDS s"
+on c && [ $SECONDS -lt $((CAP - 100)) ] && STEPS=34 CLI_K="0 4" CAP=$((CAP - SECONDS)) OUT=$OUT \
+  bash benchmarks/gpu_session19_call.sh
+echo "elapsed $SECONDS s"
