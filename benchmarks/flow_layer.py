@@ -28,7 +28,10 @@ Arms:
             each, all of o's 8.4 MB requested at once; another summation tree, so the
             bits may differ from merged's by rounding); _ns2: Triton num_stages 2; _pid:
             roles by program index, no ticket (safe only while every program is resident
-            at once: 96 + 256 here; a give-up says otherwise); _bo: waiting programs sleep
+            at once: 96 + 256 here; a give-up says otherwise); ao_nBpP: B-row blocks, P per
+            program (128 programs at n4p4 / n2p8 / n8p2: o's stream throttled to one block
+            in flight per program, so that the attention's dependent loads queue behind
+            less of it); _bo: waiting programs sleep
             200 ns between re-reads of the attention's count;
   *_nowait  DIAGNOSTIC, wrong results: no stage waits for the one before (gemv_flow's
             diag_no_wait), the time of the stages overlapped with no handover at all (is it
@@ -65,6 +68,12 @@ ARMS = {
     "ao_n8_pid": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, order="program_id"),
     "ao_n8_bo": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, backoff=200),
     "ao_n8_ns2": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1, num_stages=2),
+    "ao_n4p4": dict(kind="ao", stages=2, o_block_n=4, o_per_program=4),
+    "ao_n2p8": dict(kind="ao", stages=2, o_block_n=2, o_per_program=8),
+    "ao_n8p2": dict(kind="ao", stages=2, o_block_n=8, o_per_program=2),
+    "ao_n4p2": dict(kind="ao", stages=2, o_block_n=4, o_per_program=2),
+    "ao_n4p4_nowait": dict(kind="ao", stages=2, o_block_n=4, o_per_program=4,
+                           diag_no_wait=True),
     "ao_n8_nowait": dict(kind="ao", stages=2, o_block_n=8, o_per_program=1,
                          diag_no_wait=True),
     "flow5_nowait": dict(kind="flow", stages=5, diag_no_wait=True),

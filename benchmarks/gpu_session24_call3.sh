@@ -6,7 +6,8 @@
 #      two passes (the second in reverse order);
 #   c. (STEPS with 5) the CLI's first and cached start (gpu_session19_call.sh STEPS=34).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session24_call3.sh
-# STEPS= a subset of "abc" (default abc); CAP= seconds (default 570). Results are named by
+# STEPS= a subset of "abc" (default abc); LAYER_ARMS= a's arms; CAP= seconds (default 570).
+# Results are named by
 # the card (h200 / h100), read from nvidia-smi.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -19,7 +20,7 @@ DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 case "$DEV" in *H200*) G=h200 ;; *H100*) G=h100 ;; *) G=gpu ;; esac
 echo "device: $DEV"
 on a && timeout $(left 120) python3 -m benchmarks.flow_layer --layers 8 \
-  --arms merged,ao_n8,ao_n8_nowait,flow5,flow5_nowait,merged \
+  --arms ${LAYER_ARMS:-merged,ao_n8,ao_n8_nowait,flow5,flow5_nowait,merged} \
   --out $OUT/flow_layer_nowait_session24_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-300
 echo "a done at $SECONDS s"
 A=$OUT/arms24c; mkdir -p $A
