@@ -7,8 +7,7 @@
 #   c. (STEPS with 5) the CLI's first and cached start (gpu_session19_call.sh STEPS=34).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session24_call3.sh
 # STEPS= a subset of "abc" (default abc); LAYER_ARMS= a's arms; CAP= seconds (default 570).
-# Results are named by
-# the card (h200 / h100), read from nvidia-smi.
+# Results are named by the card (h200 / h100), read from nvidia-smi.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
