@@ -168,7 +168,9 @@ def add_stream_args(p) -> None:
                         "its last weight block is requested")
     p.add_argument("--stream-set", default="", metavar="NAME.KEY=0|1,...",
                    help="streaming GEMV switches per projection, e.g. qkv.x_first=1 (x and "
-                        "the branch read before the first weight block)")
+                        "the branch read before the first weight block), "
+                        "gate_up.defer_norm=1 (the norm's scale applied to the outputs: "
+                        "another rounding, so speculative tokens stop equalling native ones)")
 
 
 STREAM_SWITCHES = ("x_first", "defer_norm")  # gemv_stream's boolean keys settable per projection

@@ -36,8 +36,10 @@ LAST_COMBINE = False
 # blocks, then wait for the attention's completion count, so o's 8.4 MB (1.4B) stream while
 # the attention's latency chain runs, and the split combine and one kernel boundary go.
 # Exact (the attention stage is the decode kernel's body with its in-kernel merge; o is the
-# streaming GEMV at FLOW_O_TILING). Off until measured end to end; `benchmarks.decode
-# --decode-kernel flow_o=1[,flow_o_block_n=B,flow_o_per_program=P]` turns it on for a run.
+# streaming GEMV at FLOW_O_TILING). Off: not faster (session 24, H100: 196.1 / 197.0 against
+# 200.6 / 202.2 tok/s at batch 1; even with no waits at all the overlap saves ~1.5 us per
+# layer application, docs/performance.md); `benchmarks.decode --decode-kernel
+# flow_o=1[,flow_o_block_n=B,flow_o_per_program=P]` turns it on for a run.
 FLOW_O = False
 FLOW_O_TILING = dict(block_n=8, per_program=1)  # 256 programs of 32 KB at 2048 x 2048
 

@@ -67,7 +67,10 @@ PDL_MODES = (False, "start", "end")
 # its rounding, W (s x' w) = s (W (x' w)); the scale's block-wide reduction runs after the
 # first block's multiply-adds instead of before them. Same math, another rounding: the
 # normed input is not rounded to the dtype before the multiply (model.rms_norm rounds it
-# twice), so the bits differ from the default's at that level; opt-in.
+# twice), so the bits differ from the default's at that level. Opt-in: on an H100 batch-1
+# native greedy ran 1.3-1.6% faster (session 24), but the engine's verification (XLA GEMMs)
+# rounds as the reference, so greedy speculative output no longer equals native output bit
+# for bit and acceptance drops (k=4: 247.7 against 263.4 tok/s).
 NEXT_AT = ("start", "end")
 DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False,
                 l2_prefetch=0, next_rows=0, next_at="end", x_first=False, defer_norm=False)
