@@ -10,15 +10,9 @@
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session24_call.sh
 # LAYER_ARMS= overrides a's arms (none: skip a); ARMS= b's (default "default flow_o defer
 # flow_o_defer"; also flow_o16 / flow_o2: 16-row o blocks / the engine's o tiling); CAP=
-# seconds for the whole call (default 570). Results are named by the card (h200 / h100), read from nvidia-smi.
-set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-benchmarks/results}
-CAP=${CAP:-570}
-left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
-DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-case "$DEV" in *H200*) G=h200 ;; *H100*) G=h100 ;; *) G=gpu ;; esac
-echo "device: $DEV"
+# seconds for the whole call (default 570). Results are named by the card (h200 / h100),
+# read from nvidia-smi.
+. benchmarks/gpu_call_setup.sh
 LA=${LAYER_ARMS:-separate,merged,ao,ao_n8,ao_n16,ao_n8_pid,separate}
 [ "$LA" != none ] && timeout $(left 200) python3 -m benchmarks.flow_layer --layers 8 \
   --arms $LA --out $OUT/flow_layer_ao_session24_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-400

@@ -4,20 +4,14 @@
 #      twins (no stage waits: wrong results, the time of the overlap with no handover);
 #   b. batch-1 native greedy, default vs --stream-set qkv.defer_norm=1,gate_up.defer_norm=1,
 #      two passes (the second in reverse order);
-#   c. (STEPS with 5) the CLI's first and cached start (gpu_session19_call.sh STEPS=34).
+#   c. the CLI's first and cached start and the load time (gpu_session19_call.sh STEPS=34,
+#      whose files are named _h200 whatever the card: rename them on an H100).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session24_call3.sh
 # STEPS= a subset of "abc" (default abc); LAYER_ARMS= a's arms; CAP= seconds (default 570).
 # Results are named by the card (h200 / h100), read from nvidia-smi.
-set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-benchmarks/results}
-CAP=${CAP:-570}
+. benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-abc}
 on() { [[ $STEPS == *$1* ]]; }
-left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
-DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-case "$DEV" in *H200*) G=h200 ;; *H100*) G=h100 ;; *) G=gpu ;; esac
-echo "device: $DEV"
 on a && timeout $(left 120) python3 -m benchmarks.flow_layer --layers 8 \
   --arms ${LAYER_ARMS:-merged,ao_n8,ao_n8_nowait,flow5,flow5_nowait,merged} \
   --out $OUT/flow_layer_nowait_session24_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-300
