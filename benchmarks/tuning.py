@@ -14,7 +14,8 @@ DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_
                       "flow_o_block_n", "flow_o_per_program")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
 BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early", "o_split", "flow_o")
-POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps", "o_block_n", "flow_o_block_n")  # tile sizes, Triton warps
+# tile sizes, Triton warps
+POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps", "o_block_n", "flow_o_block_n")
 
 
 def parse_tuning(spec: str, keys) -> dict:

@@ -160,27 +160,16 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot):
 def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot,
                        merge_splits=None):
     """Adds attend.qkv (the decode kernel with RoPE and the K/V write) and, with fuse_o at
-    one row, attend.qkv_o (the kernel fused with the o projection); with last_combine or
-    fuse_o, their counters ride along with the planes (attend.wrap / unwrap)."""
+    one row, attend.qkv_o (the kernel fused with the o projection; with flow_o, the
+    attention and o as one gemv_flow); with last_combine, fuse_o or flow_o, their counters
+    ride along with the planes (attend.wrap / unwrap)."""
     import pallas_kernels as pk
 
     b = kv_lens.shape[0]
     num_layers = cfg.num_hidden_layers
     interpret = jax.default_backend() != "gpu"
-    last_combine = bool(pk.decode.TUNING.get("last_combine", LAST_COMBINE)) \
-        if merge_splits is None else merge_splits
-    fuse_o = bool(pk.decode.TUNING.get("fuse_o", FUSE_O))
-    if fuse_o and last_combine:
-        raise ValueError("decode kernel tuning: fuse_o and last_combine are alternatives (the "
-                         "fused kernel sums its own partials; '+flow5' projections turn "
-                         "last_combine on); set one of them")
-    fuse_o = fuse_o and b == 1 and _fused_o_fits(cfg, block_tables.shape[1] * page_size)
-    flow_o = bool(pk.decode.TUNING.get("flow_o", FLOW_O))
-    if flow_o and fuse_o:
-        raise ValueError("decode kernel tuning: flow_o and fuse_o are alternatives (both "
-                         "compute the o projection with the attention); set one of them")
-    flow_o = flow_o and b == 1
-    last_combine = last_combine or flow_o  # the flow's attention stage merges its splits
+    last_combine, fuse_o, flow_o = _fused_decode_modes(
+        cfg, b, block_tables.shape[1] * page_size, merge_splits)
     new_token = dict(rope=None, trash_page=TRASH_PAGE, interpret=interpret,
                      entry_stride=num_layers)
 
@@ -229,19 +218,45 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
             return y[:, None], (kc, vc, cnt)
         attend.qkv_o = attend_qkv_o
     if flow_o:
-        def attend_qkv_o_flow(qkv, w_o, cos, sin, state, loop, layer):
-            """[attention, o] as one gemv_flow (FLOW_O); state[3] is its counter state.
-            A handover that gives up stops the kernel (trap): an error, never wrong
-            tokens."""
-            from pallas_kernels.gemv_flow import Stage, gemv_flow
-            stages = [qkv_stage(cos, sin, state, loop, layer),
-                      Stage(w_o, tiling=_flow_o_tiling(w_o), name="o")]
-            ys, _, fstate, caches = trace_once.call(
-                gemv_flow, qkv[:, 0].reshape(b, -1), stages, state[3], trap=not interpret,
-                interpret=interpret)
-            return ys[1][:, None], (*caches[0], fstate, *state[4:])
-        attend.qkv_o = attend_qkv_o_flow
+        attend.qkv_o = _flow_o_attend(qkv_stage, b, interpret)
     return attend
+
+
+def _fused_decode_modes(cfg, b: int, capacity: int, merge_splits) -> tuple:
+    """(last_combine, fuse_o, flow_o) for a decode block of b rows over `capacity` keys of
+    block table: the decode kernel's tuning (else LAST_COMBINE / FUSE_O / FLOW_O), fuse_o
+    and flow_o at one row only; flow_o turns last_combine on (its attention stage merges
+    its splits). ValueError for combinations that are alternatives."""
+    import pallas_kernels as pk
+    last_combine = bool(pk.decode.TUNING.get("last_combine", LAST_COMBINE)) \
+        if merge_splits is None else merge_splits
+    fuse_o = bool(pk.decode.TUNING.get("fuse_o", FUSE_O))
+    if fuse_o and last_combine:
+        raise ValueError("decode kernel tuning: fuse_o and last_combine are alternatives (the "
+                         "fused kernel sums its own partials; '+flow5' projections turn "
+                         "last_combine on); set one of them")
+    fuse_o = fuse_o and b == 1 and _fused_o_fits(cfg, capacity)
+    flow_o = bool(pk.decode.TUNING.get("flow_o", FLOW_O))
+    if flow_o and fuse_o:
+        raise ValueError("decode kernel tuning: flow_o and fuse_o are alternatives (both "
+                         "compute the o projection with the attention); set one of them")
+    flow_o = flow_o and b == 1
+    return last_combine or flow_o, fuse_o, flow_o
+
+
+def _flow_o_attend(qkv_stage, b: int, interpret: bool):
+    """attend.qkv_o for FLOW_O: [attention, o] as one gemv_flow; state[3] is the flow's
+    counter state (kept at zero between calls). A handover that gives up stops the kernel
+    (trap): an error, never wrong tokens."""
+    def attend_qkv_o_flow(qkv, w_o, cos, sin, state, loop, layer):
+        from pallas_kernels.gemv_flow import Stage, gemv_flow
+        stages = [qkv_stage(cos, sin, state, loop, layer),
+                  Stage(w_o, tiling=_flow_o_tiling(w_o), name="o")]
+        ys, _, fstate, caches = trace_once.call(
+            gemv_flow, qkv[:, 0].reshape(b, -1), stages, state[3], trap=not interpret,
+            interpret=interpret)
+        return ys[1][:, None], (*caches[0], fstate, *state[4:])
+    return attend_qkv_o_flow
 
 
 def _flow_o_state() -> jax.Array:

@@ -101,25 +101,19 @@ def block_dots(tiles, *, xs, block_n, nk, gated):
     return out
 
 
-def finish_block(y_ref, j, dots, factors, *, block_n):
-    """Stores block j from block_dots' sums, each row's multiplied by its factor first
-    (gated: both halves, then silu(gate) * up as the model rounds it)."""
+def finish_block(y_ref, j, dots, factors=None, *, block_n):
+    """Stores block j from block_dots' sums, each row's multiplied by its factor first when
+    factors are given (gated: both halves, then silu(gate) * up as the model rounds it)."""
     for r, (g, u) in enumerate(dots):
-        g = g * factors[r]
-        y = g.astype(y_ref.dtype) if u is None else _silu_mul(g, u * factors[r], y_ref.dtype)
+        if factors is not None:
+            g, u = g * factors[r], None if u is None else u * factors[r]
+        y = g.astype(y_ref.dtype) if u is None else _silu_mul(g, u, y_ref.dtype)
         y_ref[r, _rows(j, block_n)] = y
 
 
 def store_block(y_ref, j, tiles, *, xs, block_n, block_k, nk, gated):
     """y's block j (block_n outputs per row) from its weight tiles (block_loader's) and the
-    rows' input chunks xs."""
-    wf = [t.astype(jnp.float32) for t in tiles]
-    for r in range(len(xs)):
-        def dotrow(ws):
-            acc = jnp.zeros((block_n, block_k), jnp.float32)
-            for c in range(nk):
-                acc = acc + ws[c] * xs[r][c]
-            return jnp.sum(acc, axis=1)
-        g = dotrow(wf[:nk])
-        y = _silu_mul(g, dotrow(wf[nk:]), y_ref.dtype) if gated else g.astype(y_ref.dtype)
-        y_ref[r, _rows(j, block_n)] = y
+    rows' input chunks xs (block_k: the chunks' width, which the tiles carry)."""
+    del block_k
+    finish_block(y_ref, j, block_dots(tiles, xs=xs, block_n=block_n, nk=nk, gated=gated),
+                 block_n=block_n)
