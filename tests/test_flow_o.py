@@ -3,6 +3,8 @@ engine's tokens, the flow's bits against the engine's separate kernels (benchmar
 ao arms), and the refusals. The kernel itself (gemv_flow with an attention stage) is tested in
 test_flow_attention.py / test_gemv_flow.py."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,3 +91,39 @@ def test_the_decode_benchmark_refuses_flow_o_where_it_would_change_nothing(argv,
     from benchmarks.decode import main
     with pytest.raises(SystemExit, match=msg):
         main(argv)
+
+
+def test_the_o_stage_waits_for_the_attention_and_the_diagnostic_does_not():
+    """Lowered for 'cuda' (Triton IR), [attention, o]: one spin (the o stage's, on the
+    attention's count) with its trap; in o's region the weight tile's load comes before
+    it (requested while the attention runs) and x's after. With diag_no_wait no spin is left
+    (the diagnostic's wrong results come from exactly that), and a non-bool is refused."""
+    from pallas_kernels.flow_attention import AttnStage
+    from pallas_kernels.gemv_flow import Stage, gemv_flow
+    from test_gemv_flow import _regions
+    from test_pdl import triton_ir
+    s, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    k, kvh, hd = 128, 2, 64
+    kc = s((3, 8, 16, kvh, hd), bf)
+
+    def lowered(**kw):
+        def f(x, w_o, kc_, vc_, bt, lens, page, slot, cnt, cos, sin, st):
+            stages = [AttnStage(kc_, vc_, jnp.int32(1), bt, lens, page, slot, cnt,
+                                rope=(cos, sin), trash_page=0, block_t=16, num_splits=2),
+                      Stage(w_o, tiling=dict(block_n=8, block_k=64, per_program=1), name="o")]
+            return gemv_flow(x, stages, st, trap=True, **kw)
+        [ir] = triton_ir(f, s((1, 3 * k), bf), s((k, k), bf), kc, kc, s((1, 8), i32),
+                         s((1,), i32), s((1,), i32), s((1,), i32), s((1, kvh), i32),
+                         s((1, hd), bf), s((1, hd), bf), s((state_for(2).shape[0],), i32))
+        return ir
+
+    ir = lowered()
+    assert ir.count("W_LOOP:") == 1 and "trap;" in ir
+    *stages, _stray = _regions(ir)
+    o = stages[1]
+    spin = next(i for i, ln in enumerate(o) if "W_LOOP" in ln)
+    assert any(re.search(r"tt\.load .*tensor<8x64x", ln) for ln in o[:spin])
+    assert any("tt.load" in ln for ln in o[spin:])
+    assert "W_LOOP:" not in lowered(diag_no_wait=True)
+    with pytest.raises(ValueError, match="diag_no_wait must be a bool"):
+        lowered(diag_no_wait=1)
