@@ -4,8 +4,8 @@
 #      twins (no stage waits: wrong results, the time of the overlap with no handover);
 #   b. batch-1 native greedy, default vs --stream-set qkv.defer_norm=1,gate_up.defer_norm=1,
 #      two passes (the second in reverse order);
-#   c. the CLI's first and cached start and the load time (gpu_session19_call.sh STEPS=34,
-#      whose files are named _h200 whatever the card: rename them on an H100).
+#   c. the CLI's first and cached start and the load time (gpu_session19_call.sh STEPS=34;
+#      its files are named for the card since session 24, _h200 before).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session24_call3.sh
 # STEPS= a subset of "abc" (default abc); LAYER_ARMS= a's arms; CAP= seconds (default 570).
 # Results are named by the card (h200 / h100), read from nvidia-smi.
