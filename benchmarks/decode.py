@@ -181,6 +181,10 @@ def check_flow_o_run(args) -> None:
     if "1" not in [b.strip() for b in args.batch.split(",")]:
         raise SystemExit("--decode-kernel flow_o=1 changes one-row decode only: give --batch 1 "
                          "(other batch sizes run the default kernels)")
+    from ouro_jax.projection_spec import FLOW_PARTS
+    if set(args.projections.split("+")) & set(FLOW_PARTS):
+        raise SystemExit("--decode-kernel flow_o=1 runs o with the attention: the '+flow' "
+                         "projections (which start with o) would never run; use one")
 
 
 def token_digest(result) -> str:

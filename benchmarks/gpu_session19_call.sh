@@ -21,12 +21,13 @@ OUT=${OUT:-benchmarks/results}
 CAP=${CAP:-585}  # seconds the whole call may take
 left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
 # the card's short name in the result files (session 24: the H100 that came got _h200 files)
+TAG=${TAG:-}  # put into every result file's name (e.g. _session24_call3), so reruns keep old ones
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 case "$CARD" in *H200*) CARD=h200 ;; *H100*) CARD=h100 ;; *) CARD=gpu ;; esac
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
 on 1 && timeout $(left 330) $D --batch 1,8,32,64 --k 0,2,4 --temperature 0,0.8 \
-  --out $OUT/decode_table_session19_$CARD.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
-on 1 && [ -f $OUT/decode_table_session19_$CARD.json ] && rm -f $OUT/decode_table_session19_$CARD.json.partial
+  --out $OUT/decode_table_session19${TAG}_$CARD.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
+on 1 && [ -f $OUT/decode_table_session19${TAG}_$CARD.json ] && rm -f $OUT/decode_table_session19${TAG}_$CARD.json.partial
 echo "table done at $SECONDS s"
 M=${M:-/tmp/ouro_1p4b}; PRESET=${PRESET:-1.4b}
 [ -d $M ] || timeout $(left 100) python3 -m convert.synthesize --preset $PRESET --dtype bf16 --branch-scale 0.003 \
@@ -36,7 +37,7 @@ on 2 && for k in 0 4; do rm -rf /tmp/cc_st$k; for r in 1 2; do
   [ $SECONDS -lt $((CAP - 25)) ] || break
   echo "== start_time k=$k process $r"
   timeout $(left 60) $S --speculative-k $k --compile-cache /tmp/cc_st$k \
-    --out $OUT/start_time_bf16_k${k}_p${r}_$CARD.json | tr -d ' \n' | cut -c1-600; echo
+    --out $OUT/start_time_bf16_k${k}_p${r}${TAG}_$CARD.json | tr -d ' \n' | cut -c1-600; echo
 done; done
 G="python3 -m ouro_jax.generate --model $M --dtype bf16 --compile-cache /tmp/cc_cli --max-tokens 64
    --ignore-eos --json --prompt-ids $(seq -s, 1 128)"
@@ -45,7 +46,7 @@ on 3 && for k in $CLI_K; do rm -rf /tmp/cc_cli; for r in 1 2; do
   [ $SECONDS -lt $((CAP - 25)) ] || break
   echo "cli k=$k bf16 run $r"
   { time timeout $(left 40) $G --speculative-k $k 2>&1 | tail -1 | cut -c1-400 ; } 2>&1
-done; done | tee $OUT/cli_start_bf16_$CARD.txt
+done; done | tee $OUT/cli_start_bf16${TAG}_$CARD.txt
 on 4 && [ $SECONDS -lt $((CAP - 45)) ] && timeout $(left 120) python3 -m benchmarks.load_time --checkpoint $M --runs 3 \
-  --out $OUT/load_time_$CARD.json | grep -E "warm_page_cache_s|cold_page_cache_s|_s\": [0-9]" | head -12
+  --out $OUT/load_time${TAG}_$CARD.json | grep -E "warm_page_cache_s|cold_page_cache_s|_s\": [0-9]" | head -12
 echo "elapsed $SECONDS s"

@@ -17,7 +17,7 @@ LA=${LAYER_ARMS:-separate,merged,ao,ao_n8,ao_n16,ao_n8_pid,separate}
 [ "$LA" != none ] && timeout $(left 200) python3 -m benchmarks.flow_layer --layers 8 \
   --arms $LA --out $OUT/flow_layer_ao_session24_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-400
 echo "flow_layer done at $SECONDS s"
-A=$OUT/arms24; mkdir -p $A
+A=$OUT/arms24; rm -rf $A; mkdir -p $A
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --temperature 0 --k 0"
 run() { [ $SECONDS -lt $((CAP - 45)) ] && timeout $(left 80) $D "${@:2}" --out $A/$1.json 2>&1 | grep -E "rror" ; }
 arm() {

@@ -15,7 +15,7 @@ LA=${LAYER_ARMS:-merged,ao_n8,ao_n8_bo,ao_n8_ns2,merged}
 [ "$LA" != none ] && timeout $(left 150) python3 -m benchmarks.flow_layer --layers 8 \
   --arms $LA --out $OUT/flow_layer_ao2_session24_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-300
 echo "flow_layer done at $SECONDS s"
-A=$OUT/arms24b; mkdir -p $A
+A=$OUT/arms24b; rm -rf $A; mkdir -p $A
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --temperature 0"
 DEFER=qkv.defer_norm=1,gate_up.defer_norm=1
 run() { [ $SECONDS -lt $((CAP - 45)) ] && timeout $(left 90) $D "${@:2}" --out $A/$1.json 2>&1 | grep -E "rror" ; }

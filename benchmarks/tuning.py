@@ -213,6 +213,10 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
         raise SystemExit(f"--l2-next-at is start or end, got {l2_next_at!r}")
     if pdl_at not in ("start", "end"):
         raise SystemExit(f"--pdl-at is start or end, got {pdl_at!r}")
+    if tuning["decode"].get("flow_o") and (tuning["decode"].get("fuse_o")
+                                           or tuning["decode"].get("pdl")):
+        raise SystemExit("--decode-kernel flow_o=1 ([attention, o] as one gemv_flow) takes "
+                         "neither fuse_o nor pdl")
     if tuning["decode"].get("pdl") and not tuning["decode"].get("last_combine"):
         raise SystemExit("--decode-kernel pdl=1 needs last_combine=1 (the kernel's next kernel "
                          "must be the o projection's GEMV, not the XLA split combine)")
@@ -223,9 +227,6 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     if not d.get("fuse_o") and {"o_block_n", "o_w_early", "o_split"} & set(d):
         raise SystemExit("--decode-kernel o_block_n / o_w_early / o_split tune the fused "
                          "attention + o kernel: they need fuse_o=1")
-    if d.get("flow_o") and (d.get("fuse_o") or d.get("pdl")):
-        raise SystemExit("--decode-kernel flow_o=1 ([attention, o] as one gemv_flow) takes "
-                         "neither fuse_o nor pdl")
     if not d.get("flow_o") and {"flow_o_block_n", "flow_o_per_program"} & set(d):
         raise SystemExit("--decode-kernel flow_o_block_n / flow_o_per_program tile the o "
                          "stage of flow_o=1: they need flow_o=1")

@@ -235,11 +235,11 @@ def _fused_decode_modes(cfg, b: int, capacity: int, merge_splits) -> tuple:
         raise ValueError("decode kernel tuning: fuse_o and last_combine are alternatives (the "
                          "fused kernel sums its own partials; '+flow5' projections turn "
                          "last_combine on); set one of them")
-    fuse_o = fuse_o and b == 1 and _fused_o_fits(cfg, capacity)
     flow_o = bool(pk.decode.TUNING.get("flow_o", FLOW_O))
-    if flow_o and fuse_o:
+    if flow_o and fuse_o:  # as asked, before either is narrowed to where it applies
         raise ValueError("decode kernel tuning: flow_o and fuse_o are alternatives (both "
                          "compute the o projection with the attention); set one of them")
+    fuse_o = fuse_o and b == 1 and _fused_o_fits(cfg, capacity)
     flow_o = flow_o and b == 1
     return last_combine or flow_o, fuse_o, flow_o
 

@@ -70,6 +70,7 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     # merges the splits itself: there the counters the decode kernel then needs ride with the
     # planes (other batch sizes keep the default combine)
     flow5 = getattr(proj, "flow", 0) == 5 and positions.shape[0] == 1
+    _check_flow_o(proj)
     attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], attention,
                                fused_kv_write="kvxla" not in options,
                                merge_splits=True if flow5 else None)
@@ -78,6 +79,17 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     hidden, gates, state = run_loops(params, h, cos, sin, cfg, attend, state, loops,
                                      unroll="unroll" in options, proj=proj)
     return hidden, gates, (attend.unwrap(state) if hasattr(attend, "unwrap") else state)
+
+
+def _check_flow_o(proj) -> None:
+    """The decode kernel's flow_o (attention + o as one kernel) replaces the o projection,
+    so the '+flow' projections (which start their kernel with o) would silently never run:
+    refused."""
+    import pallas_kernels.decode as dk
+    if dk.TUNING.get("flow_o") and getattr(proj, "flow", 0):
+        raise ValueError("decode kernel tuning flow_o runs the o projection with the "
+                         "attention; the '+flow' projections start their kernel with o: "
+                         "use one or the other")
 
 
 def prefill_chunk(params, planes, block_tables, ids, start, last_idx, last_h, last_g, *,

@@ -51,18 +51,23 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
     prefetch of a later block, gemv_chain's). store(j, tiles): computes and stores block j
     from its loads (default store_block; gemv_packed passes its own). scales (defer_norm):
     per row a thunk for the factor every output is multiplied by; its reduction is traced
-    after the first block's multiply-adds (block p peeled off the loop)."""
+    after the first block's multiply-adds (block p peeled off the loop), and the second
+    block's loads between those multiply-adds and the reduction (the order that was
+    measured, session 24)."""
     if scales is not None:
-        if store is not None:
-            raise ValueError("stream_blocks: scales go with the default store")
+        if store is not None or ahead is not None:
+            raise ValueError("stream_blocks: scales go with the default store and no `ahead`")
         dots = functools.partial(block_dots, xs=xs, block_n=block_n, nk=nk, gated=gated)
+        if per_program == 1:  # the first block is the last: its hook and tail apply
+            first = first if last_hook is None else last_hook(first)
+            d0 = dots(first)
+            j = p if tail is None else p + tail()
+            finish_block(y_ref, j, d0, [f() for f in scales], block_n=block_n)
+            return
         d0 = dots(first)
-        if per_program > 1:
-            first = load(p + programs)  # requested before the scale's reduction
+        first = load(p + programs)  # requested before the scale's reduction
         factors = [f() for f in scales]
         finish_block(y_ref, p, d0, factors, block_n=block_n)
-        if per_program == 1:
-            return
         compute_store = lambda j, tiles: finish_block(y_ref, j, dots(tiles), factors,
                                                       block_n=block_n)
         p, per_program = p + programs, per_program - 1

@@ -19,7 +19,8 @@ def test_attention_and_o_in_one_flow_give_the_separate_kernels_bits(o_tiling):
     """flow_layer's ao arm (per layer gate/up, down, qkv, then [attention, next o] as one
     gemv_flow) gives the engine's kernels' attention output, residual and caches (with the
     split merge in the attention kernel) at small shapes over two layers, at the engine's o
-    tiling and at one-block programs; its state comes back at zero."""
+    tiling, at one-block programs and at 4-row blocks two per program; its state comes back
+    at zero."""
     from benchmarks import flow_layer as fl
     ws, attn, h, t, new = _layer_case()
     fx = new()[1]
@@ -86,6 +87,10 @@ def test_flow_o_tiling_comes_from_the_decode_tuning(monkeypatch):
     (["--decode-kernel", "flow_o_block_n=8", "--attention", "pallas"], "need flow_o=1"),
     (["--decode-kernel", "flow_o=1,fuse_o=1", "--attention", "pallas"],
      "takes neither fuse_o nor pdl"),
+    (["--decode-kernel", "flow_o=1,pdl=1", "--attention", "pallas", "--batch", "1"],
+     "takes neither fuse_o nor pdl"),
+    (["--decode-kernel", "flow_o=1", "--attention", "pallas", "--batch", "1",
+      "--projections", "gemv+norms+stream+flow4"], "would never run"),
 ])
 def test_the_decode_benchmark_refuses_flow_o_where_it_would_change_nothing(argv, msg):
     from benchmarks.decode import main
@@ -122,8 +127,25 @@ def test_the_o_stage_waits_for_the_attention_and_the_diagnostic_does_not():
     *stages, _stray = _regions(ir)
     o = stages[1]
     spin = next(i for i, ln in enumerate(o) if "W_LOOP" in ln)
-    assert any(re.search(r"tt\.load .*tensor<8x64x", ln) for ln in o[:spin])
-    assert any("tt.load" in ln for ln in o[spin:])
+    w_load = lambda ln: re.search(r"tt\.load .*tensor<8x64x!tt\.ptr", ln)
+    x_load = lambda ln: re.search(r"tt\.load .*tensor<64x!tt\.ptr", ln)
+    assert any(w_load(ln) for ln in o[:spin]) and not any(x_load(ln) for ln in o[:spin])
+    assert any(x_load(ln) for ln in o[spin:])
     assert "W_LOOP:" not in lowered(diag_no_wait=True)
     with pytest.raises(ValueError, match="diag_no_wait must be a bool"):
         lowered(diag_no_wait=1)
+
+
+def test_flow_o_with_the_flow_projections_is_refused(monkeypatch):
+    """flow_o replaces the o projection, which the '+flow' projections' kernel starts with:
+    the engine refuses the pair instead of silently never running the flow projections."""
+    import pallas_kernels.decode as decode
+    from ouro_jax.engine import _check_flow_o
+    from ouro_jax.projections import parse as parse_projections
+    monkeypatch.setattr(decode, "TUNING", dict(flow_o=1))
+    with pytest.raises(ValueError, match="use one or the other"):
+        _check_flow_o(parse_projections("gemv+norms+stream+flow4"))
+    _check_flow_o(parse_projections("gemv+norms+stream"))
+    monkeypatch.setattr(decode, "TUNING", {})
+    _check_flow_o(parse_projections("gemv+norms+stream+flow4"))
+

@@ -350,3 +350,27 @@ def test_stream_layer_kernels_and_engine_tokens():
     assert llm.backend == "xla+gemv+norms+stream"
     assert out["xla"] == out["gemv+stream"] == out["gemv+norms+stream"]
     assert out["xla"][0] == out["xla"][1]
+
+
+@pytest.mark.parametrize("per_program", [1, 2])
+def test_defer_norm_keeps_the_late_pdl_trigger_and_prefetch(per_program):
+    """defer_norm peels the first block off the loop; at one block per program that block is
+    the last, so the late PDL trigger (pdl="end") and the late L2 prefetch of next_w
+    (next_at="end") must still be emitted: lowered for 'cuda', the same count of each as
+    without defer_norm."""
+    from pallas_kernels.gemv_stream import gemv_stream_normed
+    from test_pdl import TRIGGER, triton_ir
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+
+    def count(defer):
+        def f(x, b, bw, nw, w, nxt):
+            return gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=bw,
+                                      defer_norm=defer, block_n=4, block_k=64,
+                                      per_program=per_program, pdl="end", next_w=nxt,
+                                      next_rows=2)
+        [ir] = triton_ir(f, s((1, 128), bf), s((1, 128), bf), s((128,), bf), s((128,), bf),
+                         s((64, 128), bf), s((256, 128), bf))
+        return ir.count(TRIGGER), ir.count("prefetch.L2")
+    base = count(False)
+    assert base[0] >= 1 and base[1] >= 1
+    assert count(True) == base
