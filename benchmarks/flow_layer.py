@@ -31,8 +31,8 @@ Arms:
             at once: 96 + 256 here; a give-up says otherwise); ao_nBpP: B-row blocks, P per
             program (128 programs at n4p4 / n2p8 / n8p2: o's stream throttled to one block
             in flight per program, so that the attention's dependent loads queue behind
-            less of it); _bo: waiting programs sleep
-            200 ns between re-reads of the attention's count;
+            less of it); _bo: waiting programs sleep 200 ns between re-reads of the
+            attention's count;
   *_nowait  DIAGNOSTIC, wrong results: no stage waits for the one before (gemv_flow's
             diag_no_wait), the time of the stages overlapped with no handover at all (is it
             the handover or the overlap itself that does not pay?).
@@ -111,6 +111,13 @@ def _attention(q, caches, fx, layer, merged: bool, interpret: bool = False):
     return out.reshape(1, -1), (kc, vc, cnt)
 
 
+def _attn_stage(caches, fx, layer: int):
+    """The decode attention of plane `layer` as a gemv_flow stage (the merge in-kernel)."""
+    from pallas_kernels.flow_attention import AttnStage
+    return AttnStage(caches[0], caches[1], jnp.int32(layer), fx["bt"], fx["lens"], fx["page"],
+                     fx["slot"], caches[2], rope=(fx["cos"], fx["sin"]), trash_page=0)
+
+
 def separate(ws, attn, h, caches, fx, tiling, merged: bool, interpret: bool = False):
     """The engine's kernels per layer; returns (the last attention output, x', caches)."""
     from benchmarks.gemv_flow import separate as gemvs
@@ -124,15 +131,12 @@ def flow(ws, attn, h, caches, state, fx, tiling, stages: int, options,
          interpret: bool = False):
     """gemv_flow per layer (stages 4: then the attention kernel, merged)."""
     from benchmarks.gemv_flow import _thaw
-    from pallas_kernels.flow_attention import AttnStage
     from pallas_kernels.gemv_flow import gemv_flow, mlp_stages
     t = _thaw(tiling)
     for layer, lw in enumerate(ws):
         att = None
         if stages == 5:
-            att = AttnStage(caches[0], caches[1], jnp.int32(layer), fx["bt"], fx["lens"],
-                            fx["page"], fx["slot"], caches[2], rope=(fx["cos"], fx["sin"]),
-                            trash_page=0)
+            att = _attn_stage(caches, fx, layer)
         st = mlp_stages(lw["w_o"], lw["w_post"], lw["w_pre"], lw["w_gu"], lw["w_down"],
                         next_qkv=(lw["w_post2"], lw["w_in"], lw["w_qkv"]), tiling=t,
                         attention=att)
@@ -152,27 +156,20 @@ def attn_o(ws, attn, h, caches, state, fx, tiling, o_tiling, options, interpret=
     [this layer's attention, the next layer's o] (the last layer: the attention kernel
     alone, merged); the first layer's o is its own kernel. The same work as `separate`.
     o_tiling: (block_n, per_program) of the flow's o stage (None: the engine's)."""
-    from benchmarks.gemv_flow import _qkv, _thaw
-    from pallas_kernels.flow_attention import AttnStage
+    from benchmarks.gemv_flow import _thaw, after_o
     from pallas_kernels.gemv_flow import Stage, gemv_flow
-    from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+    from pallas_kernels.gemv_stream import gemv_stream
     t = _thaw(tiling)
     ot = dict(t["o"]) if o_tiling is None else dict(t["o"], block_n=o_tiling[0],
                                                      per_program=o_tiling[1])
     o = gemv_stream(attn, ws[0]["w_o"], num_warps=4, interpret=interpret, **t["o"])
     for layer, lw in enumerate(ws):
-        y, x1 = gemv_stream_normed(h, lw["w_pre"], lw["w_gu"], eps=1e-6, branch=o,
-                                   branch_w=lw["w_post"], gated=True, num_warps=4,
-                                   interpret=interpret, **t["gate_up"])
-        d = gemv_stream(y, lw["w_down"], num_warps=4, interpret=interpret, **t["down"])
-        q, h = _qkv(lw, x1, d, t, interpret)
+        q, h = after_o(lw, o, h, t, interpret)
         if layer == len(ws) - 1:
             attn, caches = _attention(q, caches, fx, layer, True, interpret)
             break
-        att = AttnStage(caches[0], caches[1], jnp.int32(layer), fx["bt"], fx["lens"],
-                        fx["page"], fx["slot"], caches[2], rope=(fx["cos"], fx["sin"]),
-                        trash_page=0)
-        st = [att, Stage(ws[layer + 1]["w_o"], tiling=ot, name="o")]
+        st = [_attn_stage(caches, fx, layer),
+              Stage(ws[layer + 1]["w_o"], tiling=ot, name="o")]
         ys, _, state, cs = gemv_flow(q, st, state, trap=False, interpret=interpret,
                                      **dict(options))
         attn, o, caches = ys[0], ys[1], cs[0]

@@ -104,17 +104,24 @@ def _qkv(lw, x1, d, t, interpret):
 def separate(ws, attn, h, tiling, interpret: bool = False):
     """The engine's four kernels per layer (tiling: _freeze'd, a static jit argument);
     returns the last layer's qkv output and x'."""
-    from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+    from pallas_kernels.gemv_stream import gemv_stream
     t, k = _thaw(tiling), attn.shape[1]
     for lw in ws:
         o = gemv_stream(attn, lw["w_o"], num_warps=4, interpret=interpret, **t["o"])
-        y, x1 = gemv_stream_normed(h, lw["w_pre"], lw["w_gu"], eps=1e-6, branch=o,
-                                   branch_w=lw["w_post"], gated=True, num_warps=4,
-                                   interpret=interpret, **t["gate_up"])
-        d = gemv_stream(y, lw["w_down"], num_warps=4, interpret=interpret, **t["down"])
-        q, h = _qkv(lw, x1, d, t, interpret)
+        q, h = after_o(lw, o, h, t, interpret)
         attn = q[:, :k]  # the next layer's "attention output", dependent on this layer
     return q, h
+
+
+def after_o(lw, o, h, t, interpret):
+    """The engine's kernels after a layer's o projection: gate/up (add_norm prologue on the
+    residual h and the branch o), down, then the next qkv; returns (qkv output, x')."""
+    from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+    y, x1 = gemv_stream_normed(h, lw["w_pre"], lw["w_gu"], eps=1e-6, branch=o,
+                               branch_w=lw["w_post"], gated=True, num_warps=4,
+                               interpret=interpret, **t["gate_up"])
+    d = gemv_stream(y, lw["w_down"], num_warps=4, interpret=interpret, **t["down"])
+    return _qkv(lw, x1, d, t, interpret)
 
 
 def flow(ws, attn, h, state, tiling, stages: int, options, interpret: bool = False):

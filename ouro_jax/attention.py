@@ -193,7 +193,8 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
         def attend(q, k, v, state, loop, layer):  # same, counters kept
             out, planes = plain(q, k, v, state[:2], loop, layer)
             return out, (*planes, *state[2:])
-        extra = (_flow_o_state(),) if flow_o else ()  # the flow's counters, kept at zero
+        from pallas_kernels.gemv_flow import state_for
+        extra = (state_for(2),) if flow_o else ()  # the flow's counters, kept at zero
         attend.wrap = lambda planes: (*planes, counters, *extra)
         attend.unwrap = lambda state: state[:2]
     attend.qkv = attend_qkv
@@ -259,22 +260,15 @@ def _flow_o_attend(qkv_stage, b: int, interpret: bool):
     return attend_qkv_o_flow
 
 
-def _flow_o_state() -> jax.Array:
-    from pallas_kernels.gemv_flow import state_for
-    return state_for(2)
-
-
 def _flow_o_tiling(w_o) -> dict:
     """The flow's o stage tiling: the streaming GEMV's for o (fitted to the shape) with
     FLOW_O_TILING's block_n / per_program, the decode kernel's overrides winning."""
     import pallas_kernels.decode as dk
-    from ouro_jax.projections import STREAM_TUNING, fit_stream_tuning
-    t = dict(STREAM_TUNING["o"], **FLOW_O_TILING)
-    for key in ("block_n", "per_program"):
-        if f"flow_o_{key}" in dk.TUNING:
-            t[key] = int(dk.TUNING[f"flow_o_{key}"])
-    t = fit_stream_tuning(t, w_o.shape[0], w_o.shape[1])
-    return {key: t[key] for key in ("block_n", "block_k", "per_program")}
+    from ouro_jax.projections import flow_tiling
+    override = dict(FLOW_O_TILING)
+    override.update({key: int(dk.TUNING[f"flow_o_{key}"]) for key in FLOW_O_TILING
+                     if f"flow_o_{key}" in dk.TUNING})
+    return flow_tiling("o", w_o.shape[0], w_o.shape[1], **override)
 
 
 def _xla_attend(cfg, block_tables, positions, page_size, page, slot):

@@ -45,7 +45,7 @@ from jax import lax
 from pallas_kernels._common import (COUNTER_STEP, _counter_barrier, cdiv, compiler_params,
                                     flash_tile, load_kv_block, next_pow2, pl, plane_index,
                                     plane_operands, plt, split_range)
-from pallas_kernels.decode import fold_new_key, new_token_kv, query_tile
+from pallas_kernels.new_token import fold_new_key, new_token_kv, query_tile
 
 # Defaults, unmeasured: 16 programs per KV head (256 at the 1.4B shape, two per SM), 32-key
 # blocks as the decode kernel takes at one row (16 with split_keys, so that 16 splits of a

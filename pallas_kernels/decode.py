@@ -38,9 +38,7 @@ from pallas_kernels._common import (NEG_INF, choose_num_splits, finish, flash_ti
                                     pdl_wait, pl,
                                     plane_index, plane_operands, split_partials_call,
                                     split_range)
-# the new token's q/k/v (attention_o imports them from here)
-from pallas_kernels.new_token import (fold_new_key, new_token_kv,  # noqa: F401
-                                      query_tile)
+from pallas_kernels.new_token import fold_new_key, new_token_kv, query_tile
 # a module global, so that tests can count the merges by patching it here
 from pallas_kernels.split_merge import merge_if_last as _merge_if_last
 

@@ -36,9 +36,10 @@ previous stage's output as the branch, and stores x' too. So the MLP chain is
 [o, gate_up(add_norm, gated), down] and with the next layer [.., qkv(add_norm)].
 
 In the engine as the opt-in projections '+flow' / '+flow4' / '+flow5'
-(ouro_jax/projections.py); `benchmarks.gemv_flow` times it against the separate kernels on the GPU: exact there, and
-4-15 us per layer slower (session 23, H100; docs/performance.md), so it stays opt-in. In interpret mode
-(CPU tests) programs run in index order, so every wait is already met.
+(ouro_jax/projections.py); `benchmarks.gemv_flow` times it against the separate kernels on
+the GPU: exact there, and 4-15 us per layer slower (session 23, H100; docs/performance.md),
+so it stays opt-in. In interpret mode (CPU tests) programs run in index order, so every wait
+is already met.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ from pallas_kernels.flow_stages import ENGINE_TILING, Stage, mlp_stages  # noqa:
 from pallas_kernels.flow_sync import (SPIN_LIMIT, SPINS, give_ups, misses,  # noqa: F401
                                       state_for, state_size)
 from pallas_kernels.gemv import check_norm_operands, check_operands
-from pallas_kernels.gemv_stream import (block_loader, check_supported, row_inputs,
-                                        stream_blocks)
+from pallas_kernels.gemv_blocks import block_loader, stream_blocks
+from pallas_kernels.gemv_stream import check_supported, row_inputs
 from pallas_kernels.l2_prefetch import prefetch_block, prefetch_blocks
 
 # "guess": the first weight block of the program's index (the ticket it usually draws: how

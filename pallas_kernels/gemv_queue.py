@@ -12,7 +12,7 @@ Each program holds x in registers (gemv_stream.row_inputs) and keeps two block i
 ahead: the loads of the next block are requested before the atomic that fetches the index
 after it, and the math on the current block runs after both. A load past the last block is
 masked off (no traffic). Results are those of gemv_stream with the same block_n / block_k
-(the same per-block math, gemv_stream.store_block): only which program computes a block
+(the same per-block math, gemv_blocks.store_block): only which program computes a block
 changes.
 
 The counter: an int32 [slots] array threaded from call to call (donate it). A call takes
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import compiler_params, pl
-from pallas_kernels.gemv_stream import (_check_xw, _config, block_loader, check_supported,
-                                        row_inputs, store_block)
+from pallas_kernels.gemv_blocks import block_loader, store_block
+from pallas_kernels.gemv_stream import _check_xw, _config, check_supported, row_inputs
 
 
 def _kernel(x_ref, w_ref, cnt_in_ref, y_ref, cnt_ref, *rest, k, block_n, block_k, nblocks,

@@ -36,9 +36,7 @@ from pallas_kernels._common import (compiler_params, pdl_token, pdl_trigger, pdl
                                     pdl_wait, pl)
 from pallas_kernels.l2_prefetch import next_rows_for, prefetch_blocks, prefetch_next
 from pallas_kernels.gemv import _normed, check_norm_operands, check_operands, pow2_divisor
-# re-exported: gemv_flow, gemv_chain, gemv_queue and gemv_packed import them from here
-from pallas_kernels.gemv_blocks import (block_dots, block_loader, finish_block,  # noqa: F401
-                                        store_block, stream_blocks)
+from pallas_kernels.gemv_blocks import block_loader, stream_blocks
 
 MAX_ROWS = 4  # registers: every row's K-long input lives in registers for the whole program
 MAX_WARPS = 16
