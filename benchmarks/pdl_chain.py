@@ -1,0 +1,246 @@
+"""What programmatic dependent launch (PDL) would buy the one-row GEMV chain if a kernel could
+request its weights *before* waiting on the kernel ahead of it (docs/performance.md, "Not yet
+done": XLA puts PDL's wait at every kernel's start, so our Pallas kernels cannot).
+
+This runs outside JAX, on the GPU machine's own PyTorch + Triton (python3 there): a Triton
+GEMV written like pallas_kernels/gemv_stream.py's (x loaded once per program, a program's
+blocks p, p + programs, ..., the next block's weights requested before the math on the
+current one; SiLU(gate) * up for gate/up), chained as a decoder layer's four projections
+(qkv -> o -> gate/up -> down -> the next layer's qkv) over `--layers` layers of distinct
+weights (1.4B shapes, bf16, no L2 reuse), `--loops` times, captured in one CUDA graph so that
+host launch cost is out of the figure. Arms (`--arms`):
+
+  plain        no PDL: each kernel starts when the one ahead has ended.
+  wait_first   PDL launch, griddepcontrol.wait at the kernel's start, trigger at the start:
+               what XLA does with its PDL attribute today.
+  weights_first PDL launch; each program requests its first weight block, then waits, then
+               reads x (the previous kernel's output) and computes; trigger at the start.
+  weights_late as weights_first, the trigger once the program's last block is requested.
+
+Every arm must give the same bits as `plain` (same math, same order); the run fails if not.
+Prints one JSON line per arm (us per layer application: the four GEMVs, median of
+`--repeats` graph replays) and writes them with the machine and command to --out.
+
+  python3 -m benchmarks.pdl_chain --out benchmarks/results/pdl_chain_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+
+# qkv, o, gate/up (gated: 2 x 5632 rows), down at the 1.4B shape: (n_out, K, gated)
+SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
+          "gate_up": (5632, 2048, True), "down": (2048, 5632, False)}
+# The engine's one-row streaming tilings (ouro_jax/projection_tuning.STREAM_TUNING):
+# (block_n, per_program, num_warps)
+TILING = {"qkv": (4, 4, 4), "o": (2, 2, 4), "gate_up": (2, 8, 4), "down": (1, 4, 4)}
+MODES = {"plain": (0, 0), "wait_first": (1, 0), "weights_first": (2, 0), "weights_late": (2, 1)}
+
+
+def build_kernel():
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _load(w_ptr, j, rows, cols, BN: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+              GATED: tl.constexpr, UP: tl.constexpr):
+        r = j * BN + rows
+        if KP == K:  # no mask: the loads vectorise
+            g = tl.load(w_ptr + r[:, None] * K + cols[None, :])
+            if GATED:
+                u = tl.load(w_ptr + (UP + r)[:, None] * K + cols[None, :])
+            else:
+                u = g
+        else:
+            mask = cols[None, :] < K
+            g = tl.load(w_ptr + r[:, None] * K + cols[None, :], mask=mask, other=0.0)
+            if GATED:
+                u = tl.load(w_ptr + (UP + r)[:, None] * K + cols[None, :], mask=mask,
+                            other=0.0)
+            else:
+                u = g
+        return g, u
+
+    @triton.jit
+    def _store(y_ptr, j, g, u, x, rows, BN: tl.constexpr, GATED: tl.constexpr):
+        a = tl.sum(g.to(tl.float32) * x[None, :], axis=1)
+        if GATED:
+            b = tl.sum(u.to(tl.float32) * x[None, :], axis=1)
+            a = a.to(tl.bfloat16).to(tl.float32)
+            b = b.to(tl.bfloat16).to(tl.float32)
+            out = (a * tl.sigmoid(a) * b).to(tl.bfloat16)
+        else:
+            out = a.to(tl.bfloat16)
+        tl.store(y_ptr + j * BN + rows, out)
+
+    @triton.jit
+    def gemv(w_ptr, x_ptr, y_ptr, K: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
+             PP: tl.constexpr, GATED: tl.constexpr, UP: tl.constexpr, MODE: tl.constexpr,
+             LATE: tl.constexpr):
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        rows = tl.arange(0, BN)
+        cols = tl.arange(0, KP)
+        if MODE == 1:
+            gdc_wait()
+        if MODE != 0 and not LATE:
+            gdc_launch_dependents()
+        g, u = _load(w_ptr, pid, rows, cols, BN, K, KP, GATED, UP)
+        if MODE == 2:
+            gdc_wait()  # only x depends on the kernel ahead; the weights were requested above
+        if KP == K:
+            x = tl.load(x_ptr + cols).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        for i in tl.static_range(PP - 1):
+            g2, u2 = _load(w_ptr, pid + (i + 1) * programs, rows, cols, BN, K, KP, GATED,
+                           UP)
+            if LATE and i == PP - 2:
+                gdc_launch_dependents()
+            _store(y_ptr, pid + i * programs, g, u, x, rows, BN, GATED)
+            g, u = g2, u2
+        if LATE and PP == 1:
+            gdc_launch_dependents()
+        _store(y_ptr, pid + (PP - 1) * programs, g, u, x, rows, BN, GATED)
+
+    return gemv
+
+
+def make_layers(torch, n_layers, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    layers = []
+    for _ in range(n_layers):
+        lw = {}
+        for name, (n, k, gated) in SHAPES.items():
+            rows = 2 * n if gated else n
+            lw[name] = (torch.randn(rows, k, generator=gen, device="cuda") * k ** -0.5
+                        ).to(torch.bfloat16)
+        layers.append(lw)
+    return layers
+
+
+def run_chain(torch, gemv, layers, bufs, loops, mode, tiling):
+    wait, late = MODES[mode]
+    pdl = wait != 0
+    for _ in range(loops):
+        for lw in layers:
+            src = bufs["x"]
+            for name in ("qkv", "o", "gate_up", "down"):
+                n, k, gated = SHAPES[name]
+                bn, pp, warps = tiling[name]
+                grid = (n // (bn * pp),)
+                out = bufs["x"] if name == "down" else bufs[name]
+                kw = dict(num_warps=warps, num_stages=1)
+                if pdl:
+                    kw["launch_pdl"] = True
+                gemv[grid](lw[name], src, out, K=k, KP=triton_next_pow2(k), BN=bn, PP=pp,
+                           GATED=gated, UP=n, MODE=wait, LATE=late, **kw)
+                src = out
+
+
+def triton_next_pow2(n):
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--loops", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--arms", default="plain,wait_first,weights_first,weights_late,plain")
+    ap.add_argument("--tiling", default="",
+                    help="overrides, e.g. qkv=4:4:4,down=1:8:4 (block_n:per_program:warps)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    import torch
+    import triton
+    arms = args.arms.split(",")
+    bad = [a for a in arms if a not in MODES]
+    if bad:
+        raise SystemExit(f"unknown arm(s) {bad}; choose from {sorted(MODES)}")
+    tiling = dict(TILING)
+    for item in filter(None, args.tiling.split(",")):
+        name, spec = item.split("=")
+        if name not in tiling:
+            raise SystemExit(f"unknown projection {name!r} in --tiling")
+        bn, pp, w = (int(v) for v in spec.split(":"))
+        n = SHAPES[name][0]
+        if n % (bn * pp):
+            raise SystemExit(f"{name}: {n} rows are not a multiple of block_n*per_program")
+        tiling[name] = (bn, pp, w)
+    gemv = build_kernel()
+    layers = make_layers(torch, args.layers)
+    mb = sum(w.numel() * 2 for lw in layers for w in lw.values()) / args.layers / 1e6
+    rows = []
+    ref = None
+    for arm in arms:
+        bufs = {n: torch.zeros(SHAPES[n][0], dtype=torch.bfloat16, device="cuda")
+                for n in ("qkv", "o", "gate_up")}
+        x0 = torch.randn(2048, device="cuda", generator=torch.Generator(device="cuda")
+                         .manual_seed(1)).to(torch.bfloat16)
+        bufs["x"] = x0.clone()
+        run_chain(torch, gemv, layers, bufs, 1, arm, tiling)  # compile, warm
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            bufs["x"].copy_(x0)
+            with torch.cuda.graph(graph, stream=s):
+                run_chain(torch, gemv, layers, bufs, args.loops, arm, tiling)
+        torch.cuda.synchronize()
+        bufs["x"].copy_(x0)
+        graph.replay()
+        torch.cuda.synchronize()
+        result = bufs["x"].clone()
+        if ref is None:
+            ref = result
+        same = bool(torch.equal(result, ref))
+        times = []
+        for _ in range(args.repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / (args.loops * args.layers))
+        med = statistics.median(times)
+        row = dict(arm=arm, us_per_layer=round(med, 3), us_min=round(min(times), 3),
+                   us_max=round(max(times), 3), tb_s=round(mb / med / 1e3, 3),
+                   bit_equal_to_first_arm=same, finite=bool(torch.isfinite(result.float()).all()))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del graph
+        if not same:
+            print(f"ERROR: arm {arm} differs from arm {arms[0]}", file=sys.stderr)
+    meta = dict(command="python3 -m benchmarks.pdl_chain " + " ".join(argv or sys.argv[1:]),
+                device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, platform=platform.platform(),
+                git_commit=_git(), layers=args.layers, loops=args.loops, mb_per_layer=mb,
+                tiling={k: dict(zip(("block_n", "per_program", "num_warps"), v))
+                        for k, v in tiling.items()})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+    if not all(r["bit_equal_to_first_arm"] for r in rows):
+        raise SystemExit(1)
+
+
+def _git():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
