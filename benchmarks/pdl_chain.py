@@ -214,7 +214,8 @@ def main(argv=None):
             times.append(a.elapsed_time(b) * 1e3 / (args.loops * args.layers))
         med = statistics.median(times)
         row = dict(arm=arm, us_per_layer=round(med, 3), us_min=round(min(times), 3),
-                   us_max=round(max(times), 3), tb_s=round(mb / med / 1e3, 3),
+                   us_max=round(max(times), 3), tb_s=round(mb / med, 3),
+                   result_rms=float(result.float().pow(2).mean().sqrt()),
                    bit_equal_to_first_arm=same, finite=bool(torch.isfinite(result.float()).all()))
         print(json.dumps(row), flush=True)
         rows.append(row)
