@@ -1,0 +1,158 @@
+// An XLA FFI custom call that launches one compiled kernel (a cubin that Triton built from a
+// Pallas kernel's IR, pallas_kernels/pdl_launch.py) on XLA's stream with the programmatic
+// stream serialization attribute (PDL) on or off.
+//
+// Why: XLA launches the kernels it compiles with PDL and puts `griddepcontrol.wait` at every
+// kernel's start, so a Pallas kernel cannot request its weights before the kernel ahead of it
+// ends. Launched from here, the kernel places its own wait (after its first weight loads) and
+// its own trigger. The CUDA driver is opened with dlopen, so building this needs only cuda.h
+// and jaxlib's FFI headers, and loading it needs only the driver.
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cuda.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Driver {
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*module_load_data)(CUmodule*, const void*) = nullptr;
+  CUresult (*module_get_function)(CUfunction*, CUmodule, const char*) = nullptr;
+  CUresult (*func_set_attribute)(CUfunction, CUfunction_attribute, int) = nullptr;
+  CUresult (*launch_kernel_ex)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
+  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+  std::string error;
+};
+
+const Driver& driver() {
+  static Driver d = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      d.error = std::string("dlopen(libcuda.so.1) failed: ") + dlerror();
+      return d;
+    }
+    auto sym = [&](const char* name) { return dlsym(lib, name); };
+    d.ctx_get_current = reinterpret_cast<decltype(d.ctx_get_current)>(sym("cuCtxGetCurrent"));
+    d.module_load_data = reinterpret_cast<decltype(d.module_load_data)>(sym("cuModuleLoadData"));
+    d.module_get_function =
+        reinterpret_cast<decltype(d.module_get_function)>(sym("cuModuleGetFunction"));
+    d.func_set_attribute =
+        reinterpret_cast<decltype(d.func_set_attribute)>(sym("cuFuncSetAttribute"));
+    d.launch_kernel_ex = reinterpret_cast<decltype(d.launch_kernel_ex)>(sym("cuLaunchKernelEx"));
+    d.get_error_string = reinterpret_cast<decltype(d.get_error_string)>(sym("cuGetErrorString"));
+    if (!d.ctx_get_current || !d.module_load_data || !d.module_get_function ||
+        !d.func_set_attribute || !d.launch_kernel_ex || !d.get_error_string) {
+      d.error = "libcuda.so.1 lacks a driver entry point this launcher needs";
+    }
+    return d;
+  }();
+  return d;
+}
+
+ffi::Error cuda_error(const char* what, CUresult r) {
+  const char* msg = "unknown";
+  driver().get_error_string(r, &msg);
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("ouro_pdl_launch: ") + what + ": " + msg);
+}
+
+// One loaded function per (context, kernel id): the module is loaded on first use in each
+// context and kept for the process's life, like XLA's own kernels.
+std::mutex cache_mu;
+std::map<std::pair<CUcontext, int64_t>, CUfunction> cache;
+
+ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  ffi::Span<const uint8_t> cubin, std::string_view name, int64_t kernel_id,
+                  int64_t grid, int64_t threads, int64_t shared, int64_t extra_params,
+                  bool pdl) {
+  const Driver& d = driver();
+  if (!d.error.empty()) return ffi::Error(ffi::ErrorCode::kInternal, d.error);
+  CUcontext ctx = nullptr;
+  if (CUresult r = d.ctx_get_current(&ctx); r != CUDA_SUCCESS) return cuda_error("context", r);
+  CUfunction fn = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    auto it = cache.find({ctx, kernel_id});
+    if (it != cache.end()) {
+      fn = it->second;
+    } else {
+      CUmodule mod = nullptr;
+      if (CUresult r = d.module_load_data(&mod, cubin.begin()); r != CUDA_SUCCESS)
+        return cuda_error("cuModuleLoadData", r);
+      std::string fname(name);
+      if (CUresult r = d.module_get_function(&fn, mod, fname.c_str()); r != CUDA_SUCCESS)
+        return cuda_error("cuModuleGetFunction", r);
+      if (shared > 48 * 1024) {
+        CUresult r = d.func_set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                          static_cast<int>(shared));
+        if (r != CUDA_SUCCESS) return cuda_error("shared memory size", r);
+      }
+      cache[{ctx, kernel_id}] = fn;
+    }
+  }
+  // The kernel's parameters: every operand's and result's device pointer in order, then
+  // `extra_params` null pointers (the scratch pointers Triton appends to its kernels).
+  std::vector<void*> ptrs;
+  ptrs.reserve(args.size() + rets.size() + extra_params);
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) return buf.error();
+    ptrs.push_back(buf->untyped_data());
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buf = rets.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) return buf.error();
+    ptrs.push_back((*buf)->untyped_data());
+  }
+  for (int64_t i = 0; i < extra_params; ++i) ptrs.push_back(nullptr);
+  std::vector<void*> params(ptrs.size());
+  for (size_t i = 0; i < ptrs.size(); ++i) params[i] = &ptrs[i];
+
+  CUlaunchAttribute attr;
+  std::memset(&attr, 0, sizeof(attr));
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.gridDimX = static_cast<unsigned>(grid);
+  cfg.gridDimY = 1;
+  cfg.gridDimZ = 1;
+  cfg.blockDimX = static_cast<unsigned>(threads);
+  cfg.blockDimY = 1;
+  cfg.blockDimZ = 1;
+  cfg.sharedMemBytes = static_cast<unsigned>(shared);
+  cfg.hStream = stream;
+  cfg.attrs = pdl ? &attr : nullptr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  if (CUresult r = d.launch_kernel_ex(&cfg, fn, params.data(), nullptr); r != CUDA_SUCCESS)
+    return cuda_error("cuLaunchKernelEx", r);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const uint8_t>>("cubin")
+                                  .Attr<std::string_view>("name")
+                                  .Attr<int64_t>("kernel_id")
+                                  .Attr<int64_t>("grid")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("shared")
+                                  .Attr<int64_t>("extra_params")
+                                  .Attr<bool>("pdl"));

@@ -1,0 +1,215 @@
+"""Launch a Pallas (Triton) kernel ourselves, with programmatic dependent launch (PDL).
+
+Why: a one-row decode step is ~580 short kernels, and each GEMV pays ~1 us for its first
+weight blocks plus a launch gap (docs/performance.md, "Where the time goes"). With PDL a
+kernel may launch while the one ahead of it still runs, request its weights (which do not
+depend on that kernel), and only then wait (`griddepcontrol.wait`) before it reads the
+previous kernel's output. gemv_stream's `pdl="start"|"end"` already orders its code that way
+(first weight block, wait, then x and the norm prologue). But neither launch path JAX gives a
+Pallas kernel honours it: XLA's (jax <= 0.10.2, `__gpu$xla.gpu.triton`) puts its own wait at
+every kernel's start, and jaxlib's (`triton_kernel_call_ffi`, later versions) launches without
+the PDL attribute, so the early trigger and the late wait are no-ops. benchmarks.pdl_chain
+measured what it is worth outside JAX (H100, Triton GEMVs: 36.0 against 41.8 us per layer
+application for the four projections).
+
+How: `compile_pallas` lowers one pallas_call for the GPU, keeps the Triton module it emits
+(the same IR JAX would compile) and compiles it to PTX with jaxlib's own Triton compilation
+handler (the one JAX uses, so the same kernel). `call` then runs it through an XLA FFI custom
+call (pallas_kernels/pdl_launch.cc, built on first use with the host C++ compiler against
+jaxlib's FFI headers and cuda.h; the driver is opened with dlopen) that launches it on XLA's
+stream with `cuLaunchKernelEx`, the PDL attribute on or off.
+
+Safety: a kernel launched with PDL may start before the one ahead of it ends, so everything it
+does before its `griddepcontrol.wait` must read only data no earlier kernel in the program
+writes (weights). Kernels without a wait must not be launched with `pdl=True`; `call` checks
+the PTX for the wait. A trigger in a kernel lets the *next* kernel launch early: every kernel
+that may follow (ours or XLA's) waits before its first dependent read; XLA's own kernels wait
+at their start.
+
+GPU only (CUDA, jax with jaxlib's Triton compilation handler); tests/test_pdl_launch.py builds
+the library and checks the capture on the CPU, and runs kernels on a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+
+TARGET = "ouro_pdl_launch"
+SOURCE = Path(__file__).with_name("pdl_launch.cc")
+_lock = threading.Lock()
+_registered: list[str] = []
+
+
+def jaxlib_include() -> Path:
+    import jaxlib
+    inc = Path(jaxlib.__file__).parent / "include"
+    if not (inc / "xla" / "ffi" / "api" / "ffi.h").exists():
+        raise RuntimeError(f"jaxlib's FFI headers are missing under {inc}")
+    return inc
+
+
+def cuda_include() -> Path:
+    """A folder with cuda.h: $CUDA_HOME, nvcc's toolkit, /usr/local/cuda, or the NVIDIA pip
+    wheels' headers."""
+    cands = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            cands.append(Path(os.environ[var]) / "include")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        cands.append(Path(nvcc).resolve().parent.parent / "include")
+    cands.append(Path("/usr/local/cuda/include"))
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            cands += sorted(Path(root).glob("*/include"))
+    except ImportError:
+        pass
+    for c in cands:
+        if (c / "cuda.h").exists():
+            return c
+    raise RuntimeError("cuda.h not found (set CUDA_HOME): the PDL launcher is built from "
+                       f"pallas_kernels/pdl_launch.cc on first use; looked in {cands}")
+
+
+def build(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Builds the launcher library (once per source, jaxlib and cuda.h) and returns its path."""
+    import jaxlib.version
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) to build the PDL launcher")
+    inc, cuda = jaxlib_include(), cuda_include()
+    key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.version.__version__.encode()
+                         + (cuda / "cuda.h").read_bytes()).hexdigest()[:16]
+    cache = Path(cache_dir or os.environ.get("OURO_PDL_CACHE")
+                 or Path(tempfile.gettempdir()) / "ouro_pdl_launch")
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / f"libouro_pdl_{key}.so"
+    if out.exists():
+        return out
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{inc}", f"-I{cuda}",
+           str(SOURCE), "-o", str(tmp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"building the PDL launcher failed: {' '.join(cmd)}\n{res.stderr}")
+    os.replace(tmp, out)
+    return out
+
+
+def register() -> None:
+    """Registers the FFI target for CUDA (once per process)."""
+    with _lock:
+        if _registered:
+            return
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OuroPdlLaunch),
+                                    platform="CUDA")
+        _registered.append(TARGET)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One compiled kernel: PTX, entry name, launch shape and parameter count."""
+    ptx: bytes
+    name: str
+    grid: int
+    threads: int
+    shared: int
+    n_params: int
+    has_wait: bool
+    has_trigger: bool
+
+    @property
+    def kernel_id(self) -> int:
+        return int.from_bytes(hashlib.sha256(self.ptx).digest()[:7], "little")
+
+
+def capture_module(fn, *args):
+    """Lowers fn(*args) (which must run exactly one pallas_call) for the GPU and returns
+    (Triton module bytecode, grid) as Pallas emitted them."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    seen = []
+    orig = reg.lowering.lower_jaxpr_to_triton_module
+
+    def hook(*a, **k):
+        r = orig(*a, **k)
+        import io
+        buf = io.BytesIO()
+        r.module.operation.write_bytecode(buf)
+        seen.append((buf.getvalue(), tuple(r.grid)))
+        return r
+
+    reg.lowering.lower_jaxpr_to_triton_module = hook
+    try:
+        # a fresh function object: JAX's lowering caches must not skip the pallas_call rule
+        jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = orig
+    if len(seen) != 1:
+        raise ValueError(f"capture_module: fn must run exactly one pallas_call, saw {len(seen)}")
+    module, grid = seen[0]
+    if any(g != 1 for g in grid[1:]):
+        raise ValueError(f"the PDL launcher takes 1-D grids, got {grid}")
+    return module, int(grid[0]) if grid else 1
+
+
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
+
+
+def parse_ptx(ptx: str):
+    """(entry name, parameter count) of the PTX's one kernel."""
+    entries = _ENTRY.findall(ptx)
+    if len(entries) != 1:
+        raise ValueError(f"expected one .entry in the PTX, found {len(entries)}")
+    name, params = entries[0]
+    return name, params.count(".param")
+
+
+def compile_pallas(fn, *args, num_warps: int, num_stages: int, arch: str = "9.0") -> Kernel:
+    """fn(*args)'s one pallas_call compiled to PTX by jaxlib's Triton handler for `arch`."""
+    from jax._src.lib import triton
+    module, grid = capture_module(fn, *args)
+    if not triton.has_compilation_handler("cuda"):
+        raise RuntimeError("this jaxlib has no Triton compilation handler for CUDA (the PDL "
+                           "launcher needs the CUDA plugin)")
+    res = triton.compile("cuda", module, arch, num_warps=num_warps, num_ctas=1,
+                         num_stages=num_stages)
+    ptx = res.asm if isinstance(res.asm, str) else res.asm.decode()
+    name, n_params = parse_ptx(ptx)
+    return Kernel(ptx=ptx.encode() + b"\0", name=name, grid=grid, threads=32 * num_warps,
+                  shared=int(res.smem_bytes), n_params=n_params,
+                  has_wait="griddepcontrol.wait" in ptx,
+                  has_trigger="griddepcontrol.launch_dependents" in ptx)
+
+
+def call(kernel: Kernel, out_shapes, *args, pdl: bool):
+    """Runs `kernel` on args (inside jit) through the FFI launcher; out_shapes as
+    jax.ffi.ffi_call's. pdl: launch with the PDL attribute (the kernel must wait before its
+    first read of an earlier kernel's output)."""
+    if pdl and not kernel.has_wait:
+        raise ValueError(f"kernel {kernel.name} has no griddepcontrol.wait: launching it with "
+                         "PDL would let it read its inputs before the kernel ahead has written "
+                         "them")
+    outs = out_shapes if isinstance(out_shapes, (list, tuple)) else [out_shapes]
+    extra = kernel.n_params - len(args) - len(outs)
+    if extra < 0:
+        raise ValueError(f"kernel {kernel.name} takes {kernel.n_params} parameters, called with "
+                         f"{len(args)} operands and {len(outs)} results")
+    register()
+    return jax.ffi.ffi_call(TARGET, out_shapes)(
+        *args, cubin=np.frombuffer(kernel.ptx, np.uint8), name=kernel.name,
+        kernel_id=np.int64(kernel.kernel_id), grid=np.int64(kernel.grid),
+        threads=np.int64(kernel.threads), shared=np.int64(kernel.shared),
+        extra_params=np.int64(extra), pdl=bool(pdl))
