@@ -3,6 +3,7 @@
 # jitted program, launched by JAX or by pallas_kernels/pdl_launch (without PDL, with PDL and
 # the trigger at the start or at the end). Usage: OUT=dir bash benchmarks/gpu_session25_call2.sh
 . benchmarks/gpu_call_setup.sh
+timeout $(left 120) python3 -m pytest -q -x tests/test_pdl_launch.py 2>&1 | tail -15
 timeout $(left 300) python3 -m benchmarks.pdl_jax_chain ${CHAIN_ARGS:-} \
   --out $OUT/pdl_jax_chain_session25_$G.json 2>&1 | grep -v "^WARNING" | cut -c1-400
 echo "elapsed $SECONDS s"

@@ -151,10 +151,12 @@ def capture_module(fn, *args):
         seen.append((buf.getvalue(), tuple(r.grid)))
         return r
 
+    from pallas_kernels.offline_compile import sm90_device_info
     reg.lowering.lower_jaxpr_to_triton_module = hook
     try:
         # a fresh function object: JAX's lowering caches must not skip the pallas_call rule
-        jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+        with sm90_device_info():  # lowering for 'cuda' on a CPU (tests)
+            jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = orig
     if len(seen) != 1:

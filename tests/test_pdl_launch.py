@@ -1,0 +1,117 @@
+"""pallas_kernels/pdl_launch: the captured Triton module and grid of a Pallas kernel, the PTX
+parsing, the launcher's refusals, the library's build (where a C++ compiler and cuda.h are
+present), and on a GPU the launched kernels' bits against JAX's own launch."""
+from __future__ import annotations
+
+import functools
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import has_gpu
+from pallas_kernels import pdl_launch
+from pallas_kernels.gemv_stream import gemv_stream
+
+S = jax.ShapeDtypeStruct
+gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+
+
+def _kernel(**kw):
+    base = dict(ptx=b".entry k(\n.param .u64 a,\n.param .u64 b\n)\n{}\0", name="k", grid=4,
+                threads=128, shared=0, n_params=3, has_wait=True, has_trigger=False)
+    return pdl_launch.Kernel(**{**base, **kw})
+
+
+def test_capture_gives_one_module_and_the_kernels_grid():
+    f = functools.partial(gemv_stream, block_n=4, block_k=512, per_program=4, num_warps=4,
+                          pdl="start")
+    module, grid = pdl_launch.capture_module(f, S((1, 2048), jnp.bfloat16),
+                                             S((6144, 2048), jnp.bfloat16))
+    assert isinstance(module, bytes) and len(module) > 1000
+    assert grid == 6144 // (4 * 4)
+    # another tiling, another grid: nothing cached across captures
+    f2 = functools.partial(gemv_stream, block_n=2, block_k=512, per_program=2, num_warps=4)
+    assert pdl_launch.capture_module(f2, S((1, 2048), jnp.bfloat16),
+                                     S((6144, 2048), jnp.bfloat16))[1] == 6144 // 4
+
+
+def test_capture_refuses_functions_without_or_with_two_pallas_calls():
+    x, w = S((1, 2048), jnp.bfloat16), S((2048, 2048), jnp.bfloat16)
+    with pytest.raises(ValueError, match="exactly one pallas_call, saw 0"):
+        pdl_launch.capture_module(lambda x, w: x @ w.T, x, w)
+    two = lambda x, w: gemv_stream(gemv_stream(x, w), w)
+    with pytest.raises(ValueError, match="exactly one pallas_call, saw 2"):
+        pdl_launch.capture_module(two, x, w)
+
+
+def test_parse_ptx_reads_the_entry_and_counts_parameters():
+    ptx = (".version 8.4\n.target sm_90a\n.visible .entry gemv_stream(\n"
+           "\t.param .u64 .ptr .global .align 1 gemv_stream_param_0,\n"
+           "\t.param .u64 .ptr .global .align 1 gemv_stream_param_1,\n"
+           "\t.param .u64 .ptr .global .align 1 gemv_stream_param_2,\n"
+           "\t.param .u64 .ptr .global .align 1 gemv_stream_param_3\n)\n.maxntid 128\n{\n}\n")
+    assert pdl_launch.parse_ptx(ptx) == ("gemv_stream", 4)
+    with pytest.raises(ValueError, match="one .entry"):
+        pdl_launch.parse_ptx(ptx + ptx)
+
+
+def test_call_refuses_pdl_without_a_wait_and_too_few_parameters():
+    x = jnp.zeros((1, 8), jnp.bfloat16)
+    out = S((1, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="no griddepcontrol.wait"):
+        pdl_launch.call(_kernel(has_wait=False), out, x, x, pdl=True)
+    with pytest.raises(ValueError, match="takes 3 parameters, called with 3 operands"):
+        pdl_launch.call(_kernel(), out, x, x, x, pdl=False)
+
+
+def test_kernel_ids_follow_the_code():
+    assert _kernel().kernel_id == _kernel(name="k").kernel_id
+    assert _kernel().kernel_id != _kernel(ptx=b"other\0").kernel_id
+    assert 0 <= _kernel().kernel_id < 2 ** 56
+
+
+def _can_build():
+    try:
+        pdl_launch.cuda_include()
+        pdl_launch.jaxlib_include()
+    except RuntimeError:
+        return False
+    return shutil.which("g++") is not None or shutil.which("c++") is not None
+
+
+@pytest.mark.skipif(not _can_build(), reason="needs a C++ compiler, cuda.h and jaxlib's headers")
+def test_library_builds_once_and_exports_the_handler(tmp_path):
+    import ctypes
+    path = pdl_launch.build(tmp_path)
+    assert path.exists() and path.parent == tmp_path
+    assert pdl_launch.build(tmp_path) == path  # cached: same source, jaxlib and cuda.h
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    assert lib.OuroPdlLaunch is not None
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated,mode", [(False, False), (False, "start"), (True, "end")])
+def test_gpu_launched_gemv_equals_jax_launch(gated, mode):
+    n, k = 2048, 2048
+    tuning = dict(block_n=2, block_k=512, per_program=4, num_warps=4, pdl=mode)
+    f = functools.partial(gemv_stream, gated=gated, **tuning)
+    kx, kw = jax.random.split(jax.random.PRNGKey(0))
+    x = jax.random.normal(kx, (1, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (2 * n if gated else n, k), jnp.float32) * 0.03
+         ).astype(jnp.bfloat16)
+    kern = pdl_launch.compile_pallas(f, S(x.shape, x.dtype), S(w.shape, w.dtype),
+                                     num_warps=4, num_stages=1)
+    assert kern.has_wait == bool(mode)
+    want = np.asarray(jax.jit(f)(x, w))
+
+    @jax.jit
+    def chained(x, w):  # two launches back to back: the second waits on the first's output
+        y = pdl_launch.call(kern, S((1, n), x.dtype), x, w, pdl=bool(mode))
+        return y, pdl_launch.call(kern, S((1, n), x.dtype), y[:, :k], w, pdl=bool(mode))
+    y1, y2 = chained(x, w)
+    np.testing.assert_array_equal(np.asarray(y1), want)
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(jax.jit(f)(y1[:, :k], w)))
