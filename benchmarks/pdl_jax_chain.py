@@ -3,7 +3,9 @@ jitted JAX program, launched by JAX (`xla`) or by our PDL launcher (pallas_kerne
 without PDL (`ffi`), with PDL and the trigger at the kernel's start (`pdl_start`) or once the
 last weight block has arrived (`pdl_end`). Per layer: qkv -> (slice of q, an XLA kernel) -> o
 -> gate/up -> down -> the next layer's qkv, over --layers layers of distinct weights (1.4B
-shapes, bf16), --loops times. Every arm must give the bits of the first; the run fails if not.
+shapes, bf16), --loops times. The launcher's arms must give one another's bits (the same
+Triton compiles them), and `xla` arms theirs; the run fails if not. Between the two families
+the kernels come from two Triton versions, so the rounding may differ (max_diff_to_first_arm).
 
     python3 -m benchmarks.pdl_jax_chain --out benchmarks/results/pdl_jax_chain_h200.json
 """
@@ -38,7 +40,7 @@ def make_weights(n_layers, seed=0):
         for name in ORDER:
             n, k, gated = SHAPES[name]
             key, sub = jax.random.split(key)
-            scale = k ** -0.5 * (1.7 if name == "down" else 1.0)  # keeps the chain O(1)
+            scale = k ** -0.5
             lw[name] = (jax.random.normal(sub, (2 * n if gated else n, k), jnp.float32)
                         * scale).astype(jnp.bfloat16)
         layers.append(lw)
@@ -93,15 +95,17 @@ def main(argv=None):
     layers = make_weights(args.layers)
     x0 = jax.random.normal(jax.random.PRNGKey(1), (1, 2048), jnp.float32).astype(jnp.bfloat16)
     mb = sum(w.size * 2 for lw in layers for w in lw.values()) / args.layers / 1e6
-    kernels, rows, ref = {}, [], None
+    kernels, rows, ref = {}, [], {}
     for arm in arms:
         t0 = time.perf_counter()
         f = chain_fn(arm, args.loops, kernels)
         out = jax.block_until_ready(f(x0, layers))
         compile_s = time.perf_counter() - t0
-        if ref is None:
-            ref = np.asarray(out)
-        same = bool(np.array_equal(np.asarray(out), ref))
+        family = "xla" if arm == "xla" else "launcher"
+        got = np.asarray(out)
+        ref.setdefault(family, got)
+        same = bool(np.array_equal(got, ref[family]))
+        first = next(iter(ref.values())).astype(np.float64)
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
@@ -110,7 +114,8 @@ def main(argv=None):
         med = statistics.median(times)
         row = dict(arm=arm, us_per_layer=round(med, 3), us_min=round(min(times), 3),
                    us_max=round(max(times), 3), tb_s=round(mb / med, 3),
-                   compile_s=round(compile_s, 2), bit_equal_to_first_arm=same,
+                   compile_s=round(compile_s, 2), bit_equal_in_family=same,
+                   max_diff_to_first_arm=float(np.max(np.abs(got.astype(np.float64) - first))),
                    result_rms=float(np.sqrt(np.mean(np.asarray(out, np.float64) ** 2))))
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -124,8 +129,9 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(dict(meta, rows=rows), fh, indent=1)
-    if not all(r["bit_equal_to_first_arm"] for r in rows):
-        print("ERROR: an arm's result differs from the first arm's", file=sys.stderr)
+    if not all(r["bit_equal_in_family"] for r in rows):
+        print("ERROR: an arm's result differs from its family's first (JAX's launch, or the "
+              "launcher's)", file=sys.stderr)
         raise SystemExit(1)
 
 

@@ -12,9 +12,9 @@ the PDL attribute, so the early trigger and the late wait are no-ops. benchmarks
 measured what it is worth outside JAX (H100, Triton GEMVs: 36.0 against 41.8 us per layer
 application for the four projections).
 
-How: `compile_pallas` lowers one pallas_call for the GPU, keeps the Triton module it emits
-(the same IR JAX would compile) and compiles it to PTX with jaxlib's own Triton compilation
-handler (the one JAX uses, so the same kernel). `call` then runs it through an XLA FFI custom
+How: `compile_pallas` lowers one pallas_call for the GPU, keeps the Triton IR it emits (the
+IR XLA would compile) and compiles it to a cubin with the `triton` package (PyTorch's, on
+the GPU machine; XLA's own Triton is not callable from Python). `call` then runs it through an XLA FFI custom
 call (pallas_kernels/pdl_launch.cc, built on first use with the host C++ compiler against
 jaxlib's FFI headers and cuda.h; the driver is opened with dlopen) that launches it on XLA's
 stream with `cuLaunchKernelEx`, the PDL attribute on or off.
@@ -26,7 +26,7 @@ the PTX for the wait. A trigger in a kernel lets the *next* kernel launch early:
 that may follow (ours or XLA's) waits before its first dependent read; XLA's own kernels wait
 at their start.
 
-GPU only (CUDA, jax with jaxlib's Triton compilation handler); tests/test_pdl_launch.py builds
+GPU only (CUDA, the `triton` package); tests/test_pdl_launch.py builds
 the library and checks the capture on the CPU, and runs kernels on a GPU.
 """
 from __future__ import annotations
@@ -121,8 +121,8 @@ def register() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """One compiled kernel: PTX, entry name, launch shape and parameter count."""
-    ptx: bytes
+    """One compiled kernel: its cubin, entry name, launch shape and parameter count."""
+    image: bytes
     name: str
     grid: int
     threads: int
@@ -133,25 +133,23 @@ class Kernel:
 
     @property
     def kernel_id(self) -> int:
-        return int.from_bytes(hashlib.sha256(self.ptx).digest()[:7], "little")
+        return int.from_bytes(hashlib.sha256(self.image).digest()[:7], "little")
 
 
 def capture_module(fn, *args):
     """Lowers fn(*args) (which must run exactly one pallas_call) for the GPU and returns
-    (Triton module bytecode, grid) as Pallas emitted them."""
+    (Triton IR as text, grid) as Pallas emitted them."""
     from jax._src.pallas.triton import pallas_call_registration as reg
+
+    from pallas_kernels.offline_compile import sm90_device_info
     seen = []
     orig = reg.lowering.lower_jaxpr_to_triton_module
 
     def hook(*a, **k):
         r = orig(*a, **k)
-        import io
-        buf = io.BytesIO()
-        r.module.operation.write_bytecode(buf)
-        seen.append((buf.getvalue(), tuple(r.grid)))
+        seen.append((r.module.operation.get_asm(enable_debug_info=False), tuple(r.grid)))
         return r
 
-    from pallas_kernels.offline_compile import sm90_device_info
     reg.lowering.lower_jaxpr_to_triton_module = hook
     try:
         # a fresh function object: JAX's lowering caches must not skip the pallas_call rule
@@ -179,19 +177,32 @@ def parse_ptx(ptx: str):
     return name, params.count(".param")
 
 
-def compile_pallas(fn, *args, num_warps: int, num_stages: int, arch: str = "9.0") -> Kernel:
-    """fn(*args)'s one pallas_call compiled to PTX by jaxlib's Triton handler for `arch`."""
-    from jax._src.lib import triton
+def compile_pallas(fn, *args, num_warps: int, num_stages: int, arch: int = 90) -> Kernel:
+    """fn(*args)'s one pallas_call compiled to a cubin for sm_`arch` by the `triton` package
+    (PyTorch's, on the GPU machine): JAX 0.11 hands Pallas' IR to XLA's own Triton, which
+    Python cannot call, so the same IR goes through the package (another Triton version: its
+    code may differ from XLA's in ways that change rounding; tests compare the two)."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:
+        raise RuntimeError("the PDL launcher compiles kernels with the `triton` package, "
+                           "which is not installed") from e
     module, grid = capture_module(fn, *args)
-    if not triton.has_compilation_handler("cuda"):
-        raise RuntimeError("this jaxlib has no Triton compilation handler for CUDA (the PDL "
-                           "launcher needs the CUDA plugin)")
-    res = triton.compile("cuda", module, arch, num_warps=num_warps, num_ctas=1,
-                         num_stages=num_stages)
-    ptx = res.asm if isinstance(res.asm, str) else res.asm.decode()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.ttir")
+        with open(path, "w") as fh:
+            fh.write(module)
+        k = triton.compile(path, target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=num_warps, num_stages=num_stages))
+    scratch = getattr(k.metadata, "global_scratch_size", 0) or 0
+    if scratch:
+        raise ValueError(f"kernel {k.metadata.name} needs {scratch} B of global scratch, "
+                         "which the PDL launcher does not allocate")
+    ptx = k.asm["ptx"]
     name, n_params = parse_ptx(ptx)
-    return Kernel(ptx=ptx.encode() + b"\0", name=name, grid=grid, threads=32 * num_warps,
-                  shared=int(res.smem_bytes), n_params=n_params,
+    return Kernel(image=bytes(k.asm["cubin"]), name=name, grid=grid, threads=32 * num_warps,
+                  shared=int(k.metadata.shared), n_params=n_params,
                   has_wait="griddepcontrol.wait" in ptx,
                   has_trigger="griddepcontrol.launch_dependents" in ptx)
 
@@ -211,7 +222,7 @@ def call(kernel: Kernel, out_shapes, *args, pdl: bool):
                          f"{len(args)} operands and {len(outs)} results")
     register()
     return jax.ffi.ffi_call(TARGET, out_shapes)(
-        *args, cubin=np.frombuffer(kernel.ptx, np.uint8), name=kernel.name,
+        *args, cubin=np.frombuffer(kernel.image, np.uint8), name=kernel.name,
         kernel_id=np.int64(kernel.kernel_id), grid=np.int64(kernel.grid),
         threads=np.int64(kernel.threads), shared=np.int64(kernel.shared),
         extra_params=np.int64(extra), pdl=bool(pdl))

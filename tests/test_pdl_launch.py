@@ -20,7 +20,7 @@ gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 
 
 def _kernel(**kw):
-    base = dict(ptx=b".entry k(\n.param .u64 a,\n.param .u64 b\n)\n{}\0", name="k", grid=4,
+    base = dict(image=b"cubin bytes", name="k", grid=4,
                 threads=128, shared=0, n_params=3, has_wait=True, has_trigger=False)
     return pdl_launch.Kernel(**{**base, **kw})
 
@@ -30,7 +30,7 @@ def test_capture_gives_one_module_and_the_kernels_grid():
                           pdl="start")
     module, grid = pdl_launch.capture_module(f, S((1, 2048), jnp.bfloat16),
                                              S((6144, 2048), jnp.bfloat16))
-    assert isinstance(module, bytes) and len(module) > 1000
+    assert isinstance(module, str) and "tt.func" in module and "griddepcontrol.wait" in module
     assert grid == 6144 // (4 * 4)
     # another tiling, another grid: nothing cached across captures
     f2 = functools.partial(gemv_stream, block_n=2, block_k=512, per_program=2, num_warps=4)
@@ -69,7 +69,7 @@ def test_call_refuses_pdl_without_a_wait_and_too_few_parameters():
 
 def test_kernel_ids_follow_the_code():
     assert _kernel().kernel_id == _kernel(name="k").kernel_id
-    assert _kernel().kernel_id != _kernel(ptx=b"other\0").kernel_id
+    assert _kernel().kernel_id != _kernel(image=b"other").kernel_id
     assert 0 <= _kernel().kernel_id < 2 ** 56
 
 
@@ -92,26 +92,59 @@ def test_library_builds_once_and_exports_the_handler(tmp_path):
     assert lib.OuroPdlLaunch is not None
 
 
+def _has_triton():
+    try:
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _gemv(gated, mode):
+    tuning = dict(block_n=2, block_k=512, per_program=4, num_warps=4, pdl=mode)
+    return functools.partial(gemv_stream, gated=gated, **tuning)
+
+
+@pytest.mark.skipif(not _has_triton(), reason="needs the `triton` package (compiles offline)")
+@pytest.mark.parametrize("mode", [False, "start", "end"])
+def test_compiled_kernel_has_the_wait_and_trigger_its_mode_asks_for(mode):
+    kern = pdl_launch.compile_pallas(_gemv(True, mode), S((1, 2048), jnp.bfloat16),
+                                     S((4096, 2048), jnp.bfloat16), num_warps=4, num_stages=1)
+    assert kern.has_wait == kern.has_trigger == bool(mode)
+    assert kern.grid == 2048 // 8 and kern.threads == 128
+    assert kern.n_params >= 3 and kern.name.startswith("gemv_stream")
+    assert kern.image[:4] == b"\x7fELF"  # a cubin
+
+
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("gated,mode", [(False, False), (False, "start"), (True, "end")])
-def test_gpu_launched_gemv_equals_jax_launch(gated, mode):
+@pytest.mark.parametrize("gated", [False, True])
+def test_gpu_launched_gemv_with_and_without_pdl(gated):
+    """The launcher's results: every PDL mode bit-equal to the launcher without PDL (same
+    math, same Triton), alone and chained back to back (the second launch reads the first's
+    output after its wait); and within rounding of JAX's own launch (XLA's Triton may round
+    differently)."""
     n, k = 2048, 2048
-    tuning = dict(block_n=2, block_k=512, per_program=4, num_warps=4, pdl=mode)
-    f = functools.partial(gemv_stream, gated=gated, **tuning)
     kx, kw = jax.random.split(jax.random.PRNGKey(0))
     x = jax.random.normal(kx, (1, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (2 * n if gated else n, k), jnp.float32) * 0.03
          ).astype(jnp.bfloat16)
-    kern = pdl_launch.compile_pallas(f, S(x.shape, x.dtype), S(w.shape, w.dtype),
-                                     num_warps=4, num_stages=1)
-    assert kern.has_wait == bool(mode)
-    want = np.asarray(jax.jit(f)(x, w))
+    outs = {}
+    for mode in (False, "start", "end"):
+        kern = pdl_launch.compile_pallas(_gemv(gated, mode), S(x.shape, x.dtype),
+                                         S(w.shape, w.dtype), num_warps=4, num_stages=1)
 
-    @jax.jit
-    def chained(x, w):  # two launches back to back: the second waits on the first's output
-        y = pdl_launch.call(kern, S((1, n), x.dtype), x, w, pdl=bool(mode))
-        return y, pdl_launch.call(kern, S((1, n), x.dtype), y[:, :k], w, pdl=bool(mode))
-    y1, y2 = chained(x, w)
-    np.testing.assert_array_equal(np.asarray(y1), want)
-    np.testing.assert_array_equal(np.asarray(y2), np.asarray(jax.jit(f)(y1[:, :k], w)))
+        @jax.jit
+        def chained(x, w, kern=kern, pdl=bool(mode)):
+            y = pdl_launch.call(kern, S((1, n), x.dtype), x, w, pdl=pdl)
+            return y, pdl_launch.call(kern, S((1, n), x.dtype), y, w, pdl=pdl)
+        outs[mode] = [np.asarray(a) for a in chained(x, w)]
+    for mode in ("start", "end"):
+        for a, b in zip(outs[mode], outs[False]):
+            np.testing.assert_array_equal(a, b)
+    f = _gemv(gated, False)
+    want1 = np.asarray(jax.jit(f)(x, w), np.float32)
+    want2 = np.asarray(jax.jit(f)(jnp.asarray(outs[False][0]), w), np.float32)
+    np.testing.assert_allclose(outs[False][0].astype(np.float32), want1, rtol=2e-2, atol=1e-3)
+    np.testing.assert_allclose(outs[False][1].astype(np.float32), want2, rtol=2e-2, atol=1e-3)
