@@ -1,9 +1,11 @@
 """The engine's one-row streaming GEMVs chained as a decoder layer's projections, inside one
 jitted JAX program, launched by JAX (`xla`) or by our PDL launcher (pallas_kernels/pdl_launch.py)
 without PDL (`ffi`), with PDL and the trigger at the kernel's start (`pdl_start`) or once the
-last weight block has arrived (`pdl_end`). Per layer: qkv -> (slice of q, an XLA kernel) -> o
--> gate/up -> down -> the next layer's qkv, over --layers layers of distinct weights (1.4B
-shapes, bf16), --loops times. The launcher's arms must give one another's bits (the same
+last weight block has arrived (`pdl_end`). Per layer, as the engine runs them at one row:
+qkv with the add_norm prologue (residual + rms_norm(down's output), then rms_norm) -> (slice
+of q, an XLA kernel, where the attention would be) -> o -> gate/up with the add_norm
+prologue (the residual + rms_norm(o's output)) -> down -> the next layer's qkv, over
+--layers layers of distinct weights (1.4B shapes, bf16), --loops times. The launcher's arms must give one another's bits (the same
 Triton compiles them), and `xla` arms theirs; the run fails if not. Between the two families
 the kernels come from two Triton versions, so the rounding may differ (max_diff_to_first_arm).
 
@@ -25,11 +27,13 @@ import numpy as np
 from benchmarks.pdl_chain import SHAPES
 from ouro_jax.projection_tuning import STREAM_TUNING
 from pallas_kernels import pdl_launch
-from pallas_kernels.gemv_stream import gemv_stream
+from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
 
 ARMS = {"xla": (None, False), "ffi": (False, False), "pdl_start": ("start", True),
         "pdl_end": ("end", True)}
 ORDER = ("qkv", "o", "gate_up", "down")
+NORMED = ("qkv", "gate_up")  # the add_norm prologue: (x, branch, branch_w, norm_w, w)
+EPS = 1e-6
 
 
 def make_weights(n_layers, seed=0):
@@ -43,41 +47,87 @@ def make_weights(n_layers, seed=0):
             scale = k ** -0.5
             lw[name] = (jax.random.normal(sub, (2 * n if gated else n, k), jnp.float32)
                         * scale).astype(jnp.bfloat16)
+            if name in NORMED:
+                key, a, b = jax.random.split(key, 3)
+                lw[name + "_bw"] = (1 + 0.1 * jax.random.normal(a, (k,))).astype(jnp.bfloat16)
+                lw[name + "_nw"] = (1 + 0.1 * jax.random.normal(b, (k,))).astype(jnp.bfloat16)
         layers.append(lw)
     return layers
 
 
 def projection(name, kernel_pdl, launch_pdl, kernels):
+    """f(x, w) (plain) or f(x, branch, branch_w, norm_w, w) -> (y, x') (add_norm prologue)."""
     n, k, gated = SHAPES[name]
     tuning = dict(STREAM_TUNING[name])
-    if kernel_pdl is None:  # JAX's own launch
-        return functools.partial(gemv_stream, gated=gated, **tuning)
-    tuning["pdl"] = kernel_pdl
-    key = (name, kernel_pdl)
-    if key not in kernels:
+    if kernel_pdl is not None:
+        tuning["pdl"] = kernel_pdl
+    if name in NORMED:
+        def f(x, b, bw, nw, w):
+            return gemv_stream_normed(x, nw, w, eps=EPS, branch=b, branch_w=bw, gated=gated,
+                                      **tuning)
+    else:
         f = functools.partial(gemv_stream, gated=gated, **tuning)
-        x = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)
-        w = jax.ShapeDtypeStruct((2 * n if gated else n, k), jnp.bfloat16)
-        kernels[key] = pdl_launch.compile_pallas(f, x, w, num_warps=tuning["num_warps"],
+    if kernel_pdl is None:  # JAX's own launch
+        return f
+    key = (name, kernel_pdl)
+    bf = jnp.bfloat16
+    row = jax.ShapeDtypeStruct((1, k), bf)
+    w = jax.ShapeDtypeStruct((2 * n if gated else n, k), bf)
+    vec = jax.ShapeDtypeStruct((k,), bf)
+    ins = (row, row, vec, vec, w) if name in NORMED else (row, w)
+    if key not in kernels:
+        kernels[key] = pdl_launch.compile_pallas(f, *ins, num_warps=tuning["num_warps"],
                                                  num_stages=1)
     kern = kernels[key]
-    out = jax.ShapeDtypeStruct((1, n), jnp.bfloat16)
-    return lambda x, w: pdl_launch.call(kern, out, x, w, pdl=launch_pdl)
+    out = jax.ShapeDtypeStruct((1, n), bf)
+    outs = [out, row] if name in NORMED else out
+    return lambda *a: pdl_launch.call(kern, outs, *a, pdl=launch_pdl)
 
 
 def chain_fn(arm, loops, kernels):
     kernel_pdl, launch_pdl = ARMS[arm]
     proj = {name: projection(name, kernel_pdl, launch_pdl, kernels) for name in ORDER}
 
-    def f(x, layers):
+    def f(h, layers):
+        d = jnp.zeros_like(h)
+        outs = []
         for _ in range(loops):
             for lw in layers:
-                y = proj["qkv"](x, lw["qkv"])
-                y = proj["o"](y[:, :2048], lw["o"])
-                y = proj["gate_up"](y, lw["gate_up"])
-                x = proj["down"](y, lw["down"])
-        return x
+                y, h = proj["qkv"](h, d, lw["qkv_bw"], lw["qkv_nw"], lw["qkv"])
+                o = proj["o"](y[:, :2048], lw["o"])
+                y, h = proj["gate_up"](h, o, lw["gate_up_bw"], lw["gate_up_nw"],
+                                       lw["gate_up"])
+                d = proj["down"](y, lw["down"])
+                outs.append(d)
+        return h, jnp.concatenate(outs)  # every layer's output: the bits compared
     return jax.jit(f)
+
+
+def trace_arm(f, x0, layers, units):
+    """Device events of three calls: per kernel kind, count and mean us per call; the span
+    and busy share (the union of kernel intervals over the span)."""
+    import glob
+    import tempfile
+
+    from benchmarks.kernel_trace import busy_ns, device_events, kernel_kind
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(3):
+                jax.block_until_ready(f(x0, layers))
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        events = device_events(files[0]) if files else []
+    if not events:
+        return {}
+    kinds = {}
+    for name, _, dur in events:
+        c = kinds.setdefault(kernel_kind(name), [0, 0.0])
+        c[0] += 1
+        c[1] += dur
+    span = max(s + d for _, s, d in events) - min(s for _, s, _ in events)
+    top = sorted(kinds.items(), key=lambda kv: -kv[1][1])[:8]
+    return dict(span_us_per_layer=round(span / 1e3 / (3 * units), 3),
+                busy_share=round(busy_ns(events) / span, 4),
+                kernels={k: dict(count=c, mean_us=round(t / c / 1e3, 3)) for k, (c, t) in top})
 
 
 def main(argv=None):
@@ -86,6 +136,8 @@ def main(argv=None):
     ap.add_argument("--loops", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--arms", default="xla,ffi,pdl_start,pdl_end,xla")
+    ap.add_argument("--trace", action="store_true",
+                    help="also trace each arm: kernel kinds' mean time, span and busy share")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
@@ -102,7 +154,7 @@ def main(argv=None):
         out = jax.block_until_ready(f(x0, layers))
         compile_s = time.perf_counter() - t0
         family = "xla" if arm == "xla" else "launcher"
-        got = np.asarray(out)
+        got = np.asarray(out[1])
         ref.setdefault(family, got)
         same = bool(np.array_equal(got, ref[family]))
         first = next(iter(ref.values())).astype(np.float64)
@@ -116,7 +168,9 @@ def main(argv=None):
                    us_max=round(max(times), 3), tb_s=round(mb / med, 3),
                    compile_s=round(compile_s, 2), bit_equal_in_family=same,
                    max_diff_to_first_arm=float(np.max(np.abs(got.astype(np.float64) - first))),
-                   result_rms=float(np.sqrt(np.mean(np.asarray(out, np.float64) ** 2))))
+                   result_rms=float(np.sqrt(np.mean(got.astype(np.float64) ** 2))))
+        if args.trace:
+            row["trace"] = trace_arm(f, x0, layers, args.loops * args.layers)
         print(json.dumps(row), flush=True)
         rows.append(row)
     kinfo = {f"{k[0]}:{k[1]}": dict(grid=v.grid, threads=v.threads, shared=v.shared,
