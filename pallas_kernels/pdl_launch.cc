@@ -15,7 +15,6 @@
 #include <mutex>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include <cuda.h>
 
@@ -69,9 +68,13 @@ ffi::Error cuda_error(const char* what, CUresult r) {
 }
 
 // One loaded function per (context, kernel id): the module is loaded on first use in each
-// context and kept for the process's life, like XLA's own kernels.
+// context and kept for the process's life, like XLA's own kernels. Each launching thread
+// keeps its own lookup table (no lock on the launch path); the shared one, under a lock, is
+// only read when a thread first meets a kernel.
 std::mutex cache_mu;
 std::map<std::pair<CUcontext, int64_t>, CUfunction> cache;
+thread_local std::map<std::pair<CUcontext, int64_t>, CUfunction> local_cache;
+constexpr size_t kMaxParams = 64;
 
 ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                   ffi::Span<const uint8_t> cubin, std::string_view name, int64_t kernel_id,
@@ -82,7 +85,9 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
   CUcontext ctx = nullptr;
   if (CUresult r = d.ctx_get_current(&ctx); r != CUDA_SUCCESS) return cuda_error("context", r);
   CUfunction fn = nullptr;
-  {
+  if (auto hit = local_cache.find({ctx, kernel_id}); hit != local_cache.end()) {
+    fn = hit->second;
+  } else {
     std::lock_guard<std::mutex> lock(cache_mu);
     auto it = cache.find({ctx, kernel_id});
     if (it != cache.end()) {
@@ -101,24 +106,29 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
       }
       cache[{ctx, kernel_id}] = fn;
     }
+    local_cache[{ctx, kernel_id}] = fn;
   }
   // The kernel's parameters: every operand's and result's device pointer in order, then
   // `extra_params` null pointers (the scratch pointers Triton appends to its kernels).
-  std::vector<void*> ptrs;
-  ptrs.reserve(args.size() + rets.size() + extra_params);
+  size_t n = args.size() + rets.size() + static_cast<size_t>(extra_params);
+  if (extra_params < 0 || n > kMaxParams)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "ouro_pdl_launch: too many kernel parameters");
+  void* ptrs[kMaxParams];
+  void* params[kMaxParams];
+  size_t at = 0;
   for (size_t i = 0; i < args.size(); ++i) {
     auto buf = args.get<ffi::AnyBuffer>(i);
     if (!buf.has_value()) return buf.error();
-    ptrs.push_back(buf->untyped_data());
+    ptrs[at++] = buf->untyped_data();
   }
   for (size_t i = 0; i < rets.size(); ++i) {
     auto buf = rets.get<ffi::AnyBuffer>(i);
     if (!buf.has_value()) return buf.error();
-    ptrs.push_back((*buf)->untyped_data());
+    ptrs[at++] = (*buf)->untyped_data();
   }
-  for (int64_t i = 0; i < extra_params; ++i) ptrs.push_back(nullptr);
-  std::vector<void*> params(ptrs.size());
-  for (size_t i = 0; i < ptrs.size(); ++i) params[i] = &ptrs[i];
+  while (at < n) ptrs[at++] = nullptr;
+  for (size_t i = 0; i < n; ++i) params[i] = &ptrs[i];
 
   CUlaunchAttribute attr;
   std::memset(&attr, 0, sizeof(attr));
@@ -136,7 +146,7 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
   cfg.hStream = stream;
   cfg.attrs = pdl ? &attr : nullptr;
   cfg.numAttrs = pdl ? 1 : 0;
-  if (CUresult r = d.launch_kernel_ex(&cfg, fn, params.data(), nullptr); r != CUDA_SUCCESS)
+  if (CUresult r = d.launch_kernel_ex(&cfg, fn, params, nullptr); r != CUDA_SUCCESS)
     return cuda_error("cuLaunchKernelEx", r);
   return ffi::Error::Success();
 }
