@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include <cuda.h>
@@ -73,13 +74,20 @@ ffi::Error cuda_error(const char* what, CUresult r) {
 // only read when a thread first meets a kernel.
 std::mutex cache_mu;
 std::map<std::pair<CUcontext, int64_t>, CUfunction> cache;
+// Kernel images by id, registered from Python (OuroPdlRegister) before any program that
+// launches them runs: the FFI call then carries only small attributes (XLA copies a call's
+// attributes into its call frame on every launch).
+struct Image {
+  std::string bytes;
+  std::string name;
+};
+std::map<int64_t, Image> images;
 thread_local std::map<std::pair<CUcontext, int64_t>, CUfunction> local_cache;
 constexpr size_t kMaxParams = 64;
 
 ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  ffi::Span<const uint8_t> cubin, std::string_view name, int64_t kernel_id,
-                  int64_t grid, int64_t threads, int64_t shared, int64_t extra_params,
-                  bool pdl) {
+                  int64_t kernel_id, int64_t grid, int64_t threads, int64_t shared,
+                  int64_t extra_params, bool pdl) {
   const Driver& d = driver();
   if (!d.error.empty()) return ffi::Error(ffi::ErrorCode::kInternal, d.error);
   CUcontext ctx = nullptr;
@@ -93,11 +101,16 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
     if (it != cache.end()) {
       fn = it->second;
     } else {
+      auto img = images.find(kernel_id);
+      if (img == images.end())
+        return ffi::Error(ffi::ErrorCode::kNotFound,
+                          "ouro_pdl_launch: kernel " + std::to_string(kernel_id) +
+                              " was never registered (pdl_launch.call registers it)");
       CUmodule mod = nullptr;
-      if (CUresult r = d.module_load_data(&mod, cubin.begin()); r != CUDA_SUCCESS)
+      if (CUresult r = d.module_load_data(&mod, img->second.bytes.data()); r != CUDA_SUCCESS)
         return cuda_error("cuModuleLoadData", r);
-      std::string fname(name);
-      if (CUresult r = d.module_get_function(&fn, mod, fname.c_str()); r != CUDA_SUCCESS)
+      if (CUresult r = d.module_get_function(&fn, mod, img->second.name.c_str());
+          r != CUDA_SUCCESS)
         return cuda_error("cuModuleGetFunction", r);
       if (shared > 48 * 1024) {
         CUresult r = d.func_set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -153,13 +166,23 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
 
 }  // namespace
 
+// Stores a kernel image (cubin) and its entry name under `kernel_id`; 0 on success, 1 if the
+// id already holds another image.
+extern "C" int OuroPdlRegister(int64_t kernel_id, const char* image, int64_t size,
+                               const char* name) {
+  std::lock_guard<std::mutex> lock(cache_mu);
+  std::string bytes(image, static_cast<size_t>(size));
+  auto it = images.find(kernel_id);
+  if (it != images.end()) return it->second.bytes == bytes && it->second.name == name ? 0 : 1;
+  images[kernel_id] = Image{std::move(bytes), name};
+  return 0;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<ffi::Span<const uint8_t>>("cubin")
-                                  .Attr<std::string_view>("name")
                                   .Attr<int64_t>("kernel_id")
                                   .Attr<int64_t>("grid")
                                   .Attr<int64_t>("threads")

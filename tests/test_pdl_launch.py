@@ -90,6 +90,11 @@ def test_library_builds_once_and_exports_the_handler(tmp_path):
     assert pdl_launch.build(tmp_path) == path  # cached: same source, jaxlib and cuda.h
     lib = ctypes.cdll.LoadLibrary(str(path))
     assert lib.OuroPdlLaunch is not None
+    lib.OuroPdlRegister.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64,
+                                    ctypes.c_char_p]
+    assert lib.OuroPdlRegister(7, b"abc", 3, b"k") == 0
+    assert lib.OuroPdlRegister(7, b"abc", 3, b"k") == 0  # the same image again: fine
+    assert lib.OuroPdlRegister(7, b"abd", 3, b"k") == 1  # another image under that id
 
 
 def _has_triton():
