@@ -5,5 +5,9 @@
 . benchmarks/gpu_call_setup.sh
 timeout $(left 120) python3 -m pytest -q -x tests/test_pdl_launch.py 2>&1 | tail -15
 timeout $(left 300) python3 -m benchmarks.pdl_jax_chain ${CHAIN_ARGS:-} \
-  --out $OUT/pdl_jax_chain_session25_$G.json 2>&1 | grep -v "^WARNING" | cut -c1-400
+  --out $OUT/pdl_jax_chain_session25${TAG:-}_$G.json 2>&1 | grep -v "^WARNING" | cut -c1-400
+# the same with XLA's command buffers (CUDA graphs) off: every launch from the host
+[ -n "${NOGRAPH_ARMS:-}" ] && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout $(left 200) \
+  python3 -m benchmarks.pdl_jax_chain --arms $NOGRAPH_ARMS ${CHAIN_ARGS:-} \
+  --out $OUT/pdl_jax_chain_nograph_session25${TAG:-}_$G.json 2>&1 | grep -v "^WARNING" | cut -c1-400
 echo "elapsed $SECONDS s"

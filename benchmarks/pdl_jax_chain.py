@@ -1,7 +1,8 @@
 """The engine's one-row streaming GEMVs chained as a decoder layer's projections, inside one
 jitted JAX program, launched by JAX (`xla`) or by our PDL launcher (pallas_kernels/pdl_launch.py)
 without PDL (`ffi`), with PDL and the trigger at the kernel's start (`pdl_start`) or once the
-last weight block has arrived (`pdl_end`). Per layer, as the engine runs them at one row:
+last weight block has arrived (`pdl_end`); the `_g` arms through the handler XLA may record into its command buffers
+(CUDA graphs). Per layer, as the engine runs them at one row:
 qkv with the add_norm prologue (residual + rms_norm(down's output), then rms_norm) -> (slice
 of q, an XLA kernel, where the attention would be) -> o -> gate/up with the add_norm
 prologue (the residual + rms_norm(o's output)) -> down -> the next layer's qkv, over
@@ -29,8 +30,11 @@ from ouro_jax.projection_tuning import STREAM_TUNING
 from pallas_kernels import pdl_launch
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
 
-ARMS = {"xla": (None, False), "ffi": (False, False), "pdl_start": ("start", True),
-        "pdl_end": ("end", True)}
+# arm: (the kernels' pdl mode or None for JAX's launch, launch with PDL, the graph handler)
+ARMS = {"xla": (None, False, False), "ffi": (False, False, False),
+        "pdl_start": ("start", True, False), "pdl_end": ("end", True, False),
+        "ffi_g": (False, False, True), "pdl_start_g": ("start", True, True),
+        "pdl_end_g": ("end", True, True)}
 ORDER = ("qkv", "o", "gate_up", "down")
 NORMED = ("qkv", "gate_up")  # the add_norm prologue: (x, branch, branch_w, norm_w, w)
 EPS = 1e-6
@@ -55,7 +59,7 @@ def make_weights(n_layers, seed=0):
     return layers
 
 
-def projection(name, kernel_pdl, launch_pdl, kernels):
+def projection(name, kernel_pdl, launch_pdl, graph, kernels):
     """f(x, w) (plain) or f(x, branch, branch_w, norm_w, w) -> (y, x') (add_norm prologue)."""
     n, k, gated = SHAPES[name]
     tuning = dict(STREAM_TUNING[name])
@@ -81,12 +85,11 @@ def projection(name, kernel_pdl, launch_pdl, kernels):
     kern = kernels[key]
     out = jax.ShapeDtypeStruct((1, n), bf)
     outs = [out, row] if name in NORMED else out
-    return lambda *a: pdl_launch.call(kern, outs, *a, pdl=launch_pdl)
+    return lambda *a: pdl_launch.call(kern, outs, *a, pdl=launch_pdl, graph=graph)
 
 
 def chain_fn(arm, loops, kernels):
-    kernel_pdl, launch_pdl = ARMS[arm]
-    proj = {name: projection(name, kernel_pdl, launch_pdl, kernels) for name in ORDER}
+    proj = {name: projection(name, *ARMS[arm], kernels) for name in ORDER}
 
     def f(h, layers):
         d = jnp.zeros_like(h)

@@ -189,3 +189,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch,
                                   .Attr<int64_t>("shared")
                                   .Attr<int64_t>("extra_params")
                                   .Attr<bool>("pdl"));
+
+// The same handler, marked safe for XLA to record into a command buffer (a CUDA graph, by
+// stream capture): XLA then replays the launches with the graph instead of calling us each
+// time. Whether the PDL attribute survives as a programmatic edge there is what
+// benchmarks.pdl_jax_chain measures.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunchGraph, Launch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("kernel_id")
+                                  .Attr<int64_t>("grid")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("shared")
+                                  .Attr<int64_t>("extra_params")
+                                  .Attr<bool>("pdl"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -49,6 +49,7 @@ import jax
 import numpy as np
 
 TARGET = "ouro_pdl_launch"
+TARGET_GRAPH = "ouro_pdl_launch_cmdbuf"  # the handler XLA may record into a CUDA graph
 SOURCE = Path(__file__).with_name("pdl_launch.cc")
 _lock = threading.Lock()
 _registered: list = []  # [the loaded library] once the FFI target is registered
@@ -122,6 +123,8 @@ def register() -> None:
                                         ctypes.c_char_p]
         lib.OuroPdlRegister.restype = ctypes.c_int
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OuroPdlLaunch),
+                                    platform="CUDA")
+        jax.ffi.register_ffi_target(TARGET_GRAPH, jax.ffi.pycapsule(lib.OuroPdlLaunchGraph),
                                     platform="CUDA")
         _registered.append(lib)
 
@@ -226,10 +229,11 @@ def compile_pallas(fn, *args, num_warps: int, num_stages: int, arch: int = 90) -
                   has_trigger="griddepcontrol.launch_dependents" in ptx)
 
 
-def call(kernel: Kernel, out_shapes, *args, pdl: bool):
+def call(kernel: Kernel, out_shapes, *args, pdl: bool, graph: bool = False):
     """Runs `kernel` on args (inside jit) through the FFI launcher; out_shapes as
     jax.ffi.ffi_call's. pdl: launch with the PDL attribute (the kernel must wait before its
-    first read of an earlier kernel's output)."""
+    first read of an earlier kernel's output). graph: through the handler that XLA may record
+    into its command buffers (CUDA graphs) like its own kernels."""
     if pdl and not kernel.has_wait:
         raise ValueError(f"kernel {kernel.name} has no griddepcontrol.wait: launching it with "
                          "PDL would let it read its inputs before the kernel ahead has written "
@@ -240,7 +244,7 @@ def call(kernel: Kernel, out_shapes, *args, pdl: bool):
         raise ValueError(f"kernel {kernel.name} takes {kernel.n_params} parameters, called with "
                          f"{len(args)} operands and {len(outs)} results")
     register_kernel(kernel)
-    return jax.ffi.ffi_call(TARGET, out_shapes)(
+    return jax.ffi.ffi_call(TARGET_GRAPH if graph else TARGET, out_shapes)(
         *args, kernel_id=np.int64(kernel.kernel_id), grid=np.int64(kernel.grid),
         threads=np.int64(kernel.threads), shared=np.int64(kernel.shared),
         extra_params=np.int64(extra), pdl=bool(pdl))

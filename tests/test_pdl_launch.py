@@ -124,8 +124,8 @@ def test_compiled_kernel_has_the_wait_and_trigger_its_mode_asks_for(mode):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("gated", [False, True])
-def test_gpu_launched_gemv_with_and_without_pdl(gated):
+@pytest.mark.parametrize("gated,graph", [(False, False), (True, False), (True, True)])
+def test_gpu_launched_gemv_with_and_without_pdl(gated, graph):
     """The launcher's results: every PDL mode bit-equal to the launcher without PDL (same
     math, same Triton), alone and chained back to back (the second launch reads the first's
     output after its wait); and within rounding of JAX's own launch (XLA's Triton may round
@@ -142,8 +142,8 @@ def test_gpu_launched_gemv_with_and_without_pdl(gated):
 
         @jax.jit
         def chained(x, w, kern=kern, pdl=bool(mode)):
-            y = pdl_launch.call(kern, S((1, n), x.dtype), x, w, pdl=pdl)
-            return y, pdl_launch.call(kern, S((1, n), x.dtype), y, w, pdl=pdl)
+            y = pdl_launch.call(kern, S((1, n), x.dtype), x, w, pdl=pdl, graph=graph)
+            return y, pdl_launch.call(kern, S((1, n), x.dtype), y, w, pdl=pdl, graph=graph)
         outs[mode] = [np.asarray(a) for a in chained(x, w)]
     for mode in ("start", "end"):
         for a, b in zip(outs[mode], outs[False]):
