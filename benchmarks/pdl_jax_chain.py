@@ -34,7 +34,10 @@ from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
 ARMS = {"xla": (None, False, False), "ffi": (False, False, False),
         "pdl_start": ("start", True, False), "pdl_end": ("end", True, False),
         "ffi_g": (False, False, True), "pdl_start_g": ("start", True, True),
-        "pdl_end_g": ("end", True, True)}
+        "pdl_end_g": ("end", True, True),
+        # one custom call per layer launching its four kernels (pdl_launch.sequence)
+        "seq": (False, False, "seq"), "seq_start": ("start", True, "seq"),
+        "seq_end": ("end", True, "seq")}
 ORDER = ("qkv", "o", "gate_up", "down")
 NORMED = ("qkv", "gate_up")  # the add_norm prologue: (x, branch, branch_w, norm_w, w)
 EPS = 1e-6
@@ -89,6 +92,8 @@ def projection(name, kernel_pdl, launch_pdl, graph, kernels):
 
 
 def chain_fn(arm, loops, kernels):
+    if ARMS[arm][2] == "seq":
+        return seq_chain_fn(arm, loops, kernels)
     proj = {name: projection(name, *ARMS[arm], kernels) for name in ORDER}
 
     def f(h, layers):
@@ -103,6 +108,38 @@ def chain_fn(arm, loops, kernels):
                 d = proj["down"](y, lw["down"])
                 outs.append(d)
         return h, jnp.concatenate(outs)  # every layer's output: the bits compared
+    return jax.jit(f)
+
+
+def seq_chain_fn(arm, loops, kernels):
+    """chain_fn's program with each layer's four kernels launched by one custom call; o reads
+    the first 2048 of qkv's outputs (q) in place."""
+    mode, pdl, _ = ARMS[arm]
+    for name in ORDER:  # compiles the kernels into `kernels`
+        projection(name, mode, pdl, False, kernels)
+    bf = jnp.bfloat16
+    S = jax.ShapeDtypeStruct
+    # operands: 0 h, 1 d, 2 qkv_bw, 3 qkv_nw, 4 qkv, 5 o, 6 gate_up_bw, 7 gate_up_nw,
+    # 8 gate_up, 9 down; results: 0 y_qkv, 1 h', 2 o, 3 y_gu, 4 h'', 5 d
+    i, o = (lambda *n: [("in", k) for k in n]), (lambda *n: [("out", k) for k in n])
+    steps = [(kernels[("qkv", mode)], i(0, 1, 2, 3, 4) + o(0, 1), pdl),
+             (kernels[("o", mode)], o(0) + i(5) + o(2), pdl),
+             (kernels[("gate_up", mode)], o(1, 2) + i(6, 7, 8) + o(3, 4), pdl),
+             (kernels[("down", mode)], o(3) + i(9) + o(5), pdl)]
+    outs = [S((1, 6144), bf), S((1, 2048), bf), S((1, 2048), bf), S((1, 5632), bf),
+            S((1, 2048), bf), S((1, 2048), bf)]
+
+    def f(h, layers):
+        d = jnp.zeros_like(h)
+        res = []
+        for _ in range(loops):
+            for lw in layers:
+                r = pdl_launch.sequence(steps, outs, h, d, lw["qkv_bw"], lw["qkv_nw"],
+                                        lw["qkv"], lw["o"], lw["gate_up_bw"],
+                                        lw["gate_up_nw"], lw["gate_up"], lw["down"])
+                h, d = r[4], r[5]
+                res.append(d)
+        return h, jnp.concatenate(res)
     return jax.jit(f)
 
 

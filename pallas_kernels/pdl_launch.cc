@@ -85,9 +85,8 @@ std::map<int64_t, Image> images;
 thread_local std::map<std::pair<CUcontext, int64_t>, CUfunction> local_cache;
 constexpr size_t kMaxParams = 64;
 
-ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  int64_t kernel_id, int64_t grid, int64_t threads, int64_t shared,
-                  int64_t extra_params, bool pdl) {
+// The loaded function of a registered kernel in the current context.
+ffi::Error lookup(int64_t kernel_id, int64_t shared, CUfunction* out) {
   const Driver& d = driver();
   if (!d.error.empty()) return ffi::Error(ffi::ErrorCode::kInternal, d.error);
   CUcontext ctx = nullptr;
@@ -121,28 +120,12 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
     }
     local_cache[{ctx, kernel_id}] = fn;
   }
-  // The kernel's parameters: every operand's and result's device pointer in order, then
-  // `extra_params` null pointers (the scratch pointers Triton appends to its kernels).
-  size_t n = args.size() + rets.size() + static_cast<size_t>(extra_params);
-  if (extra_params < 0 || n > kMaxParams)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "ouro_pdl_launch: too many kernel parameters");
-  void* ptrs[kMaxParams];
-  void* params[kMaxParams];
-  size_t at = 0;
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto buf = args.get<ffi::AnyBuffer>(i);
-    if (!buf.has_value()) return buf.error();
-    ptrs[at++] = buf->untyped_data();
-  }
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto buf = rets.get<ffi::AnyBuffer>(i);
-    if (!buf.has_value()) return buf.error();
-    ptrs[at++] = (*buf)->untyped_data();
-  }
-  while (at < n) ptrs[at++] = nullptr;
-  for (size_t i = 0; i < n; ++i) params[i] = &ptrs[i];
+  *out = fn;
+  return ffi::Error::Success();
+}
 
+ffi::Error launch(CUstream stream, CUfunction fn, int64_t grid, int64_t threads,
+                  int64_t shared, bool pdl, void** params) {
   CUlaunchAttribute attr;
   std::memset(&attr, 0, sizeof(attr));
   attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -159,8 +142,85 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
   cfg.hStream = stream;
   cfg.attrs = pdl ? &attr : nullptr;
   cfg.numAttrs = pdl ? 1 : 0;
-  if (CUresult r = d.launch_kernel_ex(&cfg, fn, params, nullptr); r != CUDA_SUCCESS)
+  if (CUresult r = driver().launch_kernel_ex(&cfg, fn, params, nullptr); r != CUDA_SUCCESS)
     return cuda_error("cuLaunchKernelEx", r);
+  return ffi::Error::Success();
+}
+
+// Every operand's then every result's device pointer, in order (n of them at most kMax).
+ffi::Error buffers(ffi::RemainingArgs& args, ffi::RemainingRets& rets, void** ptrs,
+                   size_t* n) {
+  size_t at = 0;
+  if (args.size() + rets.size() > kMaxParams)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ouro_pdl_launch: too many buffers");
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) return buf.error();
+    ptrs[at++] = buf->untyped_data();
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buf = rets.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) return buf.error();
+    ptrs[at++] = (*buf)->untyped_data();
+  }
+  *n = at;
+  return ffi::Error::Success();
+}
+
+ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  int64_t kernel_id, int64_t grid, int64_t threads, int64_t shared,
+                  int64_t extra_params, bool pdl) {
+  CUfunction fn = nullptr;
+  if (ffi::Error e = lookup(kernel_id, shared, &fn); e.failure()) return e;
+  // The kernel's parameters: every operand's and result's device pointer in order, then
+  // `extra_params` null pointers (the scratch pointers Triton appends to its kernels).
+  void* ptrs[kMaxParams];
+  void* params[kMaxParams];
+  size_t n = 0;
+  if (ffi::Error e = buffers(args, rets, ptrs, &n); e.failure()) return e;
+  if (extra_params < 0 || n + static_cast<size_t>(extra_params) > kMaxParams)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "ouro_pdl_launch: too many kernel parameters");
+  while (n < kMaxParams && extra_params-- > 0) ptrs[n++] = nullptr;
+  for (size_t i = 0; i < n; ++i) params[i] = &ptrs[i];
+  return launch(stream, fn, grid, threads, shared, pdl, params);
+}
+
+// Several kernels in one custom call, in order, each with its own parameters picked from the
+// call's buffers: plan = [count, then per kernel: id, grid, threads, shared, pdl, n_params,
+// then n_params buffer indices (operands first, then results; -1: a null pointer)]. One
+// call per layer instead of one per kernel keeps the host ahead of the GPU.
+ffi::Error Sequence(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                    ffi::Span<const int64_t> plan) {
+  void* bufs[kMaxParams];
+  size_t nbuf = 0;
+  if (ffi::Error e = buffers(args, rets, bufs, &nbuf); e.failure()) return e;
+  auto bad = [] {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ouro_pdl_sequence: malformed plan");
+  };
+  if (plan.size() < 1) return bad();
+  size_t at = 1;
+  for (int64_t k = 0; k < plan[0]; ++k) {
+    if (at + 6 > plan.size()) return bad();
+    int64_t id = plan[at], grid = plan[at + 1], threads = plan[at + 2], shared = plan[at + 3];
+    bool pdl = plan[at + 4] != 0;
+    int64_t np = plan[at + 5];
+    at += 6;
+    if (np < 0 || np > static_cast<int64_t>(kMaxParams) || at + np > plan.size()) return bad();
+    void* ptrs[kMaxParams];
+    void* params[kMaxParams];
+    for (int64_t i = 0; i < np; ++i) {
+      int64_t b = plan[at + i];
+      if (b >= static_cast<int64_t>(nbuf) || b < -1) return bad();
+      ptrs[i] = b < 0 ? nullptr : bufs[b];
+      params[i] = &ptrs[i];
+    }
+    at += np;
+    CUfunction fn = nullptr;
+    if (ffi::Error e = lookup(id, shared, &fn); e.failure()) return e;
+    if (ffi::Error e = launch(stream, fn, grid, threads, shared, pdl, params); e.failure())
+      return e;
+  }
   return ffi::Error::Success();
 }
 
@@ -189,6 +249,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch,
                                   .Attr<int64_t>("shared")
                                   .Attr<int64_t>("extra_params")
                                   .Attr<bool>("pdl"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlSequence, Sequence,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("plan"));
 
 // The same handler, marked safe for XLA to record into a command buffer (a CUDA graph, by
 // stream capture): XLA then replays the launches with the graph instead of calling us each

@@ -50,6 +50,7 @@ import numpy as np
 
 TARGET = "ouro_pdl_launch"
 TARGET_GRAPH = "ouro_pdl_launch_cmdbuf"  # the handler XLA may record into a CUDA graph
+TARGET_SEQ = "ouro_pdl_sequence"  # several kernels per custom call (`sequence`)
 SOURCE = Path(__file__).with_name("pdl_launch.cc")
 _lock = threading.Lock()
 _registered: list = []  # [the loaded library] once the FFI target is registered
@@ -125,6 +126,8 @@ def register() -> None:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OuroPdlLaunch),
                                     platform="CUDA")
         jax.ffi.register_ffi_target(TARGET_GRAPH, jax.ffi.pycapsule(lib.OuroPdlLaunchGraph),
+                                    platform="CUDA")
+        jax.ffi.register_ffi_target(TARGET_SEQ, jax.ffi.pycapsule(lib.OuroPdlSequence),
                                     platform="CUDA")
         _registered.append(lib)
 
@@ -248,3 +251,39 @@ def call(kernel: Kernel, out_shapes, *args, pdl: bool, graph: bool = False):
         *args, kernel_id=np.int64(kernel.kernel_id), grid=np.int64(kernel.grid),
         threads=np.int64(kernel.threads), shared=np.int64(kernel.shared),
         extra_params=np.int64(extra), pdl=bool(pdl))
+
+
+def sequence_plan(steps, n_args: int, n_outs: int) -> np.ndarray:
+    """The launcher's plan for `sequence`: steps are (Kernel, params, pdl), params a list of
+    ("in", i) / ("out", j) naming the call's operands and results in the kernel's parameter
+    order (its inputs, then its outputs); Triton's extra parameters are appended as nulls."""
+    plan = [len(steps)]
+    for kernel, params, pdl in steps:
+        if pdl and not kernel.has_wait:
+            raise ValueError(f"kernel {kernel.name} has no griddepcontrol.wait: it cannot be "
+                             "launched with PDL")
+        extra = kernel.n_params - len(params)
+        if extra < 0:
+            raise ValueError(f"kernel {kernel.name} takes {kernel.n_params} parameters, given "
+                             f"{len(params)}")
+        idx = []
+        for kind, i in params:
+            if kind == "in" and 0 <= i < n_args:
+                idx.append(i)
+            elif kind == "out" and 0 <= i < n_outs:
+                idx.append(n_args + i)
+            else:
+                raise ValueError(f"bad parameter {(kind, i)} for {n_args} operands and "
+                                 f"{n_outs} results")
+        plan += [kernel.kernel_id, kernel.grid, kernel.threads, kernel.shared, int(bool(pdl)),
+                 kernel.n_params, *idx, *([-1] * extra)]
+    return np.asarray(plan, np.int64)
+
+
+def sequence(steps, out_shapes, *args):
+    """Several kernels launched in order by one custom call (one host call for all of them):
+    steps as sequence_plan's; returns the results (out_shapes, a list)."""
+    plan = sequence_plan(steps, len(args), len(out_shapes))
+    for kernel, _, _ in steps:
+        register_kernel(kernel)
+    return jax.ffi.ffi_call(TARGET_SEQ, list(out_shapes))(*args, plan=plan)

@@ -153,3 +153,37 @@ def test_gpu_launched_gemv_with_and_without_pdl(gated, graph):
     want2 = np.asarray(jax.jit(f)(jnp.asarray(outs[False][0]), w), np.float32)
     np.testing.assert_allclose(outs[False][0].astype(np.float32), want1, rtol=2e-2, atol=1e-3)
     np.testing.assert_allclose(outs[False][1].astype(np.float32), want2, rtol=2e-2, atol=1e-3)
+
+
+def test_sequence_plan_layout_and_refusals():
+    a, b = _kernel(n_params=3), _kernel(image=b"other", name="m", grid=8, n_params=4)
+    plan = pdl_launch.sequence_plan([(a, [("in", 0), ("out", 0)], True),
+                                     (b, [("out", 0), ("in", 1), ("out", 1)], False)], 2, 2)
+    assert plan.dtype == np.int64
+    assert list(plan) == [2, a.kernel_id, 4, 128, 0, 1, 3, 0, 2, -1,
+                          b.kernel_id, 8, 128, 0, 0, 4, 2, 1, 3, -1]
+    with pytest.raises(ValueError, match="no griddepcontrol.wait"):
+        pdl_launch.sequence_plan([(_kernel(has_wait=False), [("in", 0)], True)], 1, 0)
+    with pytest.raises(ValueError, match="takes 3 parameters, given 4"):
+        pdl_launch.sequence_plan([(a, [("in", 0)] * 4, False)], 1, 0)
+    with pytest.raises(ValueError, match="bad parameter"):
+        pdl_launch.sequence_plan([(a, [("out", 2)], False)], 1, 2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [False, "end"])
+def test_gpu_sequence_equals_separate_launches(mode):
+    n = k = 2048
+    kx, kw = jax.random.split(jax.random.PRNGKey(1))
+    x = jax.random.normal(kx, (1, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (n, k), jnp.float32) * 0.03).astype(jnp.bfloat16)
+    kern = pdl_launch.compile_pallas(_gemv(False, mode), S(x.shape, x.dtype),
+                                     S(w.shape, w.dtype), num_warps=4, num_stages=1)
+    steps = [(kern, [("in", 0), ("in", 1), ("out", 0)], bool(mode)),
+             (kern, [("out", 0), ("in", 1), ("out", 1)], bool(mode))]
+    y1, y2 = jax.jit(lambda x, w: pdl_launch.sequence(steps, [S((1, n), x.dtype)] * 2, x, w))(
+        x, w)
+    one = jax.jit(lambda x, w: pdl_launch.call(kern, S((1, n), x.dtype), x, w, pdl=False))
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(one(x, w)))
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(one(y1, w)))
