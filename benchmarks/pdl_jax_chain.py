@@ -198,6 +198,8 @@ def main(argv=None):
         ref.setdefault(family, got)
         same = bool(np.array_equal(got, ref[family]))
         first = next(iter(ref.values())).astype(np.float64)
+        if family == "launcher":
+            pdl_launch.host_stats(reset=True)
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
@@ -209,6 +211,8 @@ def main(argv=None):
                    compile_s=round(compile_s, 2), bit_equal_in_family=same,
                    max_diff_to_first_arm=float(np.max(np.abs(got.astype(np.float64) - first))),
                    result_rms=float(np.sqrt(np.mean(got.astype(np.float64) ** 2))))
+        if family == "launcher":
+            row["host"] = pdl_launch.host_stats(reset=True)
         if args.trace:
             row["trace"] = trace_arm(f, x0, layers, args.loops * args.layers)
         print(json.dumps(row), flush=True)

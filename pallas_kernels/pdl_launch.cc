@@ -9,6 +9,9 @@
 // and jaxlib's FFI headers, and loading it needs only the driver.
 #include <dlfcn.h>
 
+#include <atomic>
+#include <chrono>
+
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -85,6 +88,27 @@ std::map<int64_t, Image> images;
 thread_local std::map<std::pair<CUcontext, int64_t>, CUfunction> local_cache;
 constexpr size_t kMaxParams = 64;
 
+// Host-side timing of the handlers (OuroPdlStats): calls, nanoseconds inside them, inside
+// cuLaunchKernelEx, and from one call's entry to the next's (the host's cadence).
+std::atomic<int64_t> stat_calls{0}, stat_ns_handler{0}, stat_ns_launch{0}, stat_ns_between{0},
+    stat_last_entry{0};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct Timed {  // counts a handler call and its time
+  int64_t start = now_ns();
+  Timed() {
+    int64_t last = stat_last_entry.exchange(start);
+    if (last) stat_ns_between += start - last;
+    ++stat_calls;
+  }
+  ~Timed() { stat_ns_handler += now_ns() - start; }
+};
+
 // The loaded function of a registered kernel in the current context.
 ffi::Error lookup(int64_t kernel_id, int64_t shared, CUfunction* out) {
   const Driver& d = driver();
@@ -142,8 +166,10 @@ ffi::Error launch(CUstream stream, CUfunction fn, int64_t grid, int64_t threads,
   cfg.hStream = stream;
   cfg.attrs = pdl ? &attr : nullptr;
   cfg.numAttrs = pdl ? 1 : 0;
-  if (CUresult r = driver().launch_kernel_ex(&cfg, fn, params, nullptr); r != CUDA_SUCCESS)
-    return cuda_error("cuLaunchKernelEx", r);
+  int64_t t0 = now_ns();
+  CUresult r = driver().launch_kernel_ex(&cfg, fn, params, nullptr);
+  stat_ns_launch += now_ns() - t0;
+  if (r != CUDA_SUCCESS) return cuda_error("cuLaunchKernelEx", r);
   return ffi::Error::Success();
 }
 
@@ -170,6 +196,7 @@ ffi::Error buffers(ffi::RemainingArgs& args, ffi::RemainingRets& rets, void** pt
 ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                   int64_t kernel_id, int64_t grid, int64_t threads, int64_t shared,
                   int64_t extra_params, bool pdl) {
+  Timed timed;
   CUfunction fn = nullptr;
   if (ffi::Error e = lookup(kernel_id, shared, &fn); e.failure()) return e;
   // The kernel's parameters: every operand's and result's device pointer in order, then
@@ -192,6 +219,7 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
 // call per layer instead of one per kernel keeps the host ahead of the GPU.
 ffi::Error Sequence(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                     ffi::Span<const int64_t> plan) {
+  Timed timed;
   void* bufs[kMaxParams];
   size_t nbuf = 0;
   if (ffi::Error e = buffers(args, rets, bufs, &nbuf); e.failure()) return e;
@@ -236,6 +264,22 @@ extern "C" int OuroPdlRegister(int64_t kernel_id, const char* image, int64_t siz
   if (it != images.end()) return it->second.bytes == bytes && it->second.name == name ? 0 : 1;
   images[kernel_id] = Image{std::move(bytes), name};
   return 0;
+}
+
+// Reads (and with reset != 0 clears) the host-side timing: out[0..3] = calls, ns in the
+// handlers, ns in cuLaunchKernelEx, ns from one call's entry to the next's.
+extern "C" void OuroPdlStats(int64_t* out, int reset) {
+  out[0] = stat_calls;
+  out[1] = stat_ns_handler;
+  out[2] = stat_ns_launch;
+  out[3] = stat_ns_between;
+  if (reset) {
+    stat_calls = 0;
+    stat_ns_handler = 0;
+    stat_ns_launch = 0;
+    stat_ns_between = 0;
+    stat_last_entry = 0;
+  }
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch,

@@ -132,6 +132,19 @@ def register() -> None:
         _registered.append(lib)
 
 
+def host_stats(reset: bool = False) -> dict:
+    """The launcher's host-side timing since the last reset: handler calls, and per call the
+    microseconds inside the handler, inside cuLaunchKernelEx, and from one call's entry to
+    the next's (the host's cadence; large where the GPU waits on the host)."""
+    register()
+    out = (ctypes.c_int64 * 4)()
+    _registered[0].OuroPdlStats(out, int(reset))
+    calls = out[0]
+    per = (lambda ns: round(ns / calls / 1e3, 3)) if calls else (lambda ns: None)
+    return dict(calls=calls, us_in_handler=per(out[1]), us_in_launch=per(out[2]),
+                us_between_calls=per(out[3]) if calls > 1 else None)
+
+
 def register_kernel(kernel: "Kernel") -> None:
     """Hands the kernel's image to the launcher library (once per process and kernel)."""
     register()
