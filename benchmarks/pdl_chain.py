@@ -150,6 +150,26 @@ def triton_next_pow2(n):
     return p
 
 
+def parse_tiling(spec: str) -> dict:
+    """TILING with --tiling's overrides (name=block_n:per_program:num_warps,...)."""
+    tiling = dict(TILING)
+    for item in filter(None, spec.split(",")):
+        name, _, val = item.partition("=")
+        if name not in tiling:
+            raise SystemExit(f"unknown projection {name!r} in --tiling; choose from "
+                             f"{sorted(TILING)}")
+        try:
+            bn, pp, w = (int(v) for v in val.split(":"))
+        except ValueError:
+            raise SystemExit(f"--tiling {item!r}: expected {name}=block_n:per_program:num_warps")
+        n = SHAPES[name][0]
+        if min(bn, pp, w) < 1 or n % (bn * pp):
+            raise SystemExit(f"{name}: {n} rows are not a multiple of block_n*per_program "
+                             f"({bn}*{pp})")
+        tiling[name] = (bn, pp, w)
+    return tiling
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=24)
@@ -160,22 +180,13 @@ def main(argv=None):
                     help="overrides, e.g. qkv=4:4:4,down=1:8:4 (block_n:per_program:warps)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    import torch
-    import triton
     arms = args.arms.split(",")
     bad = [a for a in arms if a not in MODES]
     if bad:
         raise SystemExit(f"unknown arm(s) {bad}; choose from {sorted(MODES)}")
-    tiling = dict(TILING)
-    for item in filter(None, args.tiling.split(",")):
-        name, spec = item.split("=")
-        if name not in tiling:
-            raise SystemExit(f"unknown projection {name!r} in --tiling")
-        bn, pp, w = (int(v) for v in spec.split(":"))
-        n = SHAPES[name][0]
-        if n % (bn * pp):
-            raise SystemExit(f"{name}: {n} rows are not a multiple of block_n*per_program")
-        tiling[name] = (bn, pp, w)
+    tiling = parse_tiling(args.tiling)
+    import torch  # the GPU machine's PyTorch and Triton (not the project's dependencies)
+    import triton
     gemv = build_kernel()
     layers = make_layers(torch, args.layers)
     mb = sum(w.numel() * 2 for lw in layers for w in lw.values()) / args.layers / 1e6

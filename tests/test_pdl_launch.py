@@ -187,3 +187,18 @@ def test_gpu_sequence_equals_separate_launches(mode):
     one = jax.jit(lambda x, w: pdl_launch.call(kern, S((1, n), x.dtype), x, w, pdl=False))
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(one(x, w)))
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(one(y1, w)))
+
+
+def test_the_pdl_benchmarks_refuse_bad_arguments_before_any_gpu_work():
+    from benchmarks import pdl_chain, pdl_jax_chain
+    with pytest.raises(SystemExit, match="unknown arm"):
+        pdl_chain.main(["--arms", "plain,bogus"])
+    with pytest.raises(SystemExit, match="unknown projection 'qkvx'"):
+        pdl_chain.main(["--tiling", "qkvx=4:4:4"])
+    with pytest.raises(SystemExit, match="not a multiple"):
+        pdl_chain.main(["--tiling", "o=3:1:4"])
+    with pytest.raises(SystemExit, match="block_n:per_program:num_warps"):
+        pdl_chain.main(["--tiling", "o=4"])
+    assert pdl_chain.parse_tiling("down=1:2:4")["down"] == (1, 2, 4)
+    with pytest.raises(SystemExit, match="unknown arm"):
+        pdl_jax_chain.main(["--arms", "xla,bogus"])
