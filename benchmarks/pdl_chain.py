@@ -17,7 +17,10 @@ host launch cost is out of the figure. Arms (`--arms`):
                reads x (the previous kernel's output) and computes; trigger at the start.
   weights_late as weights_first, the trigger once the program's last block is requested.
 
-Every arm must give the same bits as `plain` (same math, same order); the run fails if not.
+qkv and gate/up RMS-normalise their input (as the engine's prologues do), so values stay O(1)
+and every arm must give the same bits as the first (same math, same order); the run fails if
+not, or if the result is zero or not finite. (Session 25's recorded runs predate the norm:
+their values had decayed to ~0, so their bit checks were weak; their timings stand.)
 Prints one JSON line per arm (us per layer application: the four GEMVs, median of
 `--repeats` graph replays) and writes them with the machine and command to --out.
 
@@ -81,7 +84,7 @@ def build_kernel():
     @triton.jit
     def gemv(w_ptr, x_ptr, y_ptr, K: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
              PP: tl.constexpr, GATED: tl.constexpr, UP: tl.constexpr, MODE: tl.constexpr,
-             LATE: tl.constexpr):
+             LATE: tl.constexpr, NORM: tl.constexpr):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         rows = tl.arange(0, BN)
@@ -97,6 +100,9 @@ def build_kernel():
             x = tl.load(x_ptr + cols).to(tl.float32)
         else:
             x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if NORM:  # the input's RMS norm, as the engine's qkv and gate/up prologues: keeps the
+            # chain's values O(1) over 96 layer applications, so the bit checks mean something
+            x = x / tl.sqrt(tl.sum(x * x, axis=0) / K + 1e-6)
         for i in tl.static_range(PP - 1):
             g2, u2 = _load(w_ptr, pid + (i + 1) * programs, rows, cols, BN, K, KP, GATED,
                            UP)
@@ -139,7 +145,8 @@ def run_chain(torch, gemv, layers, bufs, loops, mode, tiling):
                 if pdl:
                     kw["launch_pdl"] = True
                 gemv[grid](lw[name], src, out, K=k, KP=triton_next_pow2(k), BN=bn, PP=pp,
-                           GATED=gated, UP=n, MODE=wait, LATE=late, **kw)
+                           GATED=gated, UP=n, MODE=wait, LATE=late,
+                           NORM=name in ("qkv", "gate_up"), **kw)
                 src = out
 
 
@@ -242,7 +249,8 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta, rows=rows), f, indent=1)
-    if not all(r["bit_equal_to_first_arm"] for r in rows):
+    if not all(r["bit_equal_to_first_arm"] and r["finite"] and r["result_rms"] > 0
+               for r in rows):
         raise SystemExit(1)
 
 

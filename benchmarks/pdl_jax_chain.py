@@ -9,6 +9,8 @@ prologue (the residual + rms_norm(o's output)) -> down -> the next layer's qkv, 
 --layers layers of distinct weights (1.4B shapes, bf16), --loops times. The launcher's arms must give one another's bits (the same
 Triton compiles them), and `xla` arms theirs; the run fails if not. Between the two families
 the kernels come from two Triton versions, so the rounding may differ (max_diff_to_first_arm).
+Put a launcher arm without PDL (`ffi` or `seq`) first among the launcher arms: it is the
+family's reference (`family_reference`). The last timed run must also equal the first.
 
     python3 -m benchmarks.pdl_jax_chain --out benchmarks/results/pdl_jax_chain_h200.json
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -195,20 +198,22 @@ def main(argv=None):
         compile_s = time.perf_counter() - t0
         family = "xla" if arm == "xla" else "launcher"
         got = np.asarray(out[1])
-        ref.setdefault(family, got)
-        same = bool(np.array_equal(got, ref[family]))
-        first = next(iter(ref.values())).astype(np.float64)
+        ref.setdefault(family, (arm, got))
+        same = bool(np.array_equal(got, ref[family][1]))
+        first = next(iter(ref.values()))[1].astype(np.float64)
         if family == "launcher":
             pdl_launch.host_stats(reset=True)
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            jax.block_until_ready(f(x0, layers))
+            last = jax.block_until_ready(f(x0, layers))
             times.append((time.perf_counter() - t) * 1e6 / (args.loops * args.layers))
         med = statistics.median(times)
         row = dict(arm=arm, us_per_layer=round(med, 3), us_min=round(min(times), 3),
                    us_max=round(max(times), 3), tb_s=round(mb / med, 3),
                    compile_s=round(compile_s, 2), bit_equal_in_family=same,
+                   family_reference=ref[family][0],
+                   timed_run_equal=bool(np.array_equal(np.asarray(last[1]), got)),
                    max_diff_to_first_arm=float(np.max(np.abs(got.astype(np.float64) - first))),
                    result_rms=float(np.sqrt(np.mean(got.astype(np.float64) ** 2))))
         if family == "launcher":
@@ -222,12 +227,13 @@ def main(argv=None):
              for k, v in kernels.items()}
     meta = dict(command="python3 -m benchmarks.pdl_jax_chain " + " ".join(argv or sys.argv[1:]),
                 device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                xla_flags=os.environ.get("XLA_FLAGS", ""),
                 layers=args.layers, loops=args.loops, mb_per_layer=mb, kernels=kinfo,
                 tiling={k: STREAM_TUNING[k] for k in ORDER})
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(dict(meta, rows=rows), fh, indent=1)
-    if not all(r["bit_equal_in_family"] for r in rows):
+    if not all(r["bit_equal_in_family"] and r["timed_run_equal"] for r in rows):
         print("ERROR: an arm's result differs from its family's first (JAX's launch, or the "
               "launcher's)", file=sys.stderr)
         raise SystemExit(1)

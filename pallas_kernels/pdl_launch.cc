@@ -32,6 +32,7 @@ struct Driver {
   CUresult (*ctx_get_current)(CUcontext*) = nullptr;
   CUresult (*module_load_data)(CUmodule*, const void*) = nullptr;
   CUresult (*module_get_function)(CUfunction*, CUmodule, const char*) = nullptr;
+  CUresult (*module_unload)(CUmodule) = nullptr;
   CUresult (*func_set_attribute)(CUfunction, CUfunction_attribute, int) = nullptr;
   CUresult (*launch_kernel_ex)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
   CUresult (*get_error_string)(CUresult, const char**) = nullptr;
@@ -51,11 +52,12 @@ const Driver& driver() {
     d.module_load_data = reinterpret_cast<decltype(d.module_load_data)>(sym("cuModuleLoadData"));
     d.module_get_function =
         reinterpret_cast<decltype(d.module_get_function)>(sym("cuModuleGetFunction"));
+    d.module_unload = reinterpret_cast<decltype(d.module_unload)>(sym("cuModuleUnload"));
     d.func_set_attribute =
         reinterpret_cast<decltype(d.func_set_attribute)>(sym("cuFuncSetAttribute"));
     d.launch_kernel_ex = reinterpret_cast<decltype(d.launch_kernel_ex)>(sym("cuLaunchKernelEx"));
     d.get_error_string = reinterpret_cast<decltype(d.get_error_string)>(sym("cuGetErrorString"));
-    if (!d.ctx_get_current || !d.module_load_data || !d.module_get_function ||
+    if (!d.ctx_get_current || !d.module_load_data || !d.module_get_function || !d.module_unload ||
         !d.func_set_attribute || !d.launch_kernel_ex || !d.get_error_string) {
       d.error = "libcuda.so.1 lacks a driver entry point this launcher needs";
     }
@@ -76,16 +78,23 @@ ffi::Error cuda_error(const char* what, CUresult r) {
 // keeps its own lookup table (no lock on the launch path); the shared one, under a lock, is
 // only read when a thread first meets a kernel.
 std::mutex cache_mu;
-std::map<std::pair<CUcontext, int64_t>, CUfunction> cache;
+struct Loaded {
+  CUfunction fn;
+  int64_t n_params;  // the kernel's parameter count, as registered
+};
+std::map<std::pair<CUcontext, int64_t>, Loaded> cache;
 // Kernel images by id, registered from Python (OuroPdlRegister) before any program that
 // launches them runs: the FFI call then carries only small attributes (XLA copies a call's
 // attributes into its call frame on every launch).
 struct Image {
   std::string bytes;
   std::string name;
+  int64_t n_params;
 };
 std::map<int64_t, Image> images;
-thread_local std::map<std::pair<CUcontext, int64_t>, CUfunction> local_cache;
+// (A context destroyed and another created at the same address would find a stale entry;
+// XLA keeps its contexts for the process's life.)
+thread_local std::map<std::pair<CUcontext, int64_t>, Loaded> local_cache;
 constexpr size_t kMaxParams = 64;
 
 // Host-side timing of the handlers (OuroPdlStats): calls, nanoseconds inside them, inside
@@ -109,42 +118,41 @@ struct Timed {  // counts a handler call and its time
   ~Timed() { stat_ns_handler += now_ns() - start; }
 };
 
-// The loaded function of a registered kernel in the current context.
-ffi::Error lookup(int64_t kernel_id, int64_t shared, CUfunction* out) {
+// The loaded function of a registered kernel in the current context, and its parameter
+// count.
+ffi::Error lookup(int64_t kernel_id, int64_t shared, Loaded* out) {
   const Driver& d = driver();
   if (!d.error.empty()) return ffi::Error(ffi::ErrorCode::kInternal, d.error);
   CUcontext ctx = nullptr;
   if (CUresult r = d.ctx_get_current(&ctx); r != CUDA_SUCCESS) return cuda_error("context", r);
-  CUfunction fn = nullptr;
   if (auto hit = local_cache.find({ctx, kernel_id}); hit != local_cache.end()) {
-    fn = hit->second;
-  } else {
-    std::lock_guard<std::mutex> lock(cache_mu);
-    auto it = cache.find({ctx, kernel_id});
-    if (it != cache.end()) {
-      fn = it->second;
-    } else {
-      auto img = images.find(kernel_id);
-      if (img == images.end())
-        return ffi::Error(ffi::ErrorCode::kNotFound,
-                          "ouro_pdl_launch: kernel " + std::to_string(kernel_id) +
-                              " was never registered (pdl_launch.call registers it)");
-      CUmodule mod = nullptr;
-      if (CUresult r = d.module_load_data(&mod, img->second.bytes.data()); r != CUDA_SUCCESS)
-        return cuda_error("cuModuleLoadData", r);
-      if (CUresult r = d.module_get_function(&fn, mod, img->second.name.c_str());
-          r != CUDA_SUCCESS)
-        return cuda_error("cuModuleGetFunction", r);
-      if (shared > 48 * 1024) {
-        CUresult r = d.func_set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                          static_cast<int>(shared));
-        if (r != CUDA_SUCCESS) return cuda_error("shared memory size", r);
-      }
-      cache[{ctx, kernel_id}] = fn;
-    }
-    local_cache[{ctx, kernel_id}] = fn;
+    *out = hit->second;
+    return ffi::Error::Success();
   }
-  *out = fn;
+  std::lock_guard<std::mutex> lock(cache_mu);
+  auto it = cache.find({ctx, kernel_id});
+  if (it == cache.end()) {
+    auto img = images.find(kernel_id);
+    if (img == images.end())
+      return ffi::Error(ffi::ErrorCode::kNotFound,
+                        "ouro_pdl_launch: kernel " + std::to_string(kernel_id) +
+                            " was never registered (pdl_launch.call registers it)");
+    CUmodule mod = nullptr;
+    if (CUresult r = d.module_load_data(&mod, img->second.bytes.data()); r != CUDA_SUCCESS)
+      return cuda_error("cuModuleLoadData", r);
+    CUfunction fn = nullptr;
+    CUresult r = d.module_get_function(&fn, mod, img->second.name.c_str());
+    if (r == CUDA_SUCCESS && shared > 48 * 1024)
+      r = d.func_set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                               static_cast<int>(shared));
+    if (r != CUDA_SUCCESS) {
+      d.module_unload(mod);
+      return cuda_error("loading the kernel", r);
+    }
+    it = cache.emplace(std::make_pair(ctx, kernel_id), Loaded{fn, img->second.n_params}).first;
+  }
+  local_cache[{ctx, kernel_id}] = it->second;
+  *out = it->second;
   return ffi::Error::Success();
 }
 
@@ -197,8 +205,8 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
                   int64_t kernel_id, int64_t grid, int64_t threads, int64_t shared,
                   int64_t extra_params, bool pdl) {
   Timed timed;
-  CUfunction fn = nullptr;
-  if (ffi::Error e = lookup(kernel_id, shared, &fn); e.failure()) return e;
+  Loaded k;
+  if (ffi::Error e = lookup(kernel_id, shared, &k); e.failure()) return e;
   // The kernel's parameters: every operand's and result's device pointer in order, then
   // `extra_params` null pointers (the scratch pointers Triton appends to its kernels).
   void* ptrs[kMaxParams];
@@ -208,45 +216,82 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
   if (extra_params < 0 || n + static_cast<size_t>(extra_params) > kMaxParams)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "ouro_pdl_launch: too many kernel parameters");
-  while (n < kMaxParams && extra_params-- > 0) ptrs[n++] = nullptr;
+  if (static_cast<int64_t>(n) + extra_params != k.n_params)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "ouro_pdl_launch: " + std::to_string(n) + " buffers and " +
+                          std::to_string(extra_params) + " extra parameters for a kernel of " +
+                          std::to_string(k.n_params) + " parameters");
+  while (extra_params-- > 0) ptrs[n++] = nullptr;
   for (size_t i = 0; i < n; ++i) params[i] = &ptrs[i];
-  return launch(stream, fn, grid, threads, shared, pdl, params);
+  return launch(stream, k.fn, grid, threads, shared, pdl, params);
+}
+
+// A plan for Sequence: [count, then per kernel: id, grid, threads, shared, pdl, n_params,
+// then n_params buffer indices (operands first, then results; -1: a null pointer)], with
+// nbuf buffers. Returns an empty string if well formed, else what is wrong.
+std::string check_plan(const int64_t* plan, size_t size, int64_t nbuf) {
+  if (size < 1 || plan[0] < 0) return "no kernel count";
+  size_t at = 1;
+  for (int64_t k = 0; k < plan[0]; ++k) {
+    if (at + 6 > size) return "kernel " + std::to_string(k) + ": plan ends in its header";
+    int64_t grid = plan[at + 1], threads = plan[at + 2], shared = plan[at + 3];
+    int64_t np = plan[at + 5];
+    if (grid < 1 || threads < 1 || threads > 1024 || shared < 0)
+      return "kernel " + std::to_string(k) + ": bad launch shape";
+    if (np < 0 || np > static_cast<int64_t>(kMaxParams) || at + 6 + np > size)
+      return "kernel " + std::to_string(k) + ": bad parameter count";
+    at += 6;
+    for (int64_t i = 0; i < np; ++i)
+      if (plan[at + i] < -1 || plan[at + i] >= nbuf)
+        return "kernel " + std::to_string(k) + ": buffer index out of range";
+    at += np;
+  }
+  if (at != size) return "trailing elements after the last kernel";
+  return "";
 }
 
 // Several kernels in one custom call, in order, each with its own parameters picked from the
-// call's buffers: plan = [count, then per kernel: id, grid, threads, shared, pdl, n_params,
-// then n_params buffer indices (operands first, then results; -1: a null pointer)]. One
-// call per layer instead of one per kernel keeps the host ahead of the GPU.
+// call's buffers (check_plan's layout). The whole plan, and every kernel's parameter count
+// against its registered one, is checked before the first launch. One call per layer instead
+// of one per kernel keeps the host's calls few.
 ffi::Error Sequence(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                     ffi::Span<const int64_t> plan) {
   Timed timed;
   void* bufs[kMaxParams];
   size_t nbuf = 0;
   if (ffi::Error e = buffers(args, rets, bufs, &nbuf); e.failure()) return e;
-  auto bad = [] {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ouro_pdl_sequence: malformed plan");
-  };
-  if (plan.size() < 1) return bad();
+  if (std::string why = check_plan(plan.begin(), plan.size(), static_cast<int64_t>(nbuf));
+      !why.empty())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ouro_pdl_sequence: " + why);
+  constexpr int64_t kMaxKernels = 64;
+  if (plan[0] > kMaxKernels)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ouro_pdl_sequence: too many kernels");
+  Loaded loaded[kMaxKernels];
   size_t at = 1;
+  for (int64_t k = 0; k < plan[0]; ++k) {  // every kernel found and its parameters counted
+    if (ffi::Error e = lookup(plan[at], plan[at + 3], &loaded[k]); e.failure()) return e;
+    if (loaded[k].n_params != plan[at + 5])
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        "ouro_pdl_sequence: kernel " + std::to_string(k) + " takes " +
+                            std::to_string(loaded[k].n_params) + " parameters, the plan gives " +
+                            std::to_string(plan[at + 5]));
+    at += 6 + plan[at + 5];
+  }
+  at = 1;
   for (int64_t k = 0; k < plan[0]; ++k) {
-    if (at + 6 > plan.size()) return bad();
-    int64_t id = plan[at], grid = plan[at + 1], threads = plan[at + 2], shared = plan[at + 3];
+    int64_t grid = plan[at + 1], threads = plan[at + 2], shared = plan[at + 3];
     bool pdl = plan[at + 4] != 0;
     int64_t np = plan[at + 5];
     at += 6;
-    if (np < 0 || np > static_cast<int64_t>(kMaxParams) || at + np > plan.size()) return bad();
     void* ptrs[kMaxParams];
     void* params[kMaxParams];
     for (int64_t i = 0; i < np; ++i) {
-      int64_t b = plan[at + i];
-      if (b >= static_cast<int64_t>(nbuf) || b < -1) return bad();
-      ptrs[i] = b < 0 ? nullptr : bufs[b];
+      ptrs[i] = plan[at + i] < 0 ? nullptr : bufs[plan[at + i]];
       params[i] = &ptrs[i];
     }
     at += np;
-    CUfunction fn = nullptr;
-    if (ffi::Error e = lookup(id, shared, &fn); e.failure()) return e;
-    if (ffi::Error e = launch(stream, fn, grid, threads, shared, pdl, params); e.failure())
+    if (ffi::Error e = launch(stream, loaded[k].fn, grid, threads, shared, pdl, params);
+        e.failure())
       return e;
   }
   return ffi::Error::Success();
@@ -254,16 +299,26 @@ ffi::Error Sequence(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets
 
 }  // namespace
 
-// Stores a kernel image (cubin) and its entry name under `kernel_id`; 0 on success, 1 if the
-// id already holds another image.
+// Stores a kernel image (cubin), its entry name and parameter count under `kernel_id`; 0 on
+// success, 1 if the id already holds another kernel, 2 for a bad parameter count.
 extern "C" int OuroPdlRegister(int64_t kernel_id, const char* image, int64_t size,
-                               const char* name) {
+                               const char* name, int64_t n_params) {
+  if (n_params < 0 || n_params > static_cast<int64_t>(kMaxParams)) return 2;
   std::lock_guard<std::mutex> lock(cache_mu);
   std::string bytes(image, static_cast<size_t>(size));
   auto it = images.find(kernel_id);
-  if (it != images.end()) return it->second.bytes == bytes && it->second.name == name ? 0 : 1;
-  images[kernel_id] = Image{std::move(bytes), name};
+  if (it != images.end())
+    return it->second.bytes == bytes && it->second.name == name &&
+                   it->second.n_params == n_params
+               ? 0
+               : 1;
+  images[kernel_id] = Image{std::move(bytes), name, n_params};
   return 0;
+}
+
+// check_plan for tests: 0 if the plan is well formed for nbuf buffers, else 1.
+extern "C" int OuroPdlCheckPlan(const int64_t* plan, int64_t size, int64_t nbuf) {
+  return check_plan(plan, static_cast<size_t>(size), nbuf).empty() ? 0 : 1;
 }
 
 // Reads (and with reset != 0 clears) the host-side timing: out[0..3] = calls, ns in the

@@ -24,10 +24,12 @@ cost ~2.5 us more each than XLA's: the GPU idled between them).
 
 Safety: a kernel launched with PDL may start before the one ahead of it ends, so everything it
 does before its `griddepcontrol.wait` must read only data no earlier kernel in the program
-writes (weights). Kernels without a wait must not be launched with `pdl=True`; `call` checks
-the PTX for the wait. A trigger in a kernel lets the *next* kernel launch early: every kernel
-that may follow (ours or XLA's) waits before its first dependent read; XLA's own kernels wait
-at their start.
+writes (weights), and write nothing an earlier kernel may still read or write. `call` and
+`sequence` refuse `pdl=True` for a kernel whose PTX has no wait at all; they cannot check
+that the wait is on every path or ahead of every dependent read and every write: that is the
+kernel's contract (gemv_stream's `pdl` modes; tests/test_pdl.py checks their IR). A trigger
+in a kernel lets the *next* kernel launch early: every kernel that may follow (ours or XLA's)
+must wait before its first dependent read; XLA's own kernels wait at their start.
 
 GPU only (CUDA, the `triton` package); tests/test_pdl_launch.py builds
 the library and checks the capture on the CPU, and runs kernels on a GPU.
@@ -89,6 +91,20 @@ def cuda_include() -> Path:
                        f"pallas_kernels/pdl_launch.cc on first use; looked in {cands}")
 
 
+def default_cache() -> Path:
+    """A per-user folder ($XDG_CACHE_HOME or ~/.cache, then ouro_jax/pdl_launch): a shared
+    temp folder would let another user plant the library we load."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ouro_jax" / "pdl_launch"
+
+
+def _check_owned(path: Path) -> None:
+    st = path.stat()
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        raise RuntimeError(f"{path} is not owned by this user or is writable by others; "
+                           "remove it (or set OURO_PDL_CACHE) before loading the launcher")
+
+
 def build(cache_dir: str | os.PathLike | None = None) -> Path:
     """Builds the launcher library (once per source, jaxlib and cuda.h) and returns its path."""
     import jaxlib.version
@@ -98,11 +114,11 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
     inc, cuda = jaxlib_include(), cuda_include()
     key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.version.__version__.encode()
                          + (cuda / "cuda.h").read_bytes()).hexdigest()[:16]
-    cache = Path(cache_dir or os.environ.get("OURO_PDL_CACHE")
-                 or Path(tempfile.gettempdir()) / "ouro_pdl_launch")
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = Path(cache_dir or os.environ.get("OURO_PDL_CACHE") or default_cache())
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
     out = cache / f"libouro_pdl_{key}.so"
     if out.exists():
+        _check_owned(out)
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{inc}", f"-I{cuda}",
@@ -114,15 +130,24 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
     return out
 
 
+def declare(lib) -> None:
+    """The ctypes signatures of the library's C entry points."""
+    i64, i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
+    lib.OuroPdlRegister.argtypes = [i64, ctypes.c_char_p, i64, ctypes.c_char_p, i64]
+    lib.OuroPdlRegister.restype = ctypes.c_int
+    lib.OuroPdlStats.argtypes = [i64p, ctypes.c_int]
+    lib.OuroPdlStats.restype = None
+    lib.OuroPdlCheckPlan.argtypes = [i64p, i64, i64]
+    lib.OuroPdlCheckPlan.restype = ctypes.c_int
+
+
 def register() -> None:
     """Registers the FFI target for CUDA (once per process)."""
     with _lock:
         if _registered:
             return
         lib = ctypes.cdll.LoadLibrary(str(build()))
-        lib.OuroPdlRegister.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64,
-                                        ctypes.c_char_p]
-        lib.OuroPdlRegister.restype = ctypes.c_int
+        declare(lib)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OuroPdlLaunch),
                                     platform="CUDA")
         jax.ffi.register_ffi_target(TARGET_GRAPH, jax.ffi.pycapsule(lib.OuroPdlLaunchGraph),
@@ -141,8 +166,10 @@ def host_stats(reset: bool = False) -> dict:
     _registered[0].OuroPdlStats(out, int(reset))
     calls = out[0]
     per = (lambda ns: round(ns / calls / 1e3, 3)) if calls else (lambda ns: None)
+    # entry-to-entry intervals: calls - 1 of them, the gaps between programs included
+    between = round(out[3] / (calls - 1) / 1e3, 3) if calls > 1 else None
     return dict(calls=calls, us_in_handler=per(out[1]), us_in_launch=per(out[2]),
-                us_between_calls=per(out[3]) if calls > 1 else None)
+                us_between_calls=between)
 
 
 def register_kernel(kernel: "Kernel") -> None:
@@ -152,20 +179,23 @@ def register_kernel(kernel: "Kernel") -> None:
         if kernel.kernel_id in _kernels:
             return
         if _registered[0].OuroPdlRegister(kernel.kernel_id, kernel.image, len(kernel.image),
-                                          kernel.name.encode()):
-            raise RuntimeError(f"kernel id {kernel.kernel_id} already holds another image")
+                                          kernel.name.encode(), kernel.n_params):
+            raise RuntimeError(f"kernel id {kernel.kernel_id} already holds another kernel")
         _kernels.add(kernel.kernel_id)
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """One compiled kernel: its cubin, entry name, launch shape and parameter count."""
+    """One compiled kernel: its cubin, entry name, launch shape, its parameter count (PTX) and
+    how many of those are the pallas_call's operands and results (the rest: Triton's scratch
+    pointers, passed as nulls)."""
     image: bytes
     name: str
     grid: int
     threads: int
     shared: int
     n_params: int
+    n_buffers: int
     has_wait: bool
     has_trigger: bool
 
@@ -188,6 +218,7 @@ def capture_module(fn, *args):
         seen.append((r.module.operation.get_asm(enable_debug_info=False), tuple(r.grid)))
         return r
 
+    _capture_lock.acquire()
     reg.lowering.lower_jaxpr_to_triton_module = hook
     try:
         # a fresh function object: JAX's lowering caches must not skip the pallas_call rule
@@ -195,6 +226,7 @@ def capture_module(fn, *args):
             jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = orig
+        _capture_lock.release()
     if len(seen) != 1:
         raise ValueError(f"capture_module: fn must run exactly one pallas_call, saw {len(seen)}")
     module, grid = seen[0]
@@ -203,7 +235,17 @@ def capture_module(fn, *args):
     return module, int(grid[0]) if grid else 1
 
 
+_capture_lock = threading.Lock()  # capture_module patches a jax function while it lowers
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
+
+
+def ir_buffer_count(module: str) -> int:
+    """How many pointer arguments the Triton IR's kernel function takes (the pallas_call's
+    operands and results)."""
+    heads = [line for line in module.splitlines() if "tt.func" in line]
+    if len(heads) != 1:
+        raise ValueError(f"expected one tt.func in the Triton IR, found {len(heads)}")
+    return len(re.findall(r"%arg\d+\s*:", heads[0]))
 
 
 def parse_ptx(ptx: str):
@@ -233,14 +275,24 @@ def compile_pallas(fn, *args, num_warps: int, num_stages: int, arch: int = 90) -
             fh.write(module)
         k = triton.compile(path, target=GPUTarget("cuda", arch, 32),
                            options=dict(num_warps=num_warps, num_stages=num_stages))
-    scratch = getattr(k.metadata, "global_scratch_size", 0) or 0
-    if scratch:
-        raise ValueError(f"kernel {k.metadata.name} needs {scratch} B of global scratch, "
-                         "which the PDL launcher does not allocate")
+    md = k.metadata
+    for field in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(md, field, 0):
+            raise ValueError(f"kernel {md.name} needs {getattr(md, field)} B of {field}, "
+                             "which the PDL launcher does not allocate")
+    if getattr(md, "num_ctas", 1) != 1 or any(c != 1 for c in getattr(md, "cluster_dims",
+                                                                        (1, 1, 1))):
+        raise ValueError(f"kernel {md.name}: the PDL launcher launches no thread-block "
+                         "clusters")
     ptx = k.asm["ptx"]
     name, n_params = parse_ptx(ptx)
-    return Kernel(image=bytes(k.asm["cubin"]), name=name, grid=grid, threads=32 * num_warps,
-                  shared=int(k.metadata.shared), n_params=n_params,
+    n_buffers = ir_buffer_count(module)
+    if n_buffers > n_params:
+        raise ValueError(f"kernel {name}: {n_buffers} IR arguments but {n_params} PTX "
+                         "parameters")
+    return Kernel(image=bytes(k.asm["cubin"]), name=name, grid=grid,
+                  threads=32 * int(getattr(md, "num_warps", num_warps)),
+                  shared=int(md.shared), n_params=n_params, n_buffers=n_buffers,
                   has_wait="griddepcontrol.wait" in ptx,
                   has_trigger="griddepcontrol.launch_dependents" in ptx)
 
@@ -255,10 +307,10 @@ def call(kernel: Kernel, out_shapes, *args, pdl: bool, graph: bool = False):
                          "PDL would let it read its inputs before the kernel ahead has written "
                          "them")
     outs = out_shapes if isinstance(out_shapes, (list, tuple)) else [out_shapes]
-    extra = kernel.n_params - len(args) - len(outs)
-    if extra < 0:
-        raise ValueError(f"kernel {kernel.name} takes {kernel.n_params} parameters, called with "
-                         f"{len(args)} operands and {len(outs)} results")
+    if len(args) + len(outs) != kernel.n_buffers:
+        raise ValueError(f"kernel {kernel.name} takes {kernel.n_buffers} operands and results, "
+                         f"called with {len(args)} operands and {len(outs)} results")
+    extra = kernel.n_params - kernel.n_buffers
     register_kernel(kernel)
     return jax.ffi.ffi_call(TARGET_GRAPH if graph else TARGET, out_shapes)(
         *args, kernel_id=np.int64(kernel.kernel_id), grid=np.int64(kernel.grid),
@@ -275,10 +327,10 @@ def sequence_plan(steps, n_args: int, n_outs: int) -> np.ndarray:
         if pdl and not kernel.has_wait:
             raise ValueError(f"kernel {kernel.name} has no griddepcontrol.wait: it cannot be "
                              "launched with PDL")
-        extra = kernel.n_params - len(params)
-        if extra < 0:
-            raise ValueError(f"kernel {kernel.name} takes {kernel.n_params} parameters, given "
-                             f"{len(params)}")
+        if len(params) != kernel.n_buffers:
+            raise ValueError(f"kernel {kernel.name} takes {kernel.n_buffers} operands and "
+                             f"results, given {len(params)}")
+        extra = kernel.n_params - kernel.n_buffers
         idx = []
         for kind, i in params:
             if kind == "in" and 0 <= i < n_args:
@@ -291,6 +343,14 @@ def sequence_plan(steps, n_args: int, n_outs: int) -> np.ndarray:
         plan += [kernel.kernel_id, kernel.grid, kernel.threads, kernel.shared, int(bool(pdl)),
                  kernel.n_params, *idx, *([-1] * extra)]
     return np.asarray(plan, np.int64)
+
+
+def check_plan(plan: np.ndarray, n_buffers: int) -> bool:
+    """The library's own check of a plan (the one Sequence runs before any launch)."""
+    register()
+    plan = np.ascontiguousarray(plan, np.int64)
+    return _registered[0].OuroPdlCheckPlan(
+        plan.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), plan.size, n_buffers) == 0
 
 
 def sequence(steps, out_shapes, *args):

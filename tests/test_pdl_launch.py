@@ -20,8 +20,8 @@ gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 
 
 def _kernel(**kw):
-    base = dict(image=b"cubin bytes", name="k", grid=4,
-                threads=128, shared=0, n_params=3, has_wait=True, has_trigger=False)
+    base = dict(image=b"cubin bytes", name="k", grid=4, threads=128, shared=0, n_params=3,
+                n_buffers=2, has_wait=True, has_trigger=False)
     return pdl_launch.Kernel(**{**base, **kw})
 
 
@@ -58,17 +58,31 @@ def test_parse_ptx_reads_the_entry_and_counts_parameters():
         pdl_launch.parse_ptx(ptx + ptx)
 
 
-def test_call_refuses_pdl_without_a_wait_and_too_few_parameters():
+def test_call_refuses_pdl_without_a_wait_and_wrong_operand_counts():
     x = jnp.zeros((1, 8), jnp.bfloat16)
     out = S((1, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="no griddepcontrol.wait"):
-        pdl_launch.call(_kernel(has_wait=False), out, x, x, pdl=True)
-    with pytest.raises(ValueError, match="takes 3 parameters, called with 3 operands"):
-        pdl_launch.call(_kernel(), out, x, x, x, pdl=False)
+        pdl_launch.call(_kernel(has_wait=False), out, x, pdl=True)
+    with pytest.raises(ValueError, match="takes 2 operands and results, called with 2 operands"):
+        pdl_launch.call(_kernel(), out, x, x, pdl=False)
+    with pytest.raises(ValueError, match="takes 2 operands and results, called with 0 operands"):
+        pdl_launch.call(_kernel(), out, pdl=False)  # a missing operand is no null pointer
+
+
+def test_ir_buffer_count_reads_the_kernel_signature():
+    from pallas_kernels.gemv_stream import gemv_stream_normed
+    bf = jnp.bfloat16
+    f = lambda x, b, bw, nw, w: gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=bw,
+                                                    block_n=4, per_program=4)
+    module, _ = pdl_launch.capture_module(f, S((1, 2048), bf), S((1, 2048), bf),
+                                          S((2048,), bf), S((2048,), bf), S((6144, 2048), bf))
+    assert pdl_launch.ir_buffer_count(module) == 7  # five operands, two results
+    with pytest.raises(ValueError, match="one tt.func"):
+        pdl_launch.ir_buffer_count(module + module)
 
 
 def test_kernel_ids_follow_the_code():
-    assert _kernel().kernel_id == _kernel(name="k").kernel_id
+    assert _kernel().kernel_id == _kernel(name="m", grid=9).kernel_id  # the image alone
     assert _kernel().kernel_id != _kernel(image=b"other").kernel_id
     assert 0 <= _kernel().kernel_id < 2 ** 56
 
@@ -90,11 +104,33 @@ def test_library_builds_once_and_exports_the_handler(tmp_path):
     assert pdl_launch.build(tmp_path) == path  # cached: same source, jaxlib and cuda.h
     lib = ctypes.cdll.LoadLibrary(str(path))
     assert lib.OuroPdlLaunch is not None
-    lib.OuroPdlRegister.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64,
-                                    ctypes.c_char_p]
-    assert lib.OuroPdlRegister(7, b"abc", 3, b"k") == 0
-    assert lib.OuroPdlRegister(7, b"abc", 3, b"k") == 0  # the same image again: fine
-    assert lib.OuroPdlRegister(7, b"abd", 3, b"k") == 1  # another image under that id
+    pdl_launch.declare(lib)
+    assert lib.OuroPdlRegister(7, b"abc", 3, b"k", 4) == 0
+    assert lib.OuroPdlRegister(7, b"abc", 3, b"k", 4) == 0  # the same kernel again: fine
+    assert lib.OuroPdlRegister(7, b"abd", 3, b"k", 4) == 1  # another image under that id
+    assert lib.OuroPdlRegister(7, b"abc", 3, b"k", 5) == 1  # another parameter count
+    assert lib.OuroPdlRegister(8, b"abc", 3, b"k", -1) == 2
+
+
+@pytest.mark.skipif(not _can_build(), reason="needs a C++ compiler, cuda.h and jaxlib's headers")
+def test_the_librarys_plan_check_agrees_with_sequence_plan_and_refuses_malformed_plans():
+    a = _kernel(n_params=3)
+    good = pdl_launch.sequence_plan([(a, [("in", 0), ("out", 0)], True)] * 2, 1, 1)
+    assert pdl_launch.check_plan(good, 2)
+    assert not pdl_launch.check_plan(good, 1)  # a buffer index past the call's buffers
+    assert not pdl_launch.check_plan(np.append(good, 0), 2)  # trailing elements
+    assert not pdl_launch.check_plan(good[:-1], 2)  # ends inside a kernel's parameters
+    assert not pdl_launch.check_plan(good[:5], 2)  # ends inside a kernel's header
+    bad = good.copy()
+    bad[0] = -1
+    assert not pdl_launch.check_plan(bad, 2)
+    bad = good.copy()
+    bad[6] = 65  # more parameters than the launcher takes
+    assert not pdl_launch.check_plan(bad, 2)
+    bad = good.copy()
+    bad[3] = 0  # no threads
+    assert not pdl_launch.check_plan(bad, 2)
+    assert pdl_launch.check_plan(np.asarray([0], np.int64), 0)
 
 
 def _has_triton():
@@ -118,7 +154,7 @@ def test_compiled_kernel_has_the_wait_and_trigger_its_mode_asks_for(mode):
                                      S((4096, 2048), jnp.bfloat16), num_warps=4, num_stages=1)
     assert kern.has_wait == kern.has_trigger == bool(mode)
     assert kern.grid == 2048 // 8 and kern.threads == 128
-    assert kern.n_params >= 3 and kern.name.startswith("gemv_stream")
+    assert kern.n_buffers == 3 and kern.n_params >= 3 and kern.name.startswith("gemv_stream")
     assert kern.image[:4] == b"\x7fELF"  # a cubin
 
 
@@ -156,7 +192,8 @@ def test_gpu_launched_gemv_with_and_without_pdl(gated, graph):
 
 
 def test_sequence_plan_layout_and_refusals():
-    a, b = _kernel(n_params=3), _kernel(image=b"other", name="m", grid=8, n_params=4)
+    a = _kernel(n_params=3)
+    b = _kernel(image=b"other", name="m", grid=8, n_params=4, n_buffers=3)
     plan = pdl_launch.sequence_plan([(a, [("in", 0), ("out", 0)], True),
                                      (b, [("out", 0), ("in", 1), ("out", 1)], False)], 2, 2)
     assert plan.dtype == np.int64
@@ -164,15 +201,17 @@ def test_sequence_plan_layout_and_refusals():
                           b.kernel_id, 8, 128, 0, 0, 4, 2, 1, 3, -1]
     with pytest.raises(ValueError, match="no griddepcontrol.wait"):
         pdl_launch.sequence_plan([(_kernel(has_wait=False), [("in", 0)], True)], 1, 0)
-    with pytest.raises(ValueError, match="takes 3 parameters, given 4"):
+    with pytest.raises(ValueError, match="takes 2 operands and results, given 4"):
         pdl_launch.sequence_plan([(a, [("in", 0)] * 4, False)], 1, 0)
+    with pytest.raises(ValueError, match="takes 2 operands and results, given 1"):
+        pdl_launch.sequence_plan([(a, [("in", 0)], False)], 1, 0)
     with pytest.raises(ValueError, match="bad parameter"):
-        pdl_launch.sequence_plan([(a, [("out", 2)], False)], 1, 2)
+        pdl_launch.sequence_plan([(a, [("in", 0), ("out", 2)], False)], 1, 2)
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", [False, "end"])
+@pytest.mark.parametrize("mode", [False, "start", "end"])
 def test_gpu_sequence_equals_separate_launches(mode):
     n = k = 2048
     kx, kw = jax.random.split(jax.random.PRNGKey(1))
