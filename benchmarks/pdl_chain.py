@@ -177,20 +177,31 @@ def parse_tiling(spec: str) -> dict:
     return tiling
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def chain_parser(doc: str, default_arms: str) -> argparse.ArgumentParser:
+    """The options both PDL chain benchmarks take (this one and benchmarks.pdl_jax_chain)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--loops", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--arms", default="plain,wait_first,weights_first,weights_late,plain")
+    ap.add_argument("--arms", default=default_arms)
+    ap.add_argument("--out", default="")
+    return ap
+
+
+def parse_arms(spec: str, valid) -> list[str]:
+    arms = spec.split(",")
+    bad = [a for a in arms if a not in valid]
+    if bad:
+        raise SystemExit(f"unknown arm(s) {bad}; choose from {sorted(valid)}")
+    return arms
+
+
+def main(argv=None):
+    ap = chain_parser(__doc__, "plain,wait_first,weights_first,weights_late,plain")
     ap.add_argument("--tiling", default="",
                     help="overrides, e.g. qkv=4:4:4,down=1:8:4 (block_n:per_program:warps)")
-    ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    arms = args.arms.split(",")
-    bad = [a for a in arms if a not in MODES]
-    if bad:
-        raise SystemExit(f"unknown arm(s) {bad}; choose from {sorted(MODES)}")
+    arms = parse_arms(args.arms, MODES)
     tiling = parse_tiling(args.tiling)
     import torch  # the GPU machine's PyTorch and Triton (not the project's dependencies)
     import triton

@@ -16,7 +16,6 @@ family's reference (`family_reference`). The last timed run must also equal the 
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -28,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.pdl_chain import SHAPES
+from benchmarks.pdl_chain import SHAPES, chain_parser, parse_arms
 from ouro_jax.projection_tuning import STREAM_TUNING
 from pallas_kernels import pdl_launch
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
@@ -174,19 +173,11 @@ def trace_arm(f, x0, layers, units):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--loops", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--arms", default="xla,ffi,pdl_start,pdl_end,xla")
+    ap = chain_parser(__doc__, "xla,ffi,pdl_start,pdl_end,xla")
     ap.add_argument("--trace", action="store_true",
                     help="also trace each arm: kernel kinds' mean time, span and busy share")
-    ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    arms = args.arms.split(",")
-    bad = [a for a in arms if a not in ARMS]
-    if bad:
-        raise SystemExit(f"unknown arm(s) {bad}; choose from {sorted(ARMS)}")
+    arms = parse_arms(args.arms, ARMS)
     layers = make_weights(args.layers)
     x0 = jax.random.normal(jax.random.PRNGKey(1), (1, 2048), jnp.float32).astype(jnp.bfloat16)
     mb = sum(w.size * 2 for lw in layers for w in lw.values()) / args.layers / 1e6

@@ -337,17 +337,23 @@ extern "C" void OuroPdlStats(int64_t* out, int reset) {
   }
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("kernel_id")
-                                  .Attr<int64_t>("grid")
-                                  .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("shared")
-                                  .Attr<int64_t>("extra_params")
-                                  .Attr<bool>("pdl"));
+namespace {
+// Launch's binding: XLA's stream, the buffers, and the launch's attributes.
+auto LaunchBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<CUstream>>()
+      .RemainingArgs()
+      .RemainingRets()
+      .Attr<int64_t>("kernel_id")
+      .Attr<int64_t>("grid")
+      .Attr<int64_t>("threads")
+      .Attr<int64_t>("shared")
+      .Attr<int64_t>("extra_params")
+      .Attr<bool>("pdl");
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch, LaunchBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlSequence, Sequence,
                               ffi::Ffi::Bind()
@@ -360,15 +366,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlSequence, Sequence,
 // stream capture): XLA then replays the launches with the graph instead of calling us each
 // time. Whether the PDL attribute survives as a programmatic edge there is what
 // benchmarks.pdl_jax_chain measures.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunchGraph, Launch,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("kernel_id")
-                                  .Attr<int64_t>("grid")
-                                  .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("shared")
-                                  .Attr<int64_t>("extra_params")
-                                  .Attr<bool>("pdl"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunchGraph, Launch, LaunchBinding(),
                               {ffi::Traits::kCmdBufferCompatible});
