@@ -11,11 +11,15 @@ weights (1.4B shapes, bf16, no L2 reuse), `--loops` times, captured in one CUDA 
 host launch cost is out of the figure. Arms (`--arms`):
 
   plain        no PDL: each kernel starts when the one ahead has ended.
-  wait_first   PDL launch, griddepcontrol.wait at the kernel's start, trigger at the start:
-               what XLA does with its PDL attribute today.
+  wait_first   PDL launch, griddepcontrol.wait at the kernel's start, trigger at the start
+               (session 10's early trigger under XLA's wait).
+  xla_like     PDL launch, the wait at the start, no trigger (the kernel ahead lets the next
+               one launch only as it ends): what XLA does with its kernels today.
   weights_first PDL launch; each program requests its first weight block, then waits, then
                reads x (the previous kernel's output) and computes; trigger at the start.
   weights_late as weights_first, the trigger once the program's last block is requested.
+  weights_only as weights_first with no trigger: the early weight requests alone, against
+               xla_like (what they would add to XLA's own PDL launches).
 
 qkv and gate/up RMS-normalise their input (as the engine's prologues do), so values stay O(1)
 and every arm must give the same bits as the first (same math, same order); the run fails if
@@ -41,7 +45,10 @@ SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
 # The engine's one-row streaming tilings (ouro_jax/projection_tuning.STREAM_TUNING):
 # (block_n, per_program, num_warps)
 TILING = {"qkv": (4, 4, 4), "o": (2, 2, 4), "gate_up": (2, 8, 4), "down": (1, 4, 4)}
-MODES = {"plain": (0, 0), "wait_first": (1, 0), "weights_first": (2, 0), "weights_late": (2, 1)}
+# arm: (MODE: 0 no wait, 1 wait at the start, 2 wait after the first weight block;
+#       LATE: 0 trigger at the start, 1 once the last block is requested, 2 no trigger)
+MODES = {"plain": (0, 0), "wait_first": (1, 0), "xla_like": (1, 2), "weights_first": (2, 0),
+         "weights_late": (2, 1), "weights_only": (2, 2)}
 
 
 def _block_helpers():
@@ -100,7 +107,7 @@ def build_kernel():
         cols = tl.arange(0, KP)
         if MODE == 1:
             gdc_wait()
-        if MODE != 0 and not LATE:
+        if MODE != 0 and LATE == 0:
             gdc_launch_dependents()
         g, u = _load(w_ptr, pid, rows, cols, BN, K, KP, GATED, UP)
         if MODE == 2:
@@ -115,11 +122,11 @@ def build_kernel():
         for i in tl.static_range(PP - 1):
             g2, u2 = _load(w_ptr, pid + (i + 1) * programs, rows, cols, BN, K, KP, GATED,
                            UP)
-            if LATE and i == PP - 2:
+            if LATE == 1 and i == PP - 2:
                 gdc_launch_dependents()
             _store(y_ptr, pid + i * programs, g, u, x, rows, BN, GATED)
             g, u = g2, u2
-        if LATE and PP == 1:
+        if LATE == 1 and PP == 1:
             gdc_launch_dependents()
         _store(y_ptr, pid + (PP - 1) * programs, g, u, x, rows, BN, GATED)
 
@@ -206,7 +213,7 @@ def parse_arms(spec: str, valid) -> list[str]:
 
 
 def main(argv=None):
-    ap = chain_parser(__doc__, "plain,wait_first,weights_first,weights_late,plain")
+    ap = chain_parser(__doc__, "plain,xla_like,weights_only,weights_late,wait_first,plain")
     ap.add_argument("--tiling", default="",
                     help="overrides, e.g. qkv=4:4:4,down=1:8:4 (block_n:per_program:warps)")
     args = ap.parse_args(argv)
