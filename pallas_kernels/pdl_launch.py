@@ -5,22 +5,23 @@ weight blocks plus a launch gap (docs/performance.md, "Where the time goes"). Wi
 kernel may launch while the one ahead of it still runs, request its weights (which do not
 depend on that kernel), and only then wait (`griddepcontrol.wait`) before it reads the
 previous kernel's output. gemv_stream's `pdl="start"|"end"` already orders its code that way
-(first weight block, wait, then x and the norm prologue). But neither launch path JAX gives a
-Pallas kernel honours it: XLA's (jax <= 0.10.2, `__gpu$xla.gpu.triton`) puts its own wait at
-every kernel's start, and jaxlib's (`triton_kernel_call_ffi`, later versions) launches without
-the PDL attribute, so the early trigger and the late wait are no-ops. benchmarks.pdl_chain
-measured what it is worth outside JAX (H100, Triton GEMVs: 36.0 against 41.8 us per layer
-application for the four projections).
+(first weight block, wait, then x and the norm prologue). But XLA, which launches the Pallas
+kernels (the `__gpu$xla.gpu.triton` custom call in jax 0.10.2 and 0.11.2), launches every
+kernel with PDL and its own wait at the kernel's start, so the later wait never mattered
+(session 10). Measured (session 25, H100; docs/performance.md, "Tried, did not help"):
+Triton GEMVs shaped like ours in a PyTorch CUDA graph ran 36.0 against 41.1-42.6 us per
+layer application with no PDL at all (`benchmarks.pdl_chain`); the engine's kernels through
+this launcher ran level with JAX's own launch, not faster (`benchmarks.pdl_jax_chain`).
 
 How: `compile_pallas` lowers one pallas_call for the GPU, keeps the Triton IR it emits (the
 IR XLA would compile) and compiles it to a cubin with the `triton` package (PyTorch's, on
-the GPU machine; XLA's own Triton is not callable from Python). `call` then runs it through an XLA FFI custom
-call (pallas_kernels/pdl_launch.cc, built on first use with the host C++ compiler against
-jaxlib's FFI headers and cuda.h; the driver is opened with dlopen) that launches it on XLA's
-stream with `cuLaunchKernelEx`, the PDL attribute on or off. The kernel's image is handed
-to the library once (`register_kernel`, at trace time); the custom call carries only its
-id and launch shape (a first version passed the cubin as an attribute, and the launches
-cost ~2.5 us more each than XLA's: the GPU idled between them).
+the GPU machine; XLA's own Triton is not callable from Python). `call` then runs it through
+an XLA FFI custom call (pallas_kernels/pdl_launch.cc, built on first use with the host C++
+compiler against jaxlib's FFI headers and cuda.h; the driver is opened with dlopen) that
+launches it on XLA's stream with `cuLaunchKernelEx`, the PDL attribute on or off. The
+kernel's image is handed to the library once (`register_kernel`, at trace time); the custom
+call carries only its id and launch shape (a first version carried the cubin as an
+attribute; moving it out changed nothing measurable).
 
 Safety: a kernel launched with PDL may start before the one ahead of it ends, so everything it
 does before its `griddepcontrol.wait` must read only data no earlier kernel in the program
