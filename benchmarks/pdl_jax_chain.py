@@ -1,16 +1,19 @@
 """The engine's one-row streaming GEMVs chained as a decoder layer's projections, inside one
-jitted JAX program, launched by JAX (`xla`) or by our PDL launcher (pallas_kernels/pdl_launch.py)
-without PDL (`ffi`), with PDL and the trigger at the kernel's start (`pdl_start`) or once the
-last weight block has arrived (`pdl_end`); the `_g` arms through the handler XLA may record into its command buffers
-(CUDA graphs). Per layer, as the engine runs them at one row:
-qkv with the add_norm prologue (residual + rms_norm(down's output), then rms_norm) -> (slice
-of q, an XLA kernel, where the attention would be) -> o -> gate/up with the add_norm
-prologue (the residual + rms_norm(o's output)) -> down -> the next layer's qkv, over
---layers layers of distinct weights (1.4B shapes, bf16), --loops times. The launcher's arms must give one another's bits (the same
-Triton compiles them), and `xla` arms theirs; the run fails if not. Between the two families
-the kernels come from two Triton versions, so the rounding may differ (max_diff_to_first_arm).
-Put a launcher arm without PDL (`ffi` or `seq`) first among the launcher arms: it is the
-family's reference (`family_reference`). The last timed run must also equal the first.
+jitted JAX program, launched by JAX (`xla`) or by our PDL launcher
+(pallas_kernels/pdl_launch.py): without PDL (`ffi`), with PDL and the trigger at the kernel's
+start (`pdl_start`) or once the last weight block has arrived (`pdl_end`); the `_g` arms
+through the handler XLA may record into its command buffers (CUDA graphs); the `seq` arms
+with one custom call per layer launching its four kernels. Per layer, as the engine runs
+them at one row: qkv with the add_norm prologue (residual + rms_norm(down's output), then
+rms_norm) -> (slice of q, an XLA kernel, where the attention would be) -> o -> gate/up with
+the add_norm prologue (the residual + rms_norm(o's output)) -> down -> the next layer's qkv,
+over --layers layers of distinct weights (1.4B shapes, bf16), --loops times.
+
+The launcher's arms must give one another's bits (the same Triton compiles them), and `xla`
+arms theirs; the run fails if not. Between the two families the kernels come from two Triton
+versions, so the rounding may differ (max_diff_to_first_arm). Put a launcher arm without PDL
+(`ffi` or `seq`) first among the launcher arms: it is the family's reference
+(`family_reference`). The last timed run must also equal the first.
 
     python3 -m benchmarks.pdl_jax_chain --out benchmarks/results/pdl_jax_chain_h200.json
 """
