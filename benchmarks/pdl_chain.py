@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
-import subprocess
 import sys
+
+from pallas_kernels._common import next_pow2
 
 # qkv, o, gate/up (gated: 2 x 5632 rows), down at the 1.4B shape: (n_out, K, gated)
 SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
@@ -160,17 +161,10 @@ def run_chain(torch, gemv, layers, bufs, loops, mode, tiling):
                 kw = dict(num_warps=warps, num_stages=1)
                 if pdl:
                     kw["launch_pdl"] = True
-                gemv[grid](lw[name], src, out, K=k, KP=triton_next_pow2(k), BN=bn, PP=pp,
+                gemv[grid](lw[name], src, out, K=k, KP=next_pow2(k), BN=bn, PP=pp,
                            GATED=gated, UP=n, MODE=wait, LATE=late,
                            NORM=name in ("qkv", "gate_up"), **kw)
                 src = out
-
-
-def triton_next_pow2(n):
-    p = 1
-    while p < n:
-        p *= 2
-    return p
 
 
 def parse_tiling(spec: str) -> dict:
@@ -235,15 +229,15 @@ def main(argv=None):
         rows.append(row)
         if not same:
             print(f"ERROR: arm {arm} differs from arm {arms[0]}", file=sys.stderr)
-    meta = dict(command="python3 -m benchmarks.pdl_chain " + " ".join(argv or sys.argv[1:]),
-                device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, platform=platform.platform(),
-                git_commit=_git(), layers=args.layers, loops=args.loops, mb_per_layer=mb,
+    # the project's record (command, machine, commit, code digest); JAX only reads the device
+    # name here, so it must not take the GPU's memory from PyTorch
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from benchmarks.record import save_record
+    save_record("benchmarks.pdl_chain", argv, args.out, torch=torch.__version__,
+                torch_device=torch.cuda.get_device_name(), triton=triton.__version__,
+                layers=args.layers, loops=args.loops, mb_per_layer=mb,
                 tiling={k: dict(zip(("block_n", "per_program", "num_warps"), v))
-                        for k, v in tiling.items()})
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1)
+                        for k, v in tiling.items()}, rows=rows)
     if not all(r["bit_equal_to_first_arm"] and r["finite"] and r["result_rms"] > 0
                for r in rows):
         raise SystemExit(1)
@@ -287,14 +281,6 @@ def time_arm(torch, gemv, layers, arm, tiling, args, mb):
                finite=bool(torch.isfinite(host).all()))
     del graph
     return row, result
-
-
-def _git():
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

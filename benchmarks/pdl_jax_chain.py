@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.pdl_chain import SHAPES, chain_parser, parse_arms
+from benchmarks.record import save_record
 from ouro_jax.projection_tuning import STREAM_TUNING
 from pallas_kernels import pdl_launch
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
@@ -219,14 +219,9 @@ def main(argv=None):
     kinfo = {f"{k[0]}:{k[1]}": dict(grid=v.grid, threads=v.threads, shared=v.shared,
                                     params=v.n_params, wait=v.has_wait, trigger=v.has_trigger)
              for k, v in kernels.items()}
-    meta = dict(command="python3 -m benchmarks.pdl_jax_chain " + " ".join(argv or sys.argv[1:]),
-                device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                xla_flags=os.environ.get("XLA_FLAGS", ""),
-                layers=args.layers, loops=args.loops, mb_per_layer=mb, kernels=kinfo,
-                tiling={k: STREAM_TUNING[k] for k in ORDER})
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(dict(meta, rows=rows), fh, indent=1)
+    save_record("benchmarks.pdl_jax_chain", argv, args.out, layers=args.layers,
+                loops=args.loops, mb_per_layer=mb, kernels=kinfo,
+                tiling={k: STREAM_TUNING[k] for k in ORDER}, rows=rows)
     if not all(r["bit_equal_in_family"] and r["timed_run_equal"] for r in rows):
         print("ERROR: an arm's result differs from its family's first (JAX's launch, or the "
               "launcher's)", file=sys.stderr)

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,27 @@ def sm90_device_info():
     finally:
         lib.get_gpu_info = orig
 _orig = _reg.lowering.lower_jaxpr_to_triton_module
+_lower_lock = threading.Lock()  # triton_modules patches a jax function while it lowers
+
+
+def triton_modules(fn, *args) -> list[tuple[str, tuple]]:
+    """(Triton IR as text, grid) of every pallas_call in jit(fn)(*args) lowered for 'cuda',
+    as Pallas emits them; on a CPU too (sm90_device_info). A fresh function object each
+    call, so JAX's lowering caches never skip the pallas_call rule."""
+    seen = []
+
+    def hook(*a, **k):
+        r = _orig(*a, **k)
+        seen.append((r.module.operation.get_asm(enable_debug_info=False), tuple(r.grid)))
+        return r
+    with _lower_lock:
+        _reg.lowering.lower_jaxpr_to_triton_module = hook
+        try:
+            with sm90_device_info():
+                jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+        finally:
+            _reg.lowering.lower_jaxpr_to_triton_module = _orig
+    return seen
 
 
 def _hook(*a, **k):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -200,7 +201,7 @@ class Kernel:
     has_wait: bool
     has_trigger: bool
 
-    @property
+    @functools.cached_property
     def kernel_id(self) -> int:
         return int.from_bytes(hashlib.sha256(self.image).digest()[:7], "little")
 
@@ -208,26 +209,8 @@ class Kernel:
 def capture_module(fn, *args):
     """Lowers fn(*args) (which must run exactly one pallas_call) for the GPU and returns
     (Triton IR as text, grid) as Pallas emitted them."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    from pallas_kernels.offline_compile import sm90_device_info
-    seen = []
-    orig = reg.lowering.lower_jaxpr_to_triton_module
-
-    def hook(*a, **k):
-        r = orig(*a, **k)
-        seen.append((r.module.operation.get_asm(enable_debug_info=False), tuple(r.grid)))
-        return r
-
-    _capture_lock.acquire()
-    reg.lowering.lower_jaxpr_to_triton_module = hook
-    try:
-        # a fresh function object: JAX's lowering caches must not skip the pallas_call rule
-        with sm90_device_info():  # lowering for 'cuda' on a CPU (tests)
-            jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        reg.lowering.lower_jaxpr_to_triton_module = orig
-        _capture_lock.release()
+    from pallas_kernels.offline_compile import triton_modules
+    seen = triton_modules(fn, *args)
     if len(seen) != 1:
         raise ValueError(f"capture_module: fn must run exactly one pallas_call, saw {len(seen)}")
     module, grid = seen[0]
@@ -236,7 +219,6 @@ def capture_module(fn, *args):
     return module, int(grid[0]) if grid else 1
 
 
-_capture_lock = threading.Lock()  # capture_module patches a jax function while it lowers
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
 
 

@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.triton import pallas_call_registration as _reg
 
 from pallas_kernels import _common
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
-from pallas_kernels.offline_compile import sm90_device_info
+from pallas_kernels.offline_compile import triton_modules
 
 S = jax.ShapeDtypeStruct
 TRIGGER, WAIT = "griddepcontrol.launch_dependents", "griddepcontrol.wait"
@@ -22,19 +21,7 @@ TRIGGER, WAIT = "griddepcontrol.launch_dependents", "griddepcontrol.wait"
 
 def triton_ir(fn, *shapes) -> list[str]:
     """The Triton IR of every pallas_call in jit(fn) lowered for CUDA on this (CPU) machine."""
-    out, orig = [], _reg.lowering.lower_jaxpr_to_triton_module
-
-    def hook(*a, **k):
-        r = orig(*a, **k)
-        out.append(r.module.operation.get_asm(enable_debug_info=False))
-        return r
-    _reg.lowering.lower_jaxpr_to_triton_module = hook
-    try:
-        with sm90_device_info():
-            jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
-    finally:
-        _reg.lowering.lower_jaxpr_to_triton_module = orig
-    return out
+    return [ir for ir, _ in triton_modules(fn, *shapes)]
 
 
 def _loads(ir: str):
