@@ -195,6 +195,8 @@ def chain_parser(doc: str, default_arms: str) -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--arms", default=default_arms)
     ap.add_argument("--out", default="")
+    ap.add_argument("--tiling", default="",
+                    help="overrides, e.g. qkv=4:4:4,down=1:8:4 (block_n:per_program:warps)")
     return ap
 
 
@@ -208,8 +210,6 @@ def parse_arms(spec: str, valid) -> list[str]:
 
 def main(argv=None):
     ap = chain_parser(__doc__, "plain,xla_like,weights_only,weights_late,wait_first,plain")
-    ap.add_argument("--tiling", default="",
-                    help="overrides, e.g. qkv=4:4:4,down=1:8:4 (block_n:per_program:warps)")
     args = ap.parse_args(argv)
     arms = parse_arms(args.arms, MODES)
     tiling = parse_tiling(args.tiling)

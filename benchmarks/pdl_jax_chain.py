@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.pdl_chain import SHAPES, chain_parser, parse_arms
+from benchmarks.pdl_chain import SHAPES, chain_parser, parse_arms, parse_tiling
 from benchmarks.record import save_record
+from ouro_jax.model import rms_norm
 from ouro_jax.projection_tuning import STREAM_TUNING
 from pallas_kernels import pdl_launch
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
@@ -42,10 +43,16 @@ ARMS = {"xla": (None, False, False), "ffi": (False, False, False),
         "pdl_end_g": ("end", True, True),
         # one custom call per layer launching its four kernels (pdl_launch.sequence)
         "seq": (False, False, "seq"), "seq_start": ("start", True, "seq"),
-        "seq_end": ("end", True, "seq")}
+        "seq_end": ("end", True, "seq"),
+        # diagnostics (session 26), JAX's launch: qkv and gate/up without their add_norm
+        # prologue (`xla_plain`: plain GEMVs on the branch, no norms at all; other bits), or
+        # with the add_norm as separate XLA kernels before plain GEMVs (`xla_sepnorm`)
+        "xla_plain": (None, False, False), "xla_sepnorm": (None, False, False)}
+PROLOGUE = {"xla_plain": "none", "xla_sepnorm": "xla"}  # the rest: in the kernel
 ORDER = ("qkv", "o", "gate_up", "down")
 NORMED = ("qkv", "gate_up")  # the add_norm prologue: (x, branch, branch_w, norm_w, w)
 EPS = 1e-6
+TILING_OVERRIDES = {}  # --tiling: name -> block_n / per_program / num_warps over STREAM_TUNING
 
 
 def make_weights(n_layers, seed=0):
@@ -67,13 +74,21 @@ def make_weights(n_layers, seed=0):
     return layers
 
 
-def projection(name, kernel_pdl, launch_pdl, graph, kernels):
-    """f(x, w) (plain) or f(x, branch, branch_w, norm_w, w) -> (y, x') (add_norm prologue)."""
+def projection(name, kernel_pdl, launch_pdl, graph, kernels, prologue="kernel"):
+    """f(x, w) (plain) or f(x, branch, branch_w, norm_w, w) -> (y, x') (add_norm prologue;
+    prologue "none": y = x @ w, x' = x; "xla": the add_norm by XLA, then the plain GEMV)."""
     n, k, gated = SHAPES[name]
-    tuning = dict(STREAM_TUNING[name])
+    tuning = dict(STREAM_TUNING[name], **TILING_OVERRIDES.get(name, {}))
     if kernel_pdl is not None:
         tuning["pdl"] = kernel_pdl
-    if name in NORMED:
+    if name in NORMED and prologue != "kernel":
+        def f(x, b, bw, nw, w):
+            if prologue == "xla":
+                x = x + rms_norm(b, bw, EPS)
+                return gemv_stream(rms_norm(x, nw, EPS), w, gated=gated, **tuning), x
+            # no norms: the branch is the input, so the chain stays one dependent line
+            return gemv_stream(b, w, gated=gated, **tuning), b
+    elif name in NORMED:
         def f(x, b, bw, nw, w):
             return gemv_stream_normed(x, nw, w, eps=EPS, branch=b, branch_w=bw, gated=gated,
                                       **tuning)
@@ -99,10 +114,11 @@ def projection(name, kernel_pdl, launch_pdl, graph, kernels):
 def chain_fn(arm, loops, kernels):
     if ARMS[arm][2] == "seq":
         return seq_chain_fn(arm, loops, kernels)
-    proj = {name: projection(name, *ARMS[arm], kernels) for name in ORDER}
+    proj = {name: projection(name, *ARMS[arm], kernels, PROLOGUE.get(arm, "kernel"))
+            for name in ORDER}
 
     def f(h, layers):
-        d = jnp.zeros_like(h)
+        d = h if PROLOGUE.get(arm) == "none" else jnp.zeros_like(h)
         outs = []
         for _ in range(loops):
             for lw in layers:
@@ -181,6 +197,10 @@ def main(argv=None):
                     help="also trace each arm: kernel kinds' mean time, span and busy share")
     args = ap.parse_args(argv)
     arms = parse_arms(args.arms, ARMS)
+    given = {item.partition("=")[0] for item in args.tiling.split(",") if item}
+    TILING_OVERRIDES.clear()
+    TILING_OVERRIDES.update({name: dict(zip(("block_n", "per_program", "num_warps"), t))
+                             for name, t in parse_tiling(args.tiling).items() if name in given})
     layers = make_weights(args.layers)
     x0 = jax.random.normal(jax.random.PRNGKey(1), (1, 2048), jnp.float32).astype(jnp.bfloat16)
     mb = sum(w.size * 2 for lw in layers for w in lw.values()) / args.layers / 1e6
@@ -190,7 +210,7 @@ def main(argv=None):
         f = chain_fn(arm, args.loops, kernels)
         out = jax.block_until_ready(f(x0, layers))
         compile_s = time.perf_counter() - t0
-        family = "xla" if arm == "xla" else "launcher"
+        family = arm if arm.startswith("xla") else "launcher"  # xla_*: other math
         got = np.asarray(out[1])
         ref.setdefault(family, (arm, got))
         same = bool(np.array_equal(got, ref[family][1]))
@@ -221,7 +241,8 @@ def main(argv=None):
              for k, v in kernels.items()}
     save_record("benchmarks.pdl_jax_chain", argv, args.out, layers=args.layers,
                 loops=args.loops, mb_per_layer=mb, kernels=kinfo,
-                tiling={k: STREAM_TUNING[k] for k in ORDER}, rows=rows)
+                tiling={k: dict(STREAM_TUNING[k], **TILING_OVERRIDES.get(k, {})) for k in ORDER},
+                rows=rows)
     if not all(r["bit_equal_in_family"] and r["timed_run_equal"] for r in rows):
         print("ERROR: an arm's result differs from its family's first (JAX's launch, or the "
               "launcher's)", file=sys.stderr)

@@ -1,0 +1,156 @@
+"""The persistent Mosaic GPU GEMV chain (pallas_kernels/chain_mgpu.py) against the same
+chain as separate kernels launched by XLA: the engine's streaming GEMV (`stream`, the
+engine's tilings, no norm prologues) and XLA's own dot (`xla`). 24 layers of distinct
+1.4B-shaped weights (qkv, o, gate/up, down; bf16), --loops passes in one jitted program;
+us per layer application and TB/s over the weights' bytes, with the in-run copy bandwidth.
+
+Exactness first: with one layer, each stage of the persistent kernel is compared with XLA's
+GEMV applied to the kernel's own input for that stage (fp32 accumulation, one bf16
+rounding: only the summation order differs); over all layers, the final output's relative
+error against XLA's chain.
+
+    python3 -m benchmarks.chain_mgpu --out benchmarks/results/chain_mgpu_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.record import save_record
+from ouro_jax.projection_tuning import STREAM_TUNING
+from pallas_kernels.chain_mgpu import Q_ROWS, SHAPES, gemv_chain_mgpu, reference_chain
+from pallas_kernels.gemv import gemv_reference
+from pallas_kernels.gemv_stream import gemv_stream
+
+GATE_UP_GAIN = 1.3  # keeps silu(gate) * up near unit RMS, so 96 chained layers stay O(1)
+
+
+def make_weights(n_layers, seed=0):
+    ws, key = [], jax.random.PRNGKey(seed)
+    for name, n, k, gated in SHAPES:
+        key, sub = jax.random.split(key)
+        scale = k ** -0.5 * (GATE_UP_GAIN if gated else 1.0)
+        ws.append((jax.random.normal(sub, (n_layers, 2 * n if gated else n, k), jnp.float32)
+                   * scale).astype(jnp.bfloat16))
+    return tuple(ws)
+
+
+def stream_chain(x, ws):
+    h = x
+    for l in range(ws[0].shape[0]):
+        y = gemv_stream(h, ws[0][l], **STREAM_TUNING["qkv"])
+        y = gemv_stream(y[:, :Q_ROWS], ws[1][l], **STREAM_TUNING["o"])
+        y = gemv_stream(y, ws[2][l], gated=True, **STREAM_TUNING["gate_up"])
+        h = gemv_stream(y, ws[3][l], **STREAM_TUNING["down"])
+    return h
+
+
+def looped(chain, loops):
+    def f(x, ws):
+        for _ in range(loops):
+            x = chain(x, ws)
+        return x
+    return jax.jit(f)
+
+
+def stage_check(tiling, seed=1):
+    """One layer: each stage against XLA's GEMV on the kernel's own stage input."""
+    ws = make_weights(1, seed)
+    x = jax.random.normal(jax.random.PRNGKey(seed), (1, 2048), jnp.float32).astype(jnp.bfloat16)
+    yq, yo, ygu, yd = jax.jit(lambda x, ws: gemv_chain_mgpu(x, ws, **tiling))(x, ws)
+    ins = (x, yq[:, :Q_ROWS], yo, ygu)
+    rows = {}
+    for (name, _, _, gated), w, inp, got in zip(SHAPES, ws, ins, (yq, yo, ygu, yd)):
+        ref = np.asarray(gemv_reference(inp, w[0], gated=gated), np.float32)
+        got = np.asarray(got, np.float32)
+        rows[name] = dict(differ=int((got != ref).sum()), of=int(ref.size),
+                          max_abs=float(np.abs(got - ref).max()),
+                          ref_rms=float(np.sqrt((ref ** 2).mean())))
+    return rows
+
+
+def timed(f, args, repeats):
+    out = jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    return out, times
+
+
+def copy_tb_s(nbytes=2 << 30):
+    a = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    _, times = timed(f, (a,), 10)
+    return 2 * nbytes / min(times) / 1e12
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--loops", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--tilings", default="8:256:8,8:256:16,8:512:8,8:512:12",
+                    help="block_n:block_k:stages,... for the persistent kernel")
+    ap.add_argument("--baselines", default="stream,xla")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    tilings = [dict(zip(("block_n", "block_k", "stages"), map(int, t.split(":"))))
+               for t in args.tilings.split(",") if t]
+    ws = make_weights(args.layers)
+    mb = sum(w.size * 2 for w in ws) / args.layers / 1e6
+    x = jax.random.normal(jax.random.PRNGKey(7), (1, 2048), jnp.float32).astype(jnp.bfloat16)
+    units = args.layers * args.loops
+    copy = copy_tb_s()
+    print(json.dumps(dict(device=jax.devices()[0].device_kind, mb_per_layer=round(mb, 2),
+                          copy_tb_s=round(copy, 3))), flush=True)
+    ref = np.asarray(looped(reference_chain, args.loops)(x, ws), np.float32)
+    rows = []
+
+    def record(arm, f, **extra):
+        t0 = time.perf_counter()
+        try:
+            out, times = timed(f, (x, ws), args.repeats)
+        except Exception as e:  # noqa: BLE001 - report the arm and go on
+            row = dict(arm=arm, error=f"{type(e).__name__}: {str(e)[:600]}", **extra)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            return
+        got = np.asarray(out, np.float32)
+        us = statistics.median(times) * 1e6 / units
+        row = dict(arm=arm, us_per_layer=round(us, 3),
+                   us_min=round(min(times) * 1e6 / units, 3), tb_s=round(mb / us, 3),
+                   of_copy=round(mb / us / copy, 4),
+                   first_call_s=round(time.perf_counter() - t0 - sum(times), 2),
+                   rel_err_vs_xla=float(np.sqrt(((got - ref) ** 2).mean() / (ref ** 2).mean())),
+                   out_rms=float(np.sqrt((got ** 2).mean())), **extra)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    for name in args.baselines.split(","):
+        if name:
+            record(name, looped({"stream": stream_chain, "xla": reference_chain}[name],
+                                args.loops))
+    for tiling in tilings:
+        try:
+            check = stage_check(tiling)
+        except Exception as e:  # noqa: BLE001
+            check = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+        print(json.dumps(dict(tiling=tiling, stage_check=check)), flush=True)
+
+        def chain(x, ws, t=tiling):
+            return gemv_chain_mgpu(x, ws, **t)[3]
+        record("persistent", looped(chain, args.loops), tiling=tiling, stage_check=check)
+    save_record("benchmarks.chain_mgpu", argv, args.out, layers=args.layers, loops=args.loops,
+                mb_per_layer=mb, copy_tb_s=copy, rows=rows)
+
+
+if __name__ == "__main__":
+    main()
