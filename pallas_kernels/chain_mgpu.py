@@ -12,9 +12,13 @@ slots filled by TMA, and walks one flat sequence of weight tiles across every st
 layer: the tiles of stage s + 1 are requested while stage s is still being computed and
 while the program waits at the handover, so the memory system keeps streaming through it.
 
-The chain is the plain projections (no norms, no residuals, no attention: what a whole
-layer would need is listed in docs/kernels.md): x -> qkv, q = its first 2048 outputs -> o
--> gate/up (silu(gate) * up, as gemv._silu_mul rounds it) -> down -> the next layer's qkv.
+The chain: x -> qkv, q = its first q_rows outputs -> o -> gate/up (silu(gate) * up, as
+gemv._silu_mul rounds it) -> down -> the next layer's qkv. With `norms`, qkv and gate/up
+take the engine's add_norm prologues (x' = x + rms_norm(branch), input rms_norm(x'), rounded
+as model.rms_norm; the branch is down's or o's output), computed by every program from the
+whole rows; without, the plain projections. No attention: o reads q directly (what a whole
+layer still needs is listed in docs/kernels.md).
+
 Math per tile as gemv_mgpu_areg: x's chunk broadcast to 64 rows is wgmma's register A
 operand, W's [block_n, block_k] tile the transposed B operand, fp32 accumulation over the
 whole K in one program (no split-K), one bf16 rounding per output.
@@ -22,14 +26,16 @@ whole K in one program (no split-K), one bf16 rounding per output.
 Handover: a program that has written its stage-s outputs (TMA stores, completed) adds 1 to
 one global counter (a Pallas GPU semaphore, zeroed by Pallas at every call); stage s + 1
 starts once the counter reaches (s + 1) * programs, then reads its input row from global
-memory. Every output buffer is rewritten four stages after it was read, behind three more
-of these waits, so no program can overwrite an input another program has yet to read. All
-programs must be resident at once: the grid is the SM count (`programs`) and one program
-fits an SM.
+memory. Every buffer (the stage outputs, and the residual rows hq / hg, which program 0
+writes) is rewritten only behind at least one more of these waits than the stage that
+reads it starts behind, so no program can overwrite a row another program has yet to read.
+All programs must be resident at once: the grid is at most the SM count (`programs`) and
+one program fits an SM.
 
-Units: stage t's output rows in blocks of block_n, block b to program b % programs; a
-program's tiles for one unit are its K blocks in order (gate and up tiles alternating for
-gate/up). `stages` tiles are in flight per program.
+Units: stage t's output rows in blocks of block_n, block b to program b % programs. A
+program's tiles go stage by stage, K step by K step, each step over its units (gate and up
+tiles alternating for gate/up); its ring of `stages` slots runs `stages - B` tiles ahead,
+B being the most tiles one step takes (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -41,144 +47,51 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.gemv import _silu_mul
-from pallas_kernels.gemv_mgpu import SMEM_LIMIT, w_tile_transforms
+from pallas_kernels.chain_layout import (AROWS, Q_ROWS, SHAPES, chain_shapes, check,
+                                         reference_chain, shapes_of, smem_bytes, step_tiles,
+                                         tile_weights, umax)
+from pallas_kernels.gemv import _normed, _silu_mul
+from pallas_kernels.gemv_mgpu import w_tile_transforms
 
-AROWS = 64  # wgmma's M: x broadcast to 64 rows
-
-
-def chain_shapes(hidden, q_rows, qkv_rows, inter):
-    """Per stage (name, output rows N, K, gated); gate/up's weight is [gate; up] [2N, K].
-    o reads q, the first q_rows of qkv's outputs."""
-    return (("qkv", qkv_rows, hidden, False), ("o", hidden, q_rows, False),
-            ("gate_up", inter, hidden, True), ("down", hidden, inter, False))
-
-
-SHAPES = chain_shapes(2048, 2048, 6144, 5632)  # the 1.4B model's
-Q_ROWS = 2048
-
-
-def shapes_of(ws, block_n=1, block_k=None):
-    """chain_shapes of weights [L, rows, K] or, with block_k, tile_weights' layout."""
-    if len(ws) != 4:
-        raise ValueError(f"ws must be (qkv, o, gate_up, down) weights, got {len(ws)}")
-    dims = []
-    for w in ws:
-        want = ("[L, rows, K]" if block_k is None else
-                "tile_weights' [L, rows / block_n, K / block_k, block_n, block_k]")
-        if w.ndim != (3 if block_k is None else 5) or (
-                block_k is not None and w.shape[3:] != (block_n, block_k)):
-            raise ValueError(f"weights must be {want}, got {w.shape}")
-        dims.append((w.shape[1], w.shape[2]) if block_k is None
-                    else (w.shape[1] * block_n, w.shape[2] * block_k))
-    (n0, h), (h_o, q), (i2, h_gu), (h_d, i) = dims
-    if h_o != h or h_gu != h or h_d != h or i2 != 2 * i or q > n0:
-        raise ValueError(f"weights do not chain: qkv {dims[0]}, o {dims[1]}, gate_up "
-                         f"{dims[2]}, down {dims[3]} (rows, K)")
-    return chain_shapes(h, q, n0, i)
-
-
-def reference_chain(x, ws):
-    """The chain in XLA over [L, rows, K] weights: fp32 accumulation, one bf16 rounding per
-    output (gemv_reference); returns the last layer's down output."""
-    from pallas_kernels.gemv import gemv_reference
-    wq, wo, wgu, wd = ws
-    h = x
-    for l in range(wq.shape[0]):
-        y = gemv_reference(h, wq[l])
-        y = gemv_reference(y[:, :wo.shape[2]], wo[l])
-        y = gemv_reference(y, wgu[l], gated=True)
-        h = gemv_reference(y, wd[l])
-    return h
-
-
-def umax(shapes, block_n, programs):
-    """Per stage: the most units (blocks of block_n output rows) one program owns."""
-    return [-(-(n // block_n) // programs) for _, n, _, _ in shapes]
-
-
-def step_tiles(shapes, block_n, programs):
-    """The most weight tiles one K step consumes: units x (2 for gate/up)."""
-    return max(u * (2 if gated else 1)
-               for u, (*_, gated) in zip(umax(shapes, block_n, programs), shapes))
-
-
-def smem_bytes(shapes, block_n, block_k, stages, interpret=False):
-    kmax = max(k for _, _, k, _ in shapes)
-    a_tile = AROWS * block_k * 2 if interpret else 0
-    return (stages * block_n * block_k * 2 + kmax * 2 + AROWS * block_n * 2 + a_tile
-            + 1024)
-
-
-def tile_weights(ws, block_n, block_k):
-    """[L, rows, K] -> [L, rows / block_n, K / block_k, block_n, block_k]: every tile the
-    kernel requests is one contiguous block of memory (a layout chosen once, at load)."""
-    out = []
-    for w in ws:
-        n_layers, rows, k = w.shape
-        out.append(w.reshape(n_layers, rows // block_n, block_n, k // block_k, block_k)
-                   .transpose(0, 1, 3, 2, 4))
-    return tuple(out)
-
-
-def check(x, ws, block_n, block_k, stages, programs, interpret=False):
-    """The chain's shapes (chain_shapes), or ValueError naming what is wrong."""
-    if block_n % 8 or not 8 <= block_n <= 256 or block_k % 64:
-        raise ValueError(f"block_n={block_n} must be a multiple of 8 in 8..256 and "
-                         f"block_k={block_k} a multiple of 64")
-    shapes = shapes_of(ws, block_n, block_k)
-    n_layers = ws[0].shape[0]
-    if x.shape != (1, shapes[0][2]) or x.dtype != jnp.bfloat16:
-        raise ValueError(f"x must be bf16 [1, {shapes[0][2]}], got {x.dtype} {x.shape}")
-    if type(programs) is not int or programs < 1:
-        raise ValueError(f"programs must be an int >= 1, got {programs!r}")
-    for (name, n, k, gated), w in zip(shapes, ws):
-        if k % block_k or n % block_n:
-            raise ValueError(f"{name}: block_n={block_n} must divide N={n} and "
-                             f"block_k={block_k} K={k}")
-        rows = 2 * n if gated else n
-        want = (n_layers, rows // block_n, k // block_k, block_n, block_k)
-        if w.shape != want or w.dtype != jnp.bfloat16:
-            raise ValueError(f"{name} weights must be bf16 {want} (tile_weights of "
-                             f"[{n_layers}, {rows}, {k}]), got {w.dtype} {w.shape}")
-        if n // block_n < programs:
-            raise ValueError(f"{name}: {n // block_n} blocks of {block_n} rows leave some of "
-                             f"the {programs} programs without work; lower block_n")
-    need = 2 * step_tiles(shapes, block_n, programs)
-    if stages < need or stages > 32:  # barrier phases live in one 32-bit mask
-        raise ValueError(f"stages={stages} must be in {need}..32 (twice the tiles of one "
-                         f"K step, {need // 2} at block_n={block_n}, {programs} programs)")
-    smem = smem_bytes(shapes, block_n, block_k, stages, interpret)
-    if smem > SMEM_LIMIT:
-        raise ValueError(f"{smem} B of shared memory exceeds {SMEM_LIMIT}")
-    return shapes
+__all__ = ["AROWS", "Q_ROWS", "SHAPES", "chain_shapes", "check", "gemv_chain_mgpu",
+           "lower_for_h200", "reference_chain", "shapes_of", "smem_bytes", "step_tiles",
+           "tile_weights", "umax"]
 
 
 @functools.lru_cache(maxsize=None)
 def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag=None,
-           interpret=None):
+           interpret=None, eps=None):
     dt = jnp.dtype(jnp.bfloat16)
     S, P, BN, BK = stages, programs, block_n, block_k
-    SHAPES = shapes  # noqa: N806 - the module constant's name, for this chain's shapes
-    kmax = max(k for _, _, k, _ in SHAPES)
+    kmax = max(k for _, _, k, _ in shapes)
     transforms = w_tile_transforms(BK, dt)
     wg = plgpu.Layout.WGMMA.to_mgpu()
     a_layout = plgpu.Layout.TILED(wg.tiling, warp_dims=wg.warp_dims, lane_dims=wg.lane_dims,
                                   vector_dim=wg.vector_dim)
     col_layout = a_layout.reduce(0)
-    nk = [k // BK for _, _, k, _ in SHAPES]
-    c = [2 if gated else 1 for *_, gated in SHAPES]
-    um = umax(SHAPES, BN, P)
-    B = step_tiles(SHAPES, BN, P)  # refill distance: a step's tiles are requested B ahead
+    nk = [k // BK for _, _, k, _ in shapes]
+    c = [2 if gated else 1 for *_, gated in shapes]
+    um = umax(shapes, BN, P)
+    B = step_tiles(shapes, BN, P)  # refill distance: a step's tiles are requested B ahead
+    normed = eps is not None
+    hidden = shapes[0][2]
 
-    def body(x_g, wq, wo, wgu, wd, yq, yo, ygu, yd, ring, bars, x_smem, o_smem, *a_smem):
-        ws, ys = (wq, wo, wgu, wd), (yq, yo, ygu, yd)
+    def body(*refs):
+        x_g, refs = refs[0], refs[1:]
+        if normed:  # the first layer's branch, then per layer [L, H]: qkv's branch and
+            # input norm weights, gate/up's
+            d0, nbq, nnq, nbg, nng, refs = *refs[:5], refs[5:]
+        ws, ys, refs = refs[:4], refs[4:8], refs[8:]
+        yd = ys[3]
+        if normed:  # the residual stream after qkv's and gate/up's add_norm
+            hq, hg, refs = *refs[:2], refs[2:]
+        ring, bars, x_smem, o_smem, *a_smem = refs
         # (the CPU interpreter has no global semaphores: one program needs no handover)
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if sync else None
         me = lax.axis_index("p")
         # this program's units and tiles per stage (the same every layer); within a stage
         # the tiles go K step by K step, each step over the program's units (gate, up)
-        units = [(n // BN - me + P - 1) // P for _, n, _, _ in SHAPES]
+        units = [(n // BN - me + P - 1) // P for _, n, _, _ in shapes]
         per_step = [u * c[t] for t, u in enumerate(units)]
         prefix = [0]
         for t in range(4):
@@ -190,7 +103,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
             @pl.when(g < total)
             def _():
                 layer, r = g // per_layer, g % per_layer
-                for t, (_, n, _, _) in enumerate(SHAPES):
+                for t, (_, n, _, _) in enumerate(shapes):
                     @pl.when((r >= prefix[t]) & (r < prefix[t + 1]))
                     def _(t=t, n=n):
                         i = r - prefix[t]
@@ -207,12 +120,39 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
             x_smem.at[pl.ds(0, k)][...] = plgpu.load(src)
             plgpu.commit_smem()
 
-        def stage(t, layer, g):
-            _, n, k, gated = SHAPES[t]
-            if sync:  # the handover: all programs' outputs of the layer * 4 + t stages
-                plgpu.semaphore_wait(sem, (layer * 4 + t) * P, decrement=False,
-                                     memory_scope="gpu")
-            if t == 0:
+        def add_norm_x(x_src, b_src, bw, nw, h_out):
+            """The engine's add_norm prologue (gemv_mgpu_normed's statistics, rounded as
+            model.rms_norm): x' = x + rms_norm(branch, bw), into h_out (program 0); the
+            stage's input rms_norm(x', nw) into x_smem. Every program computes it from the
+            whole rows (a few KB from L2)."""
+            xf = plgpu.load(x_src).astype(jnp.float32)
+            bf = plgpu.load(b_src).astype(jnp.float32)
+            nb = _normed(bf, lax.rsqrt(jnp.sum(bf * bf) / hidden + eps), plgpu.load(bw), dt)
+            row = x_smem.at[pl.ds(0, hidden)]
+            row[...] = nb  # through SMEM: keeps the rounding to bf16 before the add (the
+            nb = row[...]  # Mosaic lowering dropped it otherwise; gemv_mgpu_normed)
+            xn = (xf + nb.astype(jnp.float32)).astype(dt)
+
+            @pl.when(me == 0)
+            def _():
+                h_out[0] = xn
+            xf = xn.astype(jnp.float32)
+            row[...] = _normed(xf, lax.rsqrt(jnp.sum(xf * xf) / hidden + eps),
+                               plgpu.load(nw), dt)
+            plgpu.commit_smem()
+
+        def stage_input(t, layer, k):
+            if normed and t == 0:
+                @pl.when(layer == 0)
+                def _():
+                    add_norm_x(x_g.at[0], d0.at[0], nbq.at[layer], nnq.at[layer], hq)
+
+                @pl.when(layer > 0)
+                def _():
+                    add_norm_x(hg.at[0], yd.at[0], nbq.at[layer], nnq.at[layer], hq)
+            elif normed and t == 2:
+                add_norm_x(hq.at[0], ys[1].at[0], nbg.at[layer], nng.at[layer], hg)
+            elif t == 0:
                 @pl.when(layer == 0)
                 def _():
                     load_x(x_g.at[0, pl.ds(0, k)], k)
@@ -222,6 +162,13 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
                     load_x(yd.at[0, pl.ds(0, k)], k)
             else:
                 load_x(ys[t - 1].at[0, pl.ds(0, k)], k)
+
+        def stage(t, layer, g):
+            _, n, k, gated = shapes[t]
+            if sync:  # the handover: all programs' outputs of the layer * 4 + t stages
+                plgpu.semaphore_wait(sem, (layer * 4 + t) * P, decrement=False,
+                                     memory_scope="gpu")
+            stage_input(t, layer, k)
             nt = per_step[t]
 
             def scope(*accs):  # accs[u * c + j]: unit u's gate (j=0) / up (j=1) or plain
@@ -290,8 +237,10 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
 
         lax.fori_loop(0, n_layers, layer_body, jnp.int32(0))
 
-    body.__name__ = "gemv_chain_mgpu"
-    out = [jax.ShapeDtypeStruct((1, n), dt) for _, n, _, _ in SHAPES]
+    body.__name__ = "gemv_chain_mgpu" + ("_add_norm" if normed else "")
+    out = [jax.ShapeDtypeStruct((1, n), dt) for _, n, _, _ in shapes]
+    if normed:
+        out += [jax.ShapeDtypeStruct((1, hidden), dt)] * 2
     return plgpu.kernel(
         body, out_type=out,
         scratch_types=[plgpu.SMEM((S, BN, BK), dt, transforms=transforms),
@@ -301,11 +250,16 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
         grid=(P,), grid_names=("p",), interpret=interpret)
 
 
-def gemv_chain_mgpu(x, ws, *, block_n=16, block_k=256, stages=12, programs=None, sync=True,
-                    diag=None, interpret=False):
+def gemv_chain_mgpu(x, ws, *, norms=None, branch=None, eps=1e-6, block_n=16, block_k=256,
+                    stages=12, programs=None, sync=True, diag=None, interpret=False):
     """The plain chain over ws = tile_weights((qkv [L, 6144, 2048], o [L, 2048, 2048],
     gate_up [L, 11264, 2048], down [L, 2048, 5632]), block_n, block_k), bf16, from x
     [1, 2048]; returns the last layer's four outputs (qkv, o, gate/up, down).
+    norms = (qkv's branch norm, qkv's input norm, gate/up's branch norm, gate/up's input
+    norm), each [L, hidden] bf16: the engine's add_norm prologues on qkv and gate/up
+    (x' = x + rms_norm(branch, ...), input rms_norm(x', ...); the branch is the previous
+    down output, or `branch` (default zeros) for the first layer, then o's output), and two
+    more outputs: the residual stream after the last layer's qkv and gate/up prologues.
     programs: by default the SM count, or the smallest stage's block count if fewer. Diagnostics (wrong results): sync=False drops the
     handover waits (the stream's own pace); diag="nox" multiplies a zero A operand (no x
     load or broadcast), "nomma" does no math (the ring's pace alone). interpret: the CPU
@@ -321,17 +275,32 @@ def gemv_chain_mgpu(x, ws, *, block_n=16, block_k=256, stages=12, programs=None,
         raise ValueError(f"interpret has no handover: programs=1, or sync=False (a "
                          f"diagnostic), got programs={programs}")
     shapes = check(x, ws, block_n, block_k, stages, programs, bool(interpret))
+    extra = ()
+    if norms is not None:
+        hidden, n_layers = shapes[0][2], ws[0].shape[0]
+        if len(norms) != 4 or any(w.shape != (n_layers, hidden) or w.dtype != jnp.bfloat16
+                                  for w in norms):
+            raise ValueError(f"norms must be four bf16 [{n_layers}, {hidden}] weights, got "
+                             f"{[(w.dtype, w.shape) for w in norms]}")
+        branch = jnp.zeros_like(x) if branch is None else branch
+        if branch.shape != x.shape or branch.dtype != x.dtype:
+            raise ValueError(f"branch must be like x, {x.dtype} {x.shape}, got "
+                             f"{branch.dtype} {branch.shape}")
+        extra = (branch, *norms)
+    elif branch is not None:
+        raise ValueError("branch is the first layer's add_norm input: it needs norms")
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     return _build(shapes, ws[0].shape[0], block_n, block_k, stages, programs,
-                  bool(sync) and not interpret, diag, interpret or None)(x, *ws)
+                  bool(sync) and not interpret, diag, interpret or None,
+                  None if norms is None else float(eps))(x, *extra, *ws)
 
 
-def lower_for_h200(x, ws, **kw):
+def lower_for_h200(x, ws, norms=None, **kw):
     """The Pallas -> Mosaic GPU lowering for 'cuda' on any machine (see gemv_mgpu)."""
     from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
     from pallas_kernels.offline_compile import sm90_device_info
-    kw.setdefault("programs", 132)
+    kw.setdefault("programs", 128)
     with sm90_device_info():
-        return jax.jit(functools.partial(gemv_chain_mgpu, **kw)).trace(x, ws).lower(
-            lowering_platforms=("cuda",))
+        return jax.jit(lambda x, ws, norms: gemv_chain_mgpu(x, ws, norms=norms, **kw)).trace(
+            x, ws, norms).lower(lowering_platforms=("cuda",))

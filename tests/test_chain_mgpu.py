@@ -2,7 +2,8 @@
 layout, CPU interpret mode on tiny shapes (one program: the whole chain bit for bit against
 XLA; two programs without the handover, which the interpreter lacks: each program's own
 ring with uneven units, checked on the first stage), the refusals, the lowering for 'cuda'
-on a CPU machine, and the 1.4B shapes on a GPU.
+on a CPU machine, the add_norm prologues (bit for bit in the interpreter), and the 1.4B
+shapes on a GPU.
 
 Skipped where jax has no Mosaic GPU Pallas with GPU interpret mode (jax 0.10.2 in CI)."""
 
@@ -70,6 +71,27 @@ def test_interpret_one_program_is_bit_identical_to_xla(n_layers):
                                                                          gated=gated)))
 
 
+def _norms(n_layers, hidden, seed=5):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    norms = tuple((1 + 0.1 * jax.random.normal(k, (n_layers, hidden))).astype(jnp.bfloat16)
+                  for k in keys[:4])
+    branch = jax.random.normal(keys[4], (1, hidden), jnp.float32).astype(jnp.bfloat16)
+    return norms, branch
+
+
+def test_interpret_add_norm_chain_is_bit_identical_to_xla():
+    """qkv and gate/up with the engine's add_norm prologues over two layers, a nonzero first
+    branch: the last down output and both residual rows are XLA's (model.rms_norm) bits."""
+    shapes = cm.chain_shapes(256, 256, 384, 256)  # rows of 256: the strided norm layout
+    x, ws = _weights(shapes, 2, seed=2)
+    norms, branch = _norms(2, 256)
+    outs = cm.gemv_chain_mgpu(x, cm.tile_weights(ws, 64, 64), norms=norms, branch=branch,
+                              block_n=64, block_k=64, stages=16, interpret=True)
+    assert len(outs) == 6
+    for got, ref in zip(outs[3:], cm.reference_chain(x, ws, norms, branch)):
+        np.testing.assert_array_equal(_f32(got), _f32(ref))
+
+
 def test_interpret_two_programs_uneven_units_first_stage():
     """qkv's 17 row blocks split 9 / 8 over two programs: each program's ring runs the whole
     chain to the end (no hang) and the first stage, which needs no handover, is exact."""
@@ -107,18 +129,32 @@ def test_refuses_untiled_or_unchained_weights():
     bad = (bad[0], bad[1], bad[2][:, :8], bad[3])  # gate/up rows no longer twice down's K
     with pytest.raises(ValueError, match="do not chain"):
         cm.gemv_chain_mgpu(x, bad, block_n=8, block_k=64, stages=32, programs=1)
+    tiled = cm.tile_weights(ws, 8, 64)
+    norms, branch = _norms(1, 64)
+    with pytest.raises(ValueError, match="norms must be four bf16"):
+        cm.gemv_chain_mgpu(x, tiled, norms=norms[:3], block_n=8, block_k=64, stages=32,
+                           programs=1)
+    with pytest.raises(ValueError, match="branch must be like x"):
+        cm.gemv_chain_mgpu(x, tiled, norms=norms, branch=branch[:, :32], block_n=8,
+                           block_k=64, stages=32, programs=1)
+    with pytest.raises(ValueError, match="it needs norms"):
+        cm.gemv_chain_mgpu(x, tiled, branch=branch, block_n=8, block_k=64, stages=32,
+                           programs=1)
     with pytest.raises(ValueError, match="x must be bf16"):
         cm.gemv_chain_mgpu(x.astype(jnp.float32), cm.tile_weights(ws, 8, 64), block_n=8,
                            block_k=64, stages=32, programs=1)
 
 
-def test_lowers_for_cuda_at_the_1p4b_shapes():
+@pytest.mark.parametrize("normed", [False, True])
+def test_lowers_for_cuda_at_the_1p4b_shapes(normed):
     """The register-A path (which the interpreter replaces) lowers for sm_90 on a CPU."""
     L, bn, bk = 2, 16, 256
     x = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
     ws = tuple(jax.ShapeDtypeStruct((L, (2 * n if g else n) // bn, k // bk, bn, bk),
                                     jnp.bfloat16) for _, n, k, g in cm.SHAPES)
-    text = cm.lower_for_h200(x, ws, block_n=bn, block_k=bk, stages=12, programs=128).as_text()
+    norms = tuple(jax.ShapeDtypeStruct((L, 2048), jnp.bfloat16) for _ in range(4))
+    text = cm.lower_for_h200(x, ws, norms if normed else None, block_n=bn, block_k=bk,
+                             stages=12, programs=128).as_text()
     assert "mosaic_gpu" in text
 
 
@@ -136,3 +172,24 @@ def test_gpu_stages_match_xla_at_the_1p4b_shapes():
         ref = _f32(gemv_reference(inp, w[0], gated=gated))
         got = _f32(got)
         assert np.all(np.abs(got - ref) <= 2 ** -6 * np.maximum(np.abs(ref), 1.0)), name
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_gpu_add_norm_chain_matches_xla_at_the_1p4b_shapes():
+    """Two layers with the add_norm prologues: the residual rows are exact bf16 sums of
+    values the GPU rounds like XLA (up to the fp32 statistic's last bit), the outputs
+    within two bf16 steps."""
+    x, ws = _weights(cm.SHAPES, 2, seed=4)
+    norms, branch = _norms(2, 2048)
+    outs = jax.jit(lambda x, w, n, b: cm.gemv_chain_mgpu(x, w, norms=n, branch=b))(
+        x, cm.tile_weights(ws, 16, 256), norms, branch)
+    for got, ref in zip(outs[3:], cm.reference_chain(x, ws, norms, branch)):
+        got, ref = _f32(got), _f32(ref)
+        assert np.all(np.abs(got - ref) <= 2 ** -6 * np.maximum(np.abs(ref), 1.0))
+
+
+def test_benchmark_refuses_unknown_tiling_flags():
+    from benchmarks import chain_mgpu as bench
+    with pytest.raises(SystemExit, match="unknown flag 'fast'"):
+        bench.main(["--tilings", "16:256:12:128:fast"])
