@@ -3,8 +3,10 @@
 # GPU GEMV chain in its committed form (tile-major weights, one x broadcast per K step for
 # all of a program's units). The first run of that form lost its machine ("stopped
 # answering", no output), so every step here runs under a KILL timeout, the smallest first:
-#   t. tests/test_chain_mgpu.py (the GPU tests at the 1.4B shapes: one layer, each stage vs
-#      XLA; two layers with the add_norm prologues);
+#   t. tests/test_chain_mgpu.py's GPU tests (-m gpu), the smallest first: tiny shapes on one
+#      and two programs through the handover, then the 1.4B shapes (one layer, each stage vs
+#      XLA; two layers with the add_norm prologues); Mosaic's ptxas log and SASS are kept
+#      (mgpu_dump.tgz) to check the wgmma under pl.when and the register use;
 #   s. benchmarks.chain_mgpu: XLA's chain and the engine's streaming GEMVs with their
 #      add_norm prologues vs the persistent kernel at its default tilings (plain and
 #      normed), with the no-math and no-x diagnostics (wrong results) that split its time;
@@ -14,7 +16,10 @@
 . benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-tsd}
 on() { [[ $STEPS == *$1* ]]; }
-on t && timeout -s KILL $(left 120) python3 -m pytest -q -x tests/test_chain_mgpu.py 2>&1 | tail -4
+on t && MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$OUT/mgpu_dump \
+  timeout -s KILL $(left 150) python3 -m pytest -q -x -m gpu tests/test_chain_mgpu.py 2>&1 | tail -4
+# the dumps are many files: keep a listing and the SASS of the 1.4B plain kernel only
+ls $OUT/mgpu_dump 2>/dev/null | head -20; (cd $OUT && tar czf mgpu_dump.tgz mgpu_dump 2>/dev/null; rm -rf mgpu_dump)
 echo "t done at $SECONDS s"
 on s && timeout -s KILL $(left 300) python3 -m benchmarks.chain_mgpu --repeats 10 \
   --baselines xla,stream_normed,xla_normed \

@@ -20,23 +20,16 @@ SHAPES = chain_shapes(2048, 2048, 6144, 5632)  # the 1.4B model's
 Q_ROWS = 2048
 
 
-def shapes_of(ws, block_n=1, block_k=None):
-    """chain_shapes of weights [L, rows, K] or, with block_k, tile_weights' layout."""
+def shapes_of(ws):
+    """chain_shapes of the four stages' weights [L, rows, K] (qkv, o, gate/up, down)."""
     if len(ws) != 4:
         raise ValueError(f"ws must be (qkv, o, gate_up, down) weights, got {len(ws)}")
-    dims = []
-    for w in ws:
-        want = ("[L, rows, K]" if block_k is None else
-                "tile_weights' [L, rows / block_n, K / block_k, block_n, block_k]")
-        if w.ndim != (3 if block_k is None else 5) or (
-                block_k is not None and w.shape[3:] != (block_n, block_k)):
-            raise ValueError(f"weights must be {want}, got {w.shape}")
-        dims.append((w.shape[1], w.shape[2]) if block_k is None
-                    else (w.shape[1] * block_n, w.shape[2] * block_k))
-    (n0, h), (h_o, q), (i2, h_gu), (h_d, i) = dims
+    if any(w.ndim != 3 for w in ws):
+        raise ValueError(f"weights must be [L, rows, K], got {[w.shape for w in ws]}")
+    (n0, h), (h_o, q), (i2, h_gu), (h_d, i) = [w.shape[1:] for w in ws]
     if h_o != h or h_gu != h or h_d != h or i2 != 2 * i or q > n0:
-        raise ValueError(f"weights do not chain: qkv {dims[0]}, o {dims[1]}, gate_up "
-                         f"{dims[2]}, down {dims[3]} (rows, K)")
+        raise ValueError(f"weights do not chain: qkv {(n0, h)}, o {(h_o, q)}, gate_up "
+                         f"{(i2, h_gu)}, down {(h_d, i)} (rows, K)")
     return chain_shapes(h, q, n0, i)
 
 
@@ -78,52 +71,104 @@ def step_tiles(shapes, block_n, programs):
                for u, (*_, gated) in zip(umax(shapes, block_n, programs), shapes))
 
 
-def smem_bytes(shapes, block_n, block_k, stages, interpret=False):
+def smem_bytes(shapes, block_n, block_k, stages, programs, interpret=False, normed=False):
     kmax = max(k for _, _, k, _ in shapes)
     a_tile = AROWS * block_k * 2 if interpret else 0
-    return (stages * block_n * block_k * 2 + kmax * 2 + AROWS * block_n * 2 + a_tile
-            + 1024)
+    table = 4 * table_len(shapes, block_n, block_k, programs)
+    # + barriers and alignment; the norm prologue's reductions take ~1.1 KB more
+    return (stages * block_n * block_k * 2 + kmax * 2 + AROWS * block_n * 2 + a_tile + table
+            + 1024 + (2048 if normed else 0))
+
+
+def stage_bases(shapes, block_n, block_k):
+    """Where each stage's tiles start in tile_weights' per-layer run, and the run's length."""
+    bases, t = [], 0
+    for _, n, k, gated in shapes:
+        bases.append(t)
+        t += (2 * n if gated else n) // block_n * (k // block_k)
+    return bases, t
 
 
 def tile_weights(ws, block_n, block_k):
-    """[L, rows, K] -> [L, rows / block_n, K / block_k, block_n, block_k]: every tile the
-    kernel requests is one contiguous block of memory (a layout chosen once, at load)."""
+    """[L, rows, K] weights of the four stages -> one [L, T, block_n, block_k] array: per
+    layer, each stage's tiles in turn, (row block, K block) in row-major order. Every tile
+    the kernel requests is one contiguous block of memory, and one array serves all stages
+    (a layout chosen once, at load)."""
     out = []
     for w in ws:
         n_layers, rows, k = w.shape
+        if rows % block_n or k % block_k:
+            raise ValueError(f"weights {w.shape}: block_n={block_n} must divide the rows and "
+                             f"block_k={block_k} K")
         out.append(w.reshape(n_layers, rows // block_n, block_n, k // block_k, block_k)
-                   .transpose(0, 1, 3, 2, 4))
-    return tuple(out)
+                   .transpose(0, 1, 3, 2, 4).reshape(n_layers, -1, block_n, block_k))
+    return jnp.concatenate(out, axis=1)
 
 
-def check(x, ws, block_n, block_k, stages, programs, interpret=False):
-    """The chain's shapes (chain_shapes), or ValueError naming what is wrong."""
+def program_tiles(shapes, block_n, block_k, programs, p):
+    """Program p's tiles of one layer, in the order it takes them: per stage, K step by K
+    step, each step over its units (blocks p, p + P, ...; gate then up for gate/up), as
+    indices into tile_weights' per-layer run."""
+    bases, _ = stage_bases(shapes, block_n, block_k)
+    seq = []
+    for (_, n, k, gated), base in zip(shapes, bases):
+        nk = k // block_k
+        units = range(p, n // block_n, programs)
+        for kb in range(nk):
+            for rb in units:
+                for j in range(2 if gated else 1):
+                    seq.append(base + (rb + j * (n // block_n)) * nk + kb)
+    return seq
+
+
+def table_len(shapes, block_n, block_k, programs):
+    """The tile table's row length: program 0's tiles per layer (the most), rounded up to
+    a multiple of 256 (a whole-warpgroup load)."""
+    most = len(program_tiles(shapes, block_n, block_k, programs, 0))
+    return -(-most // 256) * 256
+
+
+def tile_table(shapes, block_n, block_k, programs):
+    """int32 [programs, table_len]: each program's program_tiles, zero-padded."""
+    import numpy as np
+    table = np.zeros((programs, table_len(shapes, block_n, block_k, programs)), np.int32)
+    for p in range(programs):
+        seq = program_tiles(shapes, block_n, block_k, programs, p)
+        table[p, :len(seq)] = seq
+    return table
+
+
+def check(x, w, shapes, block_n, block_k, stages, programs, interpret=False, normed=False):
+    """ValueError naming what is wrong with the call, if anything."""
     if block_n % 8 or not 8 <= block_n <= 256 or block_k % 64:
         raise ValueError(f"block_n={block_n} must be a multiple of 8 in 8..256 and "
                          f"block_k={block_k} a multiple of 64")
-    shapes = shapes_of(ws, block_n, block_k)
-    n_layers = ws[0].shape[0]
+    if len(shapes) != 4 or shapes != chain_shapes(shapes[0][2], shapes[1][2], shapes[0][1],
+                                                  shapes[2][1]):
+        raise ValueError(f"shapes must be chain_shapes(...), got {shapes}")
     if x.shape != (1, shapes[0][2]) or x.dtype != jnp.bfloat16:
         raise ValueError(f"x must be bf16 [1, {shapes[0][2]}], got {x.dtype} {x.shape}")
     if type(programs) is not int or programs < 1:
         raise ValueError(f"programs must be an int >= 1, got {programs!r}")
-    for (name, n, k, gated), w in zip(shapes, ws):
+    for name, n, k, _ in shapes:
         if k % block_k or n % block_n:
             raise ValueError(f"{name}: block_n={block_n} must divide N={n} and "
                              f"block_k={block_k} K={k}")
-        rows = 2 * n if gated else n
-        want = (n_layers, rows // block_n, k // block_k, block_n, block_k)
-        if w.shape != want or w.dtype != jnp.bfloat16:
-            raise ValueError(f"{name} weights must be bf16 {want} (tile_weights of "
-                             f"[{n_layers}, {rows}, {k}]), got {w.dtype} {w.shape}")
         if n // block_n < programs:
             raise ValueError(f"{name}: {n // block_n} blocks of {block_n} rows leave some of "
                              f"the {programs} programs without work; lower block_n")
+    _, t = stage_bases(shapes, block_n, block_k)
+    if w.ndim != 4 or w.shape[1:] != (t, block_n, block_k) or w.dtype != jnp.bfloat16:
+        raise ValueError(f"weights must be bf16 [L, {t}, {block_n}, {block_k}] "
+                         f"(tile_weights), got {w.dtype} {w.shape}")
     need = 2 * step_tiles(shapes, block_n, programs)
     if stages < need or stages > 32:  # barrier phases live in one 32-bit mask
         raise ValueError(f"stages={stages} must be in {need}..32 (twice the tiles of one "
                          f"K step, {need // 2} at block_n={block_n}, {programs} programs)")
-    smem = smem_bytes(shapes, block_n, block_k, stages, interpret)
+    fewest = len(program_tiles(shapes, block_n, block_k, programs, programs - 1))
+    if fewest < stages:  # a request runs at most one layer ahead
+        raise ValueError(f"stages={stages} exceeds the {fewest} tiles per layer of the "
+                         f"program with the fewest")
+    smem = smem_bytes(shapes, block_n, block_k, stages, programs, interpret, normed)
     if smem > SMEM_LIMIT:
         raise ValueError(f"{smem} B of shared memory exceeds {SMEM_LIMIT}")
-    return shapes

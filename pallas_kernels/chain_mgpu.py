@@ -48,14 +48,15 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.chain_layout import (AROWS, Q_ROWS, SHAPES, chain_shapes, check,
-                                         reference_chain, shapes_of, smem_bytes, step_tiles,
-                                         tile_weights, umax)
+                                         program_tiles, reference_chain, shapes_of,
+                                         smem_bytes, stage_bases, step_tiles, table_len,
+                                         tile_table, tile_weights, umax)
 from pallas_kernels.gemv import _normed, _silu_mul
 from pallas_kernels.gemv_mgpu import w_tile_transforms
 
 __all__ = ["AROWS", "Q_ROWS", "SHAPES", "chain_shapes", "check", "gemv_chain_mgpu",
-           "lower_for_h200", "reference_chain", "shapes_of", "smem_bytes", "step_tiles",
-           "tile_weights", "umax"]
+           "lower_for_h200", "program_tiles", "reference_chain", "shapes_of", "smem_bytes",
+           "stage_bases", "step_tiles", "table_len", "tile_table", "tile_weights", "umax"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,11 +82,11 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
         if normed:  # the first layer's branch, then per layer [L, H]: qkv's branch and
             # input norm weights, gate/up's
             d0, nbq, nnq, nbg, nng, refs = *refs[:5], refs[5:]
-        ws, ys, refs = refs[:4], refs[4:8], refs[8:]
+        w_g, tbl_g, ys, refs = refs[0], refs[1], refs[2:6], refs[6:]
         yd = ys[3]
         if normed:  # the residual stream after qkv's and gate/up's add_norm
             hq, hg, refs = *refs[:2], refs[2:]
-        ring, bars, x_smem, o_smem, *a_smem = refs
+        ring, bars, x_smem, o_smem, tbl, *a_smem = refs
         # (the CPU interpreter has no global semaphores: one program needs no handover)
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if sync else None
         me = lax.axis_index("p")
@@ -93,28 +94,26 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
         # the tiles go K step by K step, each step over the program's units (gate, up)
         units = [(n // BN - me + P - 1) // P for _, n, _, _ in shapes]
         per_step = [u * c[t] for t, u in enumerate(units)]
-        prefix = [0]
-        for t in range(4):
-            prefix.append(prefix[-1] + per_step[t] * nk[t])
-        per_layer = prefix[4]
+        per_layer = sum(per_step[t] * nk[t] for t in range(4))
         total = per_layer * n_layers
+        # which tile of the layer's run each of its requests reads (chain_layout.tile_table)
+        tbl[...] = plgpu.load(tbl_g.at[me])
+        plgpu.commit_smem()
 
-        def issue(g):  # request tile g of this program's sequence into slot g % S
+        def issue(g, layer):
+            """Request tile g of this program's sequence into slot g % S; `layer` is the
+            requester's layer (g is at most one layer ahead of it: chain_layout.check)."""
+            r = g - layer * per_layer
+            ahead = r >= per_layer
+            r = jnp.where(ahead, r - per_layer, r)
+
             @pl.when(g < total)
             def _():
-                layer, r = g // per_layer, g % per_layer
-                for t, (_, n, _, _) in enumerate(shapes):
-                    @pl.when((r >= prefix[t]) & (r < prefix[t + 1]))
-                    def _(t=t, n=n):
-                        i = r - prefix[t]
-                        kb, rem = i // per_step[t], i % per_step[t]
-                        unit, j = rem // c[t], rem % c[t]
-                        rb = me + unit * P + j * (n // BN)
-                        plgpu.copy_gmem_to_smem(ws[t].at[layer, rb, kb], ring.at[g % S],
-                                                bars.at[g % S])
+                plgpu.copy_gmem_to_smem(w_g.at[layer + ahead.astype(jnp.int32), tbl[r]],
+                                        ring.at[g % S], bars.at[g % S])
 
         for g0 in range(S - B):  # B slots stay free for the first step's refill
-            issue(g0)
+            issue(g0, 0)
 
         def load_x(src, k):  # the stage's input row into SMEM, fenced for wgmma's readers
             x_smem.at[pl.ds(0, k)][...] = plgpu.load(src)
@@ -202,7 +201,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
                     for i in range(um[t] * c[t]):
                         @pl.when(i < nt)
                         def _(i=i):
-                            issue(g + S - B + i)
+                            issue(g + S - B + i, layer)
                     if diag != "nomma":
                         plgpu.wgmma_wait(0)
                     return g + nt
@@ -223,11 +222,8 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
                         o_smem.at[pl.ds(0, 1)],
                         ys[t].at[pl.ds(0, 1), pl.ds((me + u * P) * BN, BN)])
             plgpu.wait_smem_to_gmem(0)  # the stores are done before they are announced
-            if sync:
-                # pl.semaphore_signal fences *after* its add: the empty signal's fence
-                # orders the stores above before the counting add below
-                pl.semaphore_signal(sem, 0)
-                pl.semaphore_signal(sem, 1)
+            if sync:  # a release add (red.release.gpu): the stores above come first
+                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
             return g
 
         def layer_body(layer, g):
@@ -245,43 +241,49 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
         body, out_type=out,
         scratch_types=[plgpu.SMEM((S, BN, BK), dt, transforms=transforms),
                        plgpu.Barrier(num_arrivals=1, num_barriers=S),
-                       plgpu.SMEM((kmax,), dt), plgpu.SMEM((AROWS, BN), dt)]
+                       plgpu.SMEM((kmax,), dt), plgpu.SMEM((AROWS, BN), dt),
+                       plgpu.SMEM((table_len(shapes, BN, BK, P),), jnp.int32)]
         + ([plgpu.SMEM((AROWS, BK), dt, transforms=transforms)] if interpret else []),
         grid=(P,), grid_names=("p",), interpret=interpret)
 
 
-def gemv_chain_mgpu(x, ws, *, norms=None, branch=None, eps=1e-6, block_n=16, block_k=256,
-                    stages=12, programs=None, sync=True, diag=None, interpret=False):
-    """The plain chain over ws = tile_weights((qkv [L, 6144, 2048], o [L, 2048, 2048],
-    gate_up [L, 11264, 2048], down [L, 2048, 5632]), block_n, block_k), bf16, from x
-    [1, 2048]; returns the last layer's four outputs (qkv, o, gate/up, down).
+def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, block_n=16,
+                    block_k=256, stages=16, programs=None, sync=True, diag=None,
+                    interpret=False):
+    """The chain over w = tile_weights((qkv, o, gate_up, down), block_n, block_k), the four
+    stages' [L, rows, K] bf16 weights of the given chain_shapes (the 1.4B model's by
+    default: [L, 6144, 2048], [L, 2048, 2048], [L, 11264, 2048], [L, 2048, 5632]), from x
+    [1, hidden]; returns the last layer's four outputs (qkv, o, gate/up, down).
     norms = (qkv's branch norm, qkv's input norm, gate/up's branch norm, gate/up's input
     norm), each [L, hidden] bf16: the engine's add_norm prologues on qkv and gate/up
     (x' = x + rms_norm(branch, ...), input rms_norm(x', ...); the branch is the previous
     down output, or `branch` (default zeros) for the first layer, then o's output), and two
     more outputs: the residual stream after the last layer's qkv and gate/up prologues.
-    programs: by default the SM count, or the smallest stage's block count if fewer. Diagnostics (wrong results): sync=False drops the
-    handover waits (the stream's own pace); diag="nox" multiplies a zero A operand (no x
-    load or broadcast), "nomma" does no math (the ring's pace alone). interpret: the CPU
-    simulation, with programs=1 (it has no global semaphores, and one program needs no
-    handover), or more with sync=False (each program's own ring; later stages wrong)."""
+    programs: by default the SM count, or the smallest stage's block count if fewer.
+    Diagnostics (wrong results): sync=False drops the handover waits (the stream's own
+    pace); diag="nox" multiplies a zero A operand (no x load or broadcast), "nomma" does no
+    math (the ring's pace alone). interpret: the CPU simulation, with programs=1 (it has no
+    global semaphores, and one program needs no handover), or more with sync=False (each
+    program's own ring; later stages wrong)."""
+    shapes = tuple(tuple(s) for s in shapes)
     if programs is None:  # one per SM, but no more than the smallest stage has blocks
         sms = getattr(jax.devices()[0], "core_count", None) or 132
-        fewest = min(n // block_n for _, n, _, _ in shapes_of(ws, block_n, block_k))
+        fewest = min(n // block_n for _, n, _, _ in shapes)
         programs = 1 if interpret else min(sms, fewest)
     if diag not in (None, "nox", "nomma"):
         raise ValueError(f"diag must be None, 'nox' or 'nomma', got {diag!r}")
     if interpret and programs != 1 and sync:
         raise ValueError(f"interpret has no handover: programs=1, or sync=False (a "
                          f"diagnostic), got programs={programs}")
-    shapes = check(x, ws, block_n, block_k, stages, programs, bool(interpret))
+    check(x, w, shapes, block_n, block_k, stages, programs, bool(interpret),
+          norms is not None)
+    n_layers, hidden = w.shape[0], shapes[0][2]
     extra = ()
     if norms is not None:
-        hidden, n_layers = shapes[0][2], ws[0].shape[0]
-        if len(norms) != 4 or any(w.shape != (n_layers, hidden) or w.dtype != jnp.bfloat16
-                                  for w in norms):
+        if len(norms) != 4 or any(v.shape != (n_layers, hidden) or v.dtype != jnp.bfloat16
+                                  for v in norms):
             raise ValueError(f"norms must be four bf16 [{n_layers}, {hidden}] weights, got "
-                             f"{[(w.dtype, w.shape) for w in norms]}")
+                             f"{[(v.dtype, v.shape) for v in norms]}")
         branch = jnp.zeros_like(x) if branch is None else branch
         if branch.shape != x.shape or branch.dtype != x.dtype:
             raise ValueError(f"branch must be like x, {x.dtype} {x.shape}, got "
@@ -291,16 +293,18 @@ def gemv_chain_mgpu(x, ws, *, norms=None, branch=None, eps=1e-6, block_n=16, blo
         raise ValueError("branch is the first layer's add_norm input: it needs norms")
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    return _build(shapes, ws[0].shape[0], block_n, block_k, stages, programs,
+    table = jnp.asarray(tile_table(shapes, block_n, block_k, programs))
+    return _build(shapes, n_layers, block_n, block_k, stages, programs,
                   bool(sync) and not interpret, diag, interpret or None,
-                  None if norms is None else float(eps))(x, *extra, *ws)
+                  None if norms is None else float(eps))(x, *extra, w, table)
 
 
-def lower_for_h200(x, ws, norms=None, **kw):
+def lower_for_h200(x, w, norms=None, shapes=SHAPES, **kw):
     """The Pallas -> Mosaic GPU lowering for 'cuda' on any machine (see gemv_mgpu)."""
     from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
     from pallas_kernels.offline_compile import sm90_device_info
     kw.setdefault("programs", 128)
     with sm90_device_info():
-        return jax.jit(lambda x, ws, norms: gemv_chain_mgpu(x, ws, norms=norms, **kw)).trace(
-            x, ws, norms).lower(lowering_platforms=("cuda",))
+        return jax.jit(lambda x, w, norms: gemv_chain_mgpu(x, w, shapes, norms=norms,
+                                                           **kw)).trace(
+            x, w, norms).lower(lowering_platforms=("cuda",))
