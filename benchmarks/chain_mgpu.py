@@ -124,7 +124,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--loops", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--tilings", default="16:256:16:128,16:256:16:128:nomma,16:256:16:128:nox,"
+    ap.add_argument("--tilings", default="16:256:16:128,16:256:16:128:nomma,"
+                                         "16:256:16:128:nomma:nosync,16:256:16:128:nox,"
                                          "16:256:16:128:norm,16:256:24:128,16:512:12:128,"
                                          "8:256:24:132",
                     help="block_n:block_k:stages:programs[:flag...],... for the persistent "
