@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Session 26's prepared GPU call (not run: the device time ran out), for the persistent Mosaic
-# GPU GEMV chain in its committed form (tile-major weights, one x broadcast per K step for
-# all of a program's units). The first run of that form lost its machine ("stopped
-# answering", no output), so every step here runs under a KILL timeout, the smallest first:
+# GPU GEMV chain in its committed form (one packed tile-major weight array read through a
+# per-program tile table, one x broadcast per K step for all of a program's units, the
+# add_norm prologues as an option). The first run of an earlier form of it lost its machine
+# ("stopped answering", no output), so every step here runs under a KILL timeout, smallest
+# first:
 #   t. tests/test_chain_mgpu.py's GPU tests (-m gpu), the smallest first: tiny shapes on one
 #      and two programs through the handover, then the 1.4B shapes (one layer, each stage vs
 #      XLA; two layers with the add_norm prologues); Mosaic's ptxas log and SASS are kept
@@ -18,7 +20,7 @@ STEPS=${STEPS:-tsd}
 on() { [[ $STEPS == *$1* ]]; }
 on t && MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$OUT/mgpu_dump \
   timeout -s KILL $(left 150) python3 -m pytest -q -x -m gpu tests/test_chain_mgpu.py 2>&1 | tail -4
-# the dumps are many files: keep a listing and the SASS of the 1.4B plain kernel only
+# the dumps are many files: list some and bring them back as one archive (if under 16 MB)
 ls $OUT/mgpu_dump 2>/dev/null | head -20; (cd $OUT && tar czf mgpu_dump.tgz mgpu_dump 2>/dev/null; rm -rf mgpu_dump)
 echo "t done at $SECONDS s"
 on s && timeout -s KILL $(left 300) python3 -m benchmarks.chain_mgpu --repeats 10 \
