@@ -1,0 +1,103 @@
+"""One-row decode attention on Mosaic GPU, one program per head
+(pallas_kernels/decode_mgpu.py): CPU interpret mode against the XLA reference at tiny
+shapes, the refusals, the lowering for 'cuda' on a CPU machine, and the 1.4B shape on a GPU.
+
+Skipped where jax has no Mosaic GPU Pallas with GPU interpret mode (jax 0.10.2 in CI)."""
+
+from __future__ import annotations
+
+import pytest
+
+try:
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    plgpu.InterpretGPUParams  # noqa: B018 - GPU interpret mode (jax >= 0.11)
+except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the jax install
+    pytest.skip(f"no Mosaic GPU Pallas with interpret mode: {e}", allow_module_level=True)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine_helpers import has_gpu
+from pallas_kernels import decode_mgpu as dm
+
+
+def _qkv(n, h, d, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(ks[0], (1, h * d), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(ks[1], (n, h, d), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (n, h, d), jnp.float32).astype(jnp.bfloat16)
+    return q, k, v
+
+
+def _close(got, ref):
+    """Within two bf16 steps of the reference (the online softmax rescales p block by block
+    before rounding it to bf16, the reference once)."""
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    return np.all(np.abs(got - ref) <= 2 ** -7 * np.maximum(np.abs(ref), 2 ** -3))
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 100, 256])
+def test_interpret_matches_the_reference(length):
+    """Lengths inside, at and across block ends, up to the capacity: masked positions
+    (holding random values here) never count."""
+    q, k, v = _qkv(256, 2, 128)
+    got = dm.decode_attention_mgpu(q, k, v, length, block=64, stages=2, interpret=True)
+    assert _close(got, dm.reference_decode(q, k, v, length))
+
+
+def test_interpret_length_is_traced():
+    """One compile serves every length (the block loop's bound is a traced value)."""
+    q, k, v = _qkv(128, 1, 64)
+    f = jax.jit(lambda n: dm.decode_attention_mgpu(q, k, v, n, block=64, stages=2,
+                                                   interpret=True))
+    for n in (5, 120):
+        assert _close(f(jnp.int32(n)), dm.reference_decode(q, k, v, n))
+    assert f._cache_size() == 1
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(block=96), "block=96 must be a multiple of 64"),
+    (dict(block=512), "up to 256"),
+    (dict(stages=0), "stages=0"),
+    (dict(stages=16, block=256), "exceeds"),
+])
+def test_refusals(kw, msg):  # duplicates: boilerplate (a table of refusal cases)
+    q, k, v = _qkv(256, 2, 128)
+    with pytest.raises(ValueError, match=msg):
+        dm.decode_attention_mgpu(q, k, v, 10, **{"block": 64, "stages": 2, **kw})
+
+
+def test_refuses_mismatched_operands():
+    q, k, v = _qkv(256, 2, 128)
+    with pytest.raises(ValueError, match="q must be"):
+        dm.decode_attention_mgpu(q[:, :128], k, v, 10)
+    with pytest.raises(ValueError, match="share a 16-bit dtype"):
+        dm.decode_attention_mgpu(q.astype(jnp.float32), k, v, 10)
+    with pytest.raises(ValueError, match="alike"):
+        dm.decode_attention_mgpu(q, k, v[:128], 10)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        dm.decode_attention_mgpu(q[:, :192], k[..., :96], v[..., :96], 10)
+
+
+def test_lowers_for_cuda_at_the_1p4b_shape():
+    """The register-A path (q broadcast, P from the scores), which the interpreter stages
+    through SMEM, lowers for sm_90 on a CPU."""
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
+    from pallas_kernels.offline_compile import sm90_device_info
+    q = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((512, 16, 128), jnp.bfloat16)
+    n = jax.ShapeDtypeStruct((), jnp.int32)
+    with sm90_device_info():
+        text = jax.jit(lambda q, k, v, n: dm.decode_attention_mgpu(q, k, v, n)).trace(
+            q, k, k, n).lower(lowering_platforms=("cuda",)).as_text()
+    assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [1, 192, 2000])
+def test_gpu_matches_the_reference_at_the_1p4b_shape(length):
+    q, k, v = _qkv(2048, 16, 128, seed=length)
+    got = jax.jit(lambda q, k, v: dm.decode_attention_mgpu(q, k, v, length))(q, k, v)
+    assert _close(got, dm.reference_decode(q, k, v, length))
