@@ -16,7 +16,7 @@ is the A operand against V blocks. It is also the attention stage the persistent
 The cache here is contiguous per layer, k and v [capacity, heads, head_dim], the new
 token's K/V already written and RoPE already applied (the engine's pages and its fused
 RoPE + K/V write are not modelled yet); `length` (int32, traced) is the number of valid
-positions. Scores are q . k * head_dim ** -0.5 in fp32; the output is
+positions, clipped to [0, capacity] (0 gives zeros, as the engine's kernels do). Scores are q . k * head_dim ** -0.5 in fp32; the output is
 (sum_j p_j v_j) / (sum_j p_j) rounded to the query dtype.
 """
 from __future__ import annotations
@@ -37,7 +37,8 @@ LEN_LANES = 128  # `length` travels as a [1, 128] int32 row (a whole-warpgroup l
 
 def reference_decode(q, k, v, length):
     """XLA: q [1, H * D], k / v [N, H, D] -> [1, H * D]; fp32 scores and softmax, p rounded
-    to the cache dtype for p @ v, the sum normalised in fp32, rounded to q's dtype."""
+    to the cache dtype for p @ v, the sum normalised in fp32, rounded to q's dtype; length
+    0 gives zeros."""
     n, h, d = k.shape
     qh = q.reshape(h, d).astype(jnp.float32)
     s = jnp.einsum("hd,nhd->hn", qh, k.astype(jnp.float32)) * d ** -0.5
@@ -45,7 +46,8 @@ def reference_decode(q, k, v, length):
     m = s.max(axis=1, keepdims=True)
     p = jnp.exp(s - m)
     o = jnp.einsum("hn,nhd->hd", p.astype(v.dtype).astype(jnp.float32), v.astype(jnp.float32))
-    return (o / p.sum(axis=1, keepdims=True)).astype(q.dtype).reshape(1, h * d)
+    out = (o / p.sum(axis=1, keepdims=True)).astype(q.dtype).reshape(1, h * d)
+    return jnp.where(length > 0, out, jnp.zeros_like(out))
 
 
 def smem_bytes(block, head_dim, stages, interpret=False):
@@ -92,7 +94,7 @@ def _build(n, heads, d, dtype, block, stages, interpret):
         h = lax.axis_index("h")
         len_smem[...] = plgpu.load(len_g.at[0])
         plgpu.commit_smem()
-        length = len_smem[0]
+        length = jnp.clip(len_smem[0], 0, n)  # (traced: clipped to the cache, not refused)
         steps = (length + block - 1) // block
 
         def issue(j):  # K and V block j into slot j % S
@@ -147,6 +149,7 @@ def _build(n, heads, d, dtype, block, stages, interpret):
             return acc, m_new, l
 
         acc, m, l = lax.fori_loop(0, steps, kv_step, (acc, m, l))
+        l = jnp.where(l > 0, l, 1.0)  # length 0: no block ran, acc is 0, the output zeros
         o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dt)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, 1)], o_g.at[pl.ds(0, 1), pl.ds(h * d, d)])

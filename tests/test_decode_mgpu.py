@@ -46,6 +46,14 @@ def test_interpret_matches_the_reference(length):
     assert _close(got, dm.reference_decode(q, k, v, length))
 
 
+def test_interpret_length_zero_gives_zeros_and_longer_is_clipped():
+    q, k, v = _qkv(128, 1, 64)
+    zero = dm.decode_attention_mgpu(q, k, v, 0, block=64, stages=2, interpret=True)
+    assert not np.any(np.asarray(zero, np.float32))
+    over = dm.decode_attention_mgpu(q, k, v, 500, block=64, stages=2, interpret=True)
+    assert _close(over, dm.reference_decode(q, k, v, 128))
+
+
 def test_interpret_length_is_traced():
     """One compile serves every length (the block loop's bound is a traced value)."""
     q, k, v = _qkv(128, 1, 64)
@@ -101,3 +109,11 @@ def test_gpu_matches_the_reference_at_the_1p4b_shape(length):
     q, k, v = _qkv(2048, 16, 128, seed=length)
     got = jax.jit(lambda q, k, v: dm.decode_attention_mgpu(q, k, v, length))(q, k, v)
     assert _close(got, dm.reference_decode(q, k, v, length))
+
+
+def test_reference_takes_a_traced_length():
+    q, k, v = _qkv(64, 1, 64)
+    f = jax.jit(dm.reference_decode)
+    assert not np.any(np.asarray(f(q, k, v, jnp.int32(0)), np.float32))
+    np.testing.assert_array_equal(np.asarray(f(q, k, v, jnp.int32(9)), np.float32),
+                                  np.asarray(dm.reference_decode(q, k, v, 9), np.float32))
