@@ -16,7 +16,10 @@ is the A operand against V blocks. It is also the attention stage the persistent
 The cache here is contiguous per layer, k and v [capacity, heads, head_dim], the new
 token's K/V already written and RoPE already applied (the engine's pages and its fused
 RoPE + K/V write are not modelled yet); `length` (int32, traced) is the number of valid
-positions, clipped to [0, capacity] (0 gives zeros, as the engine's kernels do). Scores are q . k * head_dim ** -0.5 in fp32; the output is
+positions, clipped to [0, capacity] (0 gives zeros, as the engine's kernels do). The last
+block's rows past `length` are read and multiplied by p = 0, so they must be finite (the
+engine's tests fill stale slots with NaN, which would come through: its kernel clamps its
+loads instead; to do before it goes into the engine). Scores are q . k * head_dim ** -0.5 in fp32; the output is
 (sum_j p_j v_j) / (sum_j p_j) rounded to the query dtype.
 """
 from __future__ import annotations
@@ -66,8 +69,8 @@ def check(q, k, v, block, stages, interpret=False):
     if q.dtype != k.dtype or k.dtype != v.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"q, k and v must share a 16-bit dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
-    if d % 64 or d > 256:
-        raise ValueError(f"head_dim={d} must be a multiple of 64 up to 256")
+    if d not in (64, 128):  # 256 would need ~320 registers per thread (two fp32 [64, d])
+        raise ValueError(f"head_dim={d} must be 64 or 128")
     if block % 64 or block > 256 or n % block:
         raise ValueError(f"block={block} must be a multiple of 64 up to 256 dividing the "
                          f"capacity {n}")
@@ -141,10 +144,18 @@ def _build(n, heads, d, dtype, block, stages, interpret):
                 p16 = a_smem[1]
             plgpu.barrier_wait(vbar.at[slot])
 
-            def pv(acc_ref):  # this block's P @ V from zero, added below (the CPU
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])  # interpreter cannot start an
-                return acc_ref[...]  # accumulator from a value); read back: MMAs done
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((AROWS, d), jnp.float32))
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+            def pv_from_zero(acc_ref):
+                pv(acc_ref)
+                return acc_ref[...]
+            # Reading the accumulator back waits for the MMAs, so the slot is free after.
+            if a_smem:  # the CPU interpreter cannot start an accumulator from a value:
+                # this block's P @ V from zero, then added
+                acc = acc + pl.run_scoped(pv_from_zero, plgpu.ACC((AROWS, d), jnp.float32))
+            else:  # on the GPU into the running accumulator (no second [64, d] of registers)
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             issue(j + S)  # so slot j % S is free for block j + S
             return acc, m_new, l
 

@@ -170,7 +170,8 @@ def test_lowers_for_cuda_at_the_1p4b_shapes(normed, sync, diag, mmas):
     text = cm.lower_for_h200(x, w, norms if normed else None, block_n=bn, block_k=bk,
                              stages=16, programs=128, sync=sync, diag=diag).as_text()
     assert "cp.async.bulk.tensor" in text
-    assert text.count("red.release") == (1 if sync else 0)
+    # (the module is bytecode: each inline-asm string appears once, however many sites)
+    assert ("red.release.gpu" in text) == sync and "red.release.sys" not in text
     assert ("wgmma.mma_async" in text) == mmas
 
 

@@ -55,13 +55,17 @@ def test_interpret_length_zero_gives_zeros_and_longer_is_clipped():
 
 
 def test_interpret_length_is_traced():
-    """One compile serves every length (the block loop's bound is a traced value)."""
+    """One trace serves every length (the block loop's bound is a traced value)."""
     q, k, v = _qkv(128, 1, 64)
-    f = jax.jit(lambda n: dm.decode_attention_mgpu(q, k, v, n, block=64, stages=2,
-                                                   interpret=True))
+    traces = []
+
+    def f(n):
+        traces.append(n)
+        return dm.decode_attention_mgpu(q, k, v, n, block=64, stages=2, interpret=True)
+    f = jax.jit(f)
     for n in (5, 120):
         assert _close(f(jnp.int32(n)), dm.reference_decode(q, k, v, n))
-    assert f._cache_size() == 1
+    assert len(traces) == 1
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -86,6 +90,9 @@ def test_refuses_mismatched_operands():
         dm.decode_attention_mgpu(q, k, v[:128], 10)
     with pytest.raises(ValueError, match="head_dim=96"):
         dm.decode_attention_mgpu(q[:, :192], k[..., :96], v[..., :96], 10)
+    with pytest.raises(ValueError, match="head_dim=256"):
+        q2, k2, v2 = _qkv(64, 1, 256)
+        dm.decode_attention_mgpu(q2, k2, v2, 10)
 
 
 def test_lowers_for_cuda_at_the_1p4b_shape():
@@ -104,10 +111,13 @@ def test_lowers_for_cuda_at_the_1p4b_shape():
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
-@pytest.mark.parametrize("length", [1, 192, 2000])
-def test_gpu_matches_the_reference_at_the_1p4b_shape(length):
+@pytest.mark.parametrize("block,stages", [(128, 2), (64, 4), (128, 3)])
+@pytest.mark.parametrize("length", [1, 300, 2000])
+def test_gpu_matches_the_reference_at_the_1p4b_shape(length, block, stages):
+    """The benchmark's tilings; 300 and 2000 positions reuse the ring's slots."""
     q, k, v = _qkv(2048, 16, 128, seed=length)
-    got = jax.jit(lambda q, k, v: dm.decode_attention_mgpu(q, k, v, length))(q, k, v)
+    got = jax.jit(lambda q, k, v: dm.decode_attention_mgpu(q, k, v, length, block=block,
+                                                           stages=stages))(q, k, v)
     assert _close(got, dm.reference_decode(q, k, v, length))
 
 
