@@ -16,10 +16,10 @@ is the A operand against V blocks. It is also the attention stage the persistent
 The cache here is contiguous per layer, k and v [capacity, heads, head_dim], the new
 token's K/V already written and RoPE already applied (the engine's pages and its fused
 RoPE + K/V write are not modelled yet); `length` (int32, traced) is the number of valid
-positions, clipped to [0, capacity] (0 gives zeros, as the engine's kernels do). The last
-block's rows past `length` are read and multiplied by p = 0, so they must be finite (the
-engine's tests fill stale slots with NaN, which would come through: its kernel clamps its
-loads instead; to do before it goes into the engine). Scores are q . k * head_dim ** -0.5 in fp32; the output is
+positions, clipped to [0, capacity] (0 gives zeros, as the engine's kernels do). Rows past
+`length` may hold anything (the engine's tests fill stale slots with NaN): their scores
+are masked, and the last block's V rows past it are zeroed in SMEM before P @ V (p = 0
+times NaN would still be NaN). Scores are q . k * head_dim ** -0.5 in fp32; the output is
 (sum_j p_j v_j) / (sum_j p_j) rounded to the query dtype.
 """
 from __future__ import annotations
@@ -45,7 +45,9 @@ def reference_decode(q, k, v, length):
     n, h, d = k.shape
     qh = q.reshape(h, d).astype(jnp.float32)
     s = jnp.einsum("hd,nhd->hn", qh, k.astype(jnp.float32)) * d ** -0.5
-    s = jnp.where(jnp.arange(n)[None] < length, s, -jnp.inf)
+    valid = jnp.arange(n) < length
+    s = jnp.where(valid[None], s, -jnp.inf)
+    v = jnp.where(valid[:, None, None], v, jnp.zeros_like(v))  # stale rows may hold NaN
     m = s.max(axis=1, keepdims=True)
     p = jnp.exp(s - m)
     o = jnp.einsum("hn,nhd->hd", p.astype(v.dtype).astype(jnp.float32), v.astype(jnp.float32))
@@ -143,6 +145,16 @@ def _build(n, heads, d, dtype, block, stages, interpret):
                 plgpu.commit_smem()
                 p16 = a_smem[1]
             plgpu.barrier_wait(vbar.at[slot])
+
+            @pl.when((j + 1) * block > length)
+            def _():  # the last block's rows past `length`: zeros, so that p = 0 times a
+                # stale row (NaN in the engine's caches) cannot poison the sum
+                tile = v_smem.at[slot]
+                vt = plgpu.load(tile, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                rows = plgpu.broadcasted_iota(jnp.int32, (block, d), 0,
+                                              layout=plgpu.Layout.WGMMA) + j * block
+                tile[...] = jnp.where(rows < length, vt, jnp.zeros_like(vt))
+                plgpu.commit_smem()
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])

@@ -46,6 +46,16 @@ def test_interpret_matches_the_reference(length):
     assert _close(got, dm.reference_decode(q, k, v, length))
 
 
+@pytest.mark.parametrize("length", [100, 128, 200])
+def test_interpret_stale_rows_holding_nan_do_not_leak(length):
+    """Rows past the length hold NaN (as the engine's stale cache slots do in its tests):
+    masked scores, and the last block's V rows zeroed before P @ V."""
+    q, k, v = _qkv(256, 2, 128)
+    got = dm.decode_attention_mgpu(q, k.at[length:].set(jnp.nan), v.at[length:].set(jnp.nan),
+                                   length, block=64, stages=2, interpret=True)
+    assert _close(got, dm.reference_decode(q, k, v, length))
+
+
 def test_interpret_length_zero_gives_zeros_and_longer_is_clipped():
     q, k, v = _qkv(128, 1, 64)
     zero = dm.decode_attention_mgpu(q, k, v, 0, block=64, stages=2, interpret=True)
