@@ -150,7 +150,7 @@ def _build(n, heads, d, dtype, block, stages, interpret):
             def _():  # the last block's rows past `length`: zeros, so that p = 0 times a
                 # stale row (NaN in the engine's caches) cannot poison the sum
                 tile = v_smem.at[slot]
-                vt = plgpu.load(tile, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                vt = plgpu.load(tile, layout=plgpu.Layout.WGMMA, optimized=False)
                 rows = plgpu.broadcasted_iota(jnp.int32, (block, d), 0,
                                               layout=plgpu.Layout.WGMMA) + j * block
                 tile[...] = jnp.where(rows < length, vt, jnp.zeros_like(vt))
