@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.record import save_record
+from benchmarks.timing import copy_bandwidth
 from ouro_jax.projection_tuning import STREAM_TUNING
 from pallas_kernels.chain_mgpu import (Q_ROWS, SHAPES, gemv_chain_mgpu, reference_chain,
                                        tile_weights)
@@ -112,13 +113,6 @@ def timed(f, args, repeats):
     return out, times
 
 
-def copy_tb_s(nbytes=2 << 30):
-    a = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    _, times = timed(f, (a,), 10)
-    return 2 * nbytes / min(times) / 1e12
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=24)
@@ -156,7 +150,7 @@ def main(argv=None):
     mb = sum(w.size * 2 for w in ws) / args.layers / 1e6
     x = jax.random.normal(jax.random.PRNGKey(7), (1, 2048), jnp.float32).astype(jnp.bfloat16)
     units = args.layers * args.loops
-    copy = copy_tb_s()
+    copy = copy_bandwidth() / 1e12
     print(json.dumps(dict(device=jax.devices()[0].device_kind, mb_per_layer=round(mb, 2),
                           copy_tb_s=round(copy, 3))), flush=True)
     norms = make_norms(args.layers)

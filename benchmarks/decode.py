@@ -26,18 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.record import save_record
-from benchmarks.timing import pipelined_rate
+from benchmarks.timing import copy_bandwidth
 from benchmarks.tuning import (DECODE_TUNING_KEYS, RAGGED_TUNING_KEYS, add_stream_args,
                                apply_kernel_tuning)
-
-
-def copy_bandwidth(gbytes: float = 2.0) -> float:
-    """Device copy bandwidth in bytes/s (read + write counted) of an XLA `a + 1` over `gbytes`,
-    launched back to back (timing.pipelined_rate). Until session 3 every call was synced,
-    which timed the dispatch and sync with each ~1 ms copy and read 2.9-3.4 TB/s where the
-    pipelined figure is ~4.2 TB/s."""
-    x = jnp.ones((int(gbytes * 2**30 / 4),), jnp.float32)
-    return pipelined_rate(jax.jit(lambda a: a + 1), x, 2 * x.nbytes)
 
 
 def step_bytes(cfg, batch: int, context: float, dtype_bytes: int = 2) -> float:

@@ -2,11 +2,12 @@
 (pallas_kernels/chain_mgpu.py): everything about it that is not the kernel itself."""
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from pallas_kernels.gemv_mgpu import SMEM_LIMIT
-
-AROWS = 64  # wgmma's M: x broadcast to 64 rows
+from pallas_kernels.gemv_mgpu_areg import AROWS  # noqa: F401 - x broadcast to wgmma's M
 
 
 def chain_shapes(hidden, q_rows, qkv_rows, inter):
@@ -128,13 +129,16 @@ def table_len(shapes, block_n, block_k, programs):
     return -(-most // 256) * 256
 
 
+@functools.lru_cache(maxsize=None)
 def tile_table(shapes, block_n, block_k, programs):
-    """int32 [programs, table_len]: each program's program_tiles, zero-padded."""
+    """int32 [programs, table_len]: each program's program_tiles, zero-padded (built once per
+    configuration, read-only)."""
     import numpy as np
     table = np.zeros((programs, table_len(shapes, block_n, block_k, programs)), np.int32)
     for p in range(programs):
         seq = program_tiles(shapes, block_n, block_k, programs, p)
         table[p, :len(seq)] = seq
+    table.setflags(write=False)
     return table
 
 

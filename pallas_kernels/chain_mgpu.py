@@ -53,6 +53,7 @@ from pallas_kernels.chain_layout import (AROWS, Q_ROWS, SHAPES, chain_shapes, ch
                                          tile_table, tile_weights, umax)
 from pallas_kernels.gemv import _normed, _silu_mul
 from pallas_kernels.gemv_mgpu import w_tile_transforms
+from pallas_kernels.gemv_mgpu_areg import broadcast_a, register_a_layouts
 
 __all__ = ["AROWS", "Q_ROWS", "SHAPES", "chain_shapes", "check", "gemv_chain_mgpu",
            "lower_for_h200", "program_tiles", "reference_chain", "shapes_of", "smem_bytes",
@@ -66,10 +67,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
     S, P, BN, BK = stages, programs, block_n, block_k
     kmax = max(k for _, _, k, _ in shapes)
     transforms = w_tile_transforms(BK, dt)
-    wg = plgpu.Layout.WGMMA.to_mgpu()
-    a_layout = plgpu.Layout.TILED(wg.tiling, warp_dims=wg.warp_dims, lane_dims=wg.lane_dims,
-                                  vector_dim=wg.vector_dim)
-    col_layout = a_layout.reduce(0)
+    a_layout, col_layout = register_a_layouts()
     nk = [k // BK for _, _, k, _ in shapes]
     c = [2 if gated else 1 for *_, gated in shapes]
     um = umax(shapes, BN, P)
@@ -183,8 +181,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
                         else:  # x's chunk once per K step, for all of the step's tiles
                             h = plgpu.load(x_smem.at[pl.ds(kb * BK, BK)], layout=col_layout,
                                            optimized=False)
-                            a = plgpu.layout_cast(lax.broadcast_in_dim(h, (AROWS, BK), (1,)),
-                                                  a_layout)
+                            a = broadcast_a(h, a_layout)
                         if a_smem:  # the interpreter's wgmma takes refs only (jax 0.11.2)
                             a_smem[0][...] = a
                             plgpu.commit_smem()
@@ -301,10 +298,7 @@ def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, b
 
 def lower_for_h200(x, w, norms=None, shapes=SHAPES, **kw):
     """The Pallas -> Mosaic GPU lowering for 'cuda' on any machine (see gemv_mgpu)."""
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
-    from pallas_kernels.offline_compile import sm90_device_info
+    from pallas_kernels.offline_compile import lower_for_cuda
     kw.setdefault("programs", 128)
-    with sm90_device_info():
-        return jax.jit(lambda x, w, norms: gemv_chain_mgpu(x, w, shapes, norms=norms,
-                                                           **kw)).trace(
-            x, w, norms).lower(lowering_platforms=("cuda",))
+    return lower_for_cuda(lambda x, w, norms: gemv_chain_mgpu(x, w, shapes, norms=norms, **kw),
+                          x, w, norms)

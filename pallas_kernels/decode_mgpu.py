@@ -33,8 +33,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.gemv_mgpu import SMEM_LIMIT, w_tile_transforms
+from pallas_kernels.gemv_mgpu_areg import AROWS, broadcast_a, register_a_layouts
 
-AROWS = 64  # wgmma's M: the query broadcast to 64 rows
 LEN_LANES = 128  # `length` travels as a [1, 128] int32 row (a whole-warpgroup load)
 
 
@@ -88,10 +88,7 @@ def _build(n, heads, d, dtype, block, stages, interpret):
     dt = jnp.dtype(dtype)
     S = stages
     transforms = w_tile_transforms(d, dt)
-    wg = plgpu.Layout.WGMMA.to_mgpu()
-    a_layout = plgpu.Layout.TILED(wg.tiling, warp_dims=wg.warp_dims, lane_dims=wg.lane_dims,
-                                  vector_dim=wg.vector_dim)
-    col_layout = a_layout.reduce(0)
+    a_layout, col_layout = register_a_layouts()
     scale = d ** -0.5
 
     def body(q_g, k_g, v_g, len_g, o_g, k_smem, v_smem, kbar, vbar, len_smem, o_smem,
@@ -112,7 +109,7 @@ def _build(n, heads, d, dtype, block, stages, interpret):
         for j0 in range(S):
             issue(j0)
         qh = plgpu.load(q_g.at[0, pl.ds(h * d, d)], layout=col_layout, optimized=False)
-        qa = plgpu.layout_cast(lax.broadcast_in_dim(qh, (AROWS, d), (1,)), a_layout)
+        qa = broadcast_a(qh, a_layout)
         if a_smem:  # the interpreter's wgmma takes its A operand from SMEM only
             a_smem[0][...] = qa
             plgpu.commit_smem()

@@ -156,11 +156,8 @@ def lower_for_h200(x, w, **tiling):
     """Lower gemv_mgpu for the 'cuda' platform on any machine (a CPU one included): runs the
     Pallas -> Mosaic GPU lowering (layouts, transforms, wgmma operand checks) without a GPU.
     PTX generation happens later, in the CUDA plugin, and is not exercised here."""
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401 - registers the cuda rule
-    from pallas_kernels.offline_compile import sm90_device_info
-    with sm90_device_info():
-        return jax.jit(functools.partial(gemv_mgpu, **tiling)).trace(x, w).lower(
-            lowering_platforms=("cuda",))
+    from pallas_kernels.offline_compile import lower_for_cuda
+    return lower_for_cuda(functools.partial(gemv_mgpu, **tiling), x, w)
 
 
 # The 1.4B decode projections (N, K), and tilings for the GPU sweep (block_n, block_k,

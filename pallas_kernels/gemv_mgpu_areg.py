@@ -46,6 +46,22 @@ from pallas_kernels.gemv_mgpu import SMEM_LIMIT, check_row_operands, w_tile_tran
 AROWS = 64  # wgmma's M: x broadcast to 64 rows
 
 
+def register_a_layouts():
+    """(a_layout, col_layout): WGMMA's register layout spelled as a TILED layout, for a
+    [64, k] A operand held in registers, and its .reduce(0), the columns each thread's A
+    fragment needs (replicated over rows), the layout a row chunk is loaded in. Spelled
+    out because Layout.WGMMA.reduce(0) trips Mosaic's layout inference (jax 0.11.2)."""
+    wg = plgpu.Layout.WGMMA.to_mgpu()
+    a_layout = plgpu.Layout.TILED(wg.tiling, warp_dims=wg.warp_dims, lane_dims=wg.lane_dims,
+                                  vector_dim=wg.vector_dim)
+    return a_layout, a_layout.reduce(0)
+
+
+def broadcast_a(h, a_layout):
+    """A row chunk h [k] (col_layout) as the [64, k] register A operand: all rows h."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(h, (AROWS, h.shape[0]), (1,)), a_layout)
+
+
 def smem_bytes(k, block_n, block_k, k_splits, stages, gated):
     ntiles = 2 if gated else 1
     return (stages * block_n * block_k * 2 * ntiles + (k // k_splits) * 2
@@ -83,13 +99,7 @@ def _build(n, k, dtype, gated, block_n, block_k, k_splits, stages, interpret, pd
     nk = k_part // block_k
     out_dtype = jnp.float32 if k_splits > 1 else dt
     transforms = w_tile_transforms(block_k, dt)
-    # WGMMA's register layout spelled as a TILED layout: its .reduce(0) (the columns each
-    # thread's A fragment needs, replicated over rows) lowers where Layout.WGMMA.reduce(0)
-    # trips Mosaic's layout inference (jax 0.11.2).
-    wg = plgpu.Layout.WGMMA.to_mgpu()
-    a_layout = plgpu.Layout.TILED(wg.tiling, warp_dims=wg.warp_dims, lane_dims=wg.lane_dims,
-                                  vector_dim=wg.vector_dim)
-    col_layout = a_layout.reduce(0)
+    a_layout, col_layout = register_a_layouts()
     ntiles = 2 if gated else 1
 
     def body(x_g, w_g, o_g, x_smem, o_smem, *a_smem):
@@ -115,8 +125,7 @@ def _build(n, k, dtype, gated, block_n, block_k, k_splits, stages, interpret, pd
                         _pdl_launch(interpret)
                 h = plgpu.load(x_smem.at[pl.ds(idx[0] * block_k, block_k)],
                                layout=col_layout, optimized=False)
-                a = plgpu.layout_cast(lax.broadcast_in_dim(h, (AROWS, block_k), (1,)),
-                                      a_layout)
+                a = broadcast_a(h, a_layout)
                 if a_smem:  # interpret mode: its wgmma takes refs only (see gemv_mgpu_areg)
                     a_smem[0][...] = a
                     plgpu.commit_smem()
@@ -190,11 +199,8 @@ def gemv_mgpu_areg(x, w, *, gated=False, block_n=32, block_k=128, k_splits=1, st
 
 def lower_for_h200(x, w, **kw):
     """The Pallas -> Mosaic GPU lowering for 'cuda' on any machine (see gemv_mgpu)."""
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
-    from pallas_kernels.offline_compile import sm90_device_info
-    with sm90_device_info():
-        return jax.jit(functools.partial(gemv_mgpu_areg, **kw)).trace(x, w).lower(
-            lowering_platforms=("cuda",))
+    from pallas_kernels.offline_compile import lower_for_cuda
+    return lower_for_cuda(functools.partial(gemv_mgpu_areg, **kw), x, w)
 
 
 # The 1.4B one-row projections as plain GEMVs: name -> (W rows, K, gated), and the first

@@ -261,12 +261,10 @@ def gemv_mgpu_plain(x, w, *, gated=False, **tiling):
 
 def lower_for_h200(x, norm_w, w, branch=None, branch_w=None, **kw):
     """gemv_mgpu.lower_for_h200 for gemv_mgpu_normed (arguments may be ShapeDtypeStructs)."""
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401 - registers the cuda rule
-    from pallas_kernels.offline_compile import sm90_device_info
-    fn = lambda x, nw, w, b, bw: gemv_mgpu_normed(x, nw, w, branch=b, branch_w=bw, **kw)
-    with sm90_device_info():
-        return jax.jit(fn).trace(x, norm_w, w, branch, branch_w).lower(
-            lowering_platforms=("cuda",))
+    from pallas_kernels.offline_compile import lower_for_cuda
+    return lower_for_cuda(
+        lambda x, nw, w, b, bw: gemv_mgpu_normed(x, nw, w, branch=b, branch_w=bw, **kw),
+        x, norm_w, w, branch, branch_w)
 
 
 def reference(x, norm_w, w, *, eps, branch=None, branch_w=None, gated=False):

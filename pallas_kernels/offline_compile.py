@@ -44,6 +44,18 @@ def sm90_device_info():
         yield
     finally:
         lib.get_gpu_info = orig
+
+
+def lower_for_cuda(fn, *args):
+    """jit(fn) traced on `args` (arrays or ShapeDtypeStructs) and lowered for 'cuda' on any
+    machine, a CPU one included: runs the Pallas lowering (for Mosaic GPU kernels: layouts,
+    transforms, wgmma operand checks) without a GPU. PTX generation happens later, in the
+    CUDA plugin, and is not exercised here."""
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401 - the cuda rule
+    with sm90_device_info():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 _orig = _reg.lowering.lower_jaxpr_to_triton_module
 _lower_lock = threading.Lock()  # triton_modules patches a jax function while it lowers
 

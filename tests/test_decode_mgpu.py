@@ -108,14 +108,11 @@ def test_refuses_mismatched_operands():
 def test_lowers_for_cuda_at_the_1p4b_shape():
     """The register-A path (q broadcast, P from the scores), which the interpreter stages
     through SMEM, lowers for sm_90 on a CPU."""
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
-    from pallas_kernels.offline_compile import sm90_device_info
+    from pallas_kernels.offline_compile import lower_for_cuda
     q = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((512, 16, 128), jnp.bfloat16)
     n = jax.ShapeDtypeStruct((), jnp.int32)
-    with sm90_device_info():
-        text = jax.jit(lambda q, k, v, n: dm.decode_attention_mgpu(q, k, v, n)).trace(
-            q, k, k, n).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(dm.decode_attention_mgpu, q, k, k, n).as_text()
     assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
 
 
