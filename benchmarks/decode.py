@@ -178,6 +178,19 @@ def check_flow_o_run(args) -> None:
                          "projections (which start with o) would never run; use one")
 
 
+def check_mgpu_run(args) -> None:
+    """--decode-kernel mgpu=1 replaces the fused-write decode kernel (Pallas attention, fused
+    K/V write, fused qkv); anywhere else it would silently measure the default."""
+    if "mgpu=1" not in args.decode_kernel.replace(" ", ""):
+        return
+    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
+        raise SystemExit("--decode-kernel mgpu=1 needs --attention pallas, --kv-write fused "
+                         "and fused projections (it replaces the fused-write decode kernel)")
+    if "flow5" in args.projections.split("+"):
+        raise SystemExit("--decode-kernel mgpu=1 has no gemv_flow attention stage, which "
+                         "'+flow5' projections run: drop one of them")
+
+
 def token_digest(result) -> str:
     """sha256 (16 hex digits) of every output's token ids, in order."""
     h = hashlib.sha256()
@@ -315,6 +328,7 @@ def main(argv=None) -> int:
     check_pdl_run(args)
     check_fuse_o_run(args)
     check_flow_o_run(args)
+    check_mgpu_run(args)
     if args.mgpu_tiling and "mgpu" not in args.projections:
         raise SystemExit("--mgpu-tiling sets the Mosaic GPU GEMV's tiling: give --projections "
                          "with an 'mgpu' part (e.g. gemv+norms+stream+mgpu:down), or leave it "

@@ -9,13 +9,18 @@ from __future__ import annotations
 # fuse_o=1: one-row decode runs pallas_kernels.attention_o (attention + o projection in one
 # kernel; ouro_jax.attention.FUSE_O), with block_t / num_warps / num_stages and o_block_n /
 # o_w_early / o_split (its split_keys) as its tuning; other batch sizes are unchanged
+# mgpu=1: decode runs pallas_kernels.decode_mgpu_paged (Mosaic GPU, no splits; ouro_jax.
+# attention.MGPU_DECODE), tiled by mgpu_block (positions per K/V block) and mgpu_stages
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine", "pdl",
                       "fuse_o", "o_block_n", "o_w_early", "o_split", "flow_o",
-                      "flow_o_block_n", "flow_o_per_program")
+                      "flow_o_block_n", "flow_o_per_program", "mgpu", "mgpu_block",
+                      "mgpu_stages")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
-BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early", "o_split", "flow_o")
+BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early", "o_split", "flow_o",
+                    "mgpu")
 # tile sizes, Triton warps
-POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps", "o_block_n", "flow_o_block_n")
+POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps", "o_block_n", "flow_o_block_n",
+                    "mgpu_block")
 
 
 def parse_tuning(spec: str, keys) -> dict:
@@ -230,6 +235,13 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     if not d.get("flow_o") and {"flow_o_block_n", "flow_o_per_program"} & set(d):
         raise SystemExit("--decode-kernel flow_o_block_n / flow_o_per_program tile the o "
                          "stage of flow_o=1: they need flow_o=1")
+    if d.get("mgpu") and {"last_combine", "pdl", "fuse_o", "flow_o"} & {k for k, v in d.items()
+                                                                        if v}:
+        raise SystemExit("--decode-kernel mgpu=1 replaces the Triton decode kernel (Mosaic "
+                         "GPU, no splits): it takes none of last_combine, pdl, fuse_o, flow_o")
+    if not d.get("mgpu") and {"mgpu_block", "mgpu_stages"} & set(d):
+        raise SystemExit("--decode-kernel mgpu_block / mgpu_stages tile the Mosaic GPU decode "
+                         "kernel: they need mgpu=1")
     for name in ("decode", "ragged"):
         mod = importlib.import_module(f"pallas_kernels.{name}")
         mod.TUNING.clear()

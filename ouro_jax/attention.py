@@ -51,6 +51,13 @@ FLOW_O_TILING = dict(block_n=8, per_program=1)  # 256 programs of 32 KB at 2048 
 # with the decode kernel's block_t / num_warps / num_stages and o_block_n / o_w_early /
 # o_split as its tuning. Read when an engine compiles its programs.
 FUSE_O = False
+# Pallas decode (fused K/V write), any batch: pallas_kernels.decode_mgpu_paged instead of the
+# Triton kernel: the same contract (RoPE, K/V write, paged reads) on Mosaic GPU, one program
+# per (row, KV head) with its K/V requested by TMA up front, so no splits and no combine
+# kernel (jax >= 0.11, bf16/f16 caches, head_dim 64 or 128). Off: not yet measured on a GPU
+# (session 27); `benchmarks.decode --decode-kernel mgpu=1[,mgpu_block=B,mgpu_stages=S]`
+# turns it on for a run. Read when an engine compiles its programs.
+MGPU_DECODE = False
 
 
 def _fused_o_tuning() -> dict:
@@ -170,6 +177,10 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
     interpret = jax.default_backend() != "gpu"
     last_combine, fuse_o, flow_o = _fused_decode_modes(
         cfg, b, block_tables.shape[1] * page_size, merge_splits)
+    if _mgpu_decode(last_combine, fuse_o, flow_o):
+        attend.qkv = _mgpu_attend_qkv(num_layers, block_tables, kv_lens, page, slot,
+                                      interpret)
+        return attend
     new_token = dict(rope=None, trash_page=TRASH_PAGE, interpret=interpret,
                      entry_stride=num_layers)
 
@@ -221,6 +232,37 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
     if flow_o:
         attend.qkv_o = _flow_o_attend(qkv_stage, b, interpret)
     return attend
+
+
+def _mgpu_decode(last_combine: bool, fuse_o: bool, flow_o: bool) -> bool:
+    """Whether decode runs on decode_mgpu_paged (TUNING's mgpu, else MGPU_DECODE); it
+    replaces the Triton kernel, so it takes none of that kernel's merge or fusion modes."""
+    import pallas_kernels as pk
+    mgpu = bool(pk.decode.TUNING.get("mgpu", MGPU_DECODE))
+    if mgpu and (last_combine or fuse_o or flow_o):
+        raise ValueError("decode kernel tuning: mgpu replaces the Triton decode kernel; it "
+                         "takes none of last_combine, fuse_o, flow_o (or merge_splits)")
+    return mgpu
+
+
+def _mgpu_attend_qkv(num_layers, block_tables, kv_lens, page, slot, interpret):
+    """attend.qkv on pallas_kernels.decode_mgpu_paged (MGPU_DECODE)."""
+    import pallas_kernels.decode as dk
+    try:
+        from pallas_kernels.decode_mgpu_paged import paged_decode_attention_mgpu
+    except ImportError as e:  # jax 0.10's Mosaic GPU Pallas needs absl, and lacks pieces
+        raise ValueError(f"decode kernel mgpu needs Mosaic GPU Pallas (jax >= 0.11): {e}") \
+            from e
+    tiling = {key: int(dk.TUNING[f"mgpu_{key}"]) for key in ("block", "stages")
+              if f"mgpu_{key}" in dk.TUNING}
+
+    def attend_qkv(qkv, cos, sin, planes, loop, layer):
+        out, kc, vc = trace_once.call(
+            paged_decode_attention_mgpu, qkv[:, 0], planes[0], planes[1], _entry(loop, layer),
+            block_tables, kv_lens, page[:, 0], slot[:, 0], rope=(cos[:, 0], sin[:, 0]),
+            trash_page=TRASH_PAGE, entry_stride=num_layers, interpret=interpret, **tiling)
+        return out[:, None], (kc, vc, *planes[2:])
+    return attend_qkv
 
 
 def _fused_decode_modes(cfg, b: int, capacity: int, merge_splits) -> tuple:

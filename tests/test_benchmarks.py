@@ -123,9 +123,13 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
         assert dk.TUNING == {"last_combine": 0}  # a switch: 0 is a value, not an error
         assert apply_kernel_tuning("fuse_o=1,o_block_n=64,o_w_early=0", "")["decode"] == {
             "fuse_o": 1, "o_block_n": 64, "o_w_early": 0}
+        assert apply_kernel_tuning("mgpu=1,mgpu_block=128,mgpu_stages=3", "")["decode"] == {
+            "mgpu": 1, "mgpu_block": 128, "mgpu_stages": 3}
         for bad in ("num_splits", "splits=2", "num_warps=two", "block_t=0", "block_t=48",
                     "num_warps=3", "last_combine=2", "last_combine=-1", "o_block_n=48",
-                    "o_block_n=64", "fuse_o=1,last_combine=1", "fuse_o=1,o_w_early=2"):
+                    "o_block_n=64", "fuse_o=1,last_combine=1", "fuse_o=1,o_w_early=2",
+                    "mgpu=1,last_combine=1", "mgpu=1,fuse_o=1", "mgpu=1,flow_o=1",
+                    "mgpu_block=64", "mgpu=0,mgpu_stages=2", "mgpu=2", "mgpu=1,mgpu_block=96"):
             with pytest.raises(SystemExit):
                 apply_kernel_tuning(bad, "")
     finally:
