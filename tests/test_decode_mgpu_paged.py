@@ -258,3 +258,32 @@ def test_gpu_matches_the_reference_and_the_triton_kernel_at_the_1p4b_shape(bsz, 
     q_rot = apply_rope(qkv[:, None, :h], rope[0][:, None], rope[1][:, None])[:, 0]
     check(got[0], paged_decode_attention_reference(q_rot, got[1], got[2], 2, bt, kv_lens),
           jnp.bfloat16)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--attention", "xla"], "needs --attention pallas"),
+    (["--attention", "pallas", "--kv-write", "xla"], "needs --attention pallas"),
+    (["--attention", "pallas", "--projections", "gemv+norms+stream+flow5"], "flow5"),
+])
+def test_the_decode_benchmark_refuses_runs_mgpu_would_not_change(argv, match):
+    from benchmarks.decode import main
+    with pytest.raises(SystemExit, match=match):
+        main(["--decode-kernel", "mgpu=1", "--synthetic", "tiny-gqa", *argv])
+
+
+def test_the_attention_benchmark_runs_its_arms_in_interpret_mode(tmp_path):
+    """benchmarks.attention_paged_mgpu end to end on the CPU (a smoke test of its plumbing:
+    the donated caches fed back, every arm's output against the Triton arm's, the written
+    K/V rows compared); device times need a GPU."""
+    import json as js
+
+    from benchmarks.attention_paged_mgpu import main
+    out = tmp_path / "r.json"
+    main(["--interpret", "--batch", "2", "--lengths", "150", "--planes", "2", "--calls", "1",
+          "--tilings", "64:2", "--out", str(out)])
+    rows = js.load(open(out))["rows"]
+    assert [r["arm"] for r in rows] == ["triton", "triton_lc", "mgpu_b64_s2"]
+    for r in rows:
+        assert "error" not in r and r["same_kv_write"], r
+        assert r["max_abs_diff_vs_triton"] < 2e-2, r
+    assert rows[2]["max_abs_diff_vs_triton"] > 0  # a different kernel: not compared to itself
