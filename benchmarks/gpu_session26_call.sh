@@ -20,12 +20,15 @@
 . benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-tsad}
 on() { [[ $STEPS == *$1* ]]; }
-on t && MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$OUT/mgpu_dump \
-  timeout -s KILL $(left 150) python3 -m pytest -q -x -m gpu tests/test_chain_mgpu.py 2>&1 | tail -4
-timeout -s KILL $(left 100) python3 -m pytest -q -m gpu tests/test_decode_mgpu.py 2>&1 | tail -4
-# the dumps are many files: list some and bring them back as one archive (if under 16 MB)
-ls $OUT/mgpu_dump 2>/dev/null | head -20; (cd $OUT && tar czf mgpu_dump.tgz mgpu_dump 2>/dev/null; rm -rf mgpu_dump)
-echo "t done at $SECONDS s"
+if on t; then
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$OUT/mgpu_dump \
+    timeout -s KILL $(left 150) python3 -m pytest -q -x -m gpu tests/test_chain_mgpu.py 2>&1 | tail -4
+  timeout -s KILL $(left 100) python3 -m pytest -q -m gpu tests/test_decode_mgpu.py 2>&1 | tail -4
+  # the dumps are many files: list some and bring them back as one archive (if under 16 MB)
+  ls $OUT/mgpu_dump 2>/dev/null | head -20
+  (cd $OUT && tar czf mgpu_dump.tgz mgpu_dump 2>/dev/null; rm -rf mgpu_dump)
+  echo "t done at $SECONDS s"
+fi
 on s && timeout -s KILL $(left 300) python3 -m benchmarks.chain_mgpu --repeats 10 \
   --baselines xla,stream_normed,xla_normed \
   ${CHAIN_TILINGS:+--tilings $CHAIN_TILINGS} --out $OUT/chain_mgpu_session26${TAG:-}_$G.json 2>&1 \

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Session 27's prepared GPU call (no machine was lent that session): the engine's decode
+# attention on Mosaic GPU (pallas_kernels/decode_mgpu_paged.py: paged, RoPE and the K/V write
+# fused, one program per row and KV head, no splits and so no XLA merge kernel), first in
+# isolation, then end to end; every step under a KILL timeout, the smallest first:
+#   t. its GPU tests (1.4B shape, batch 1 and 8, against the Triton kernel and the reference;
+#      the predicated page copies run only here);
+#   a. benchmarks.attention_paged_mgpu: device time per layer application, Triton (+ XLA
+#      merge; + last_combine) vs three tilings, batch 1 and 8, 192 and 1,024 positions;
+#   d. batch-1 native greedy decode (1.4B synthetic, bf16): default vs --decode-kernel
+#      mgpu=1, two interleaved passes (the second in reverse order); the table goes to
+#      ab_mgpu_b1_session27_$G.json;
+#   c. (not in the default) session 26's persistent GEMV chain: its GPU tests and
+#      benchmarks.chain_mgpu (STEPS=tsa of benchmarks/gpu_session26_call.sh).
+# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session27_call.sh
+# STEPS= a subset of "tadc" (default tad); ARMS= d's arms (default "default mgpu"; also
+# mgpu128: block 128, 2 stages); BATCH= d's batch (default 1); CAP= seconds (default 570).
+. benchmarks/gpu_call_setup.sh
+STEPS=${STEPS:-tad}
+on() { [[ $STEPS == *$1* ]]; }
+if on t; then
+  timeout -s KILL $(left 150) python3 -m pytest -q -m gpu tests/test_decode_mgpu_paged.py \
+    2>&1 | tail -4
+  echo "t done at $SECONDS s"
+fi
+if on a; then
+  timeout -s KILL $(left 200) python3 -m benchmarks.attention_paged_mgpu \
+    --out $OUT/attention_paged_mgpu_session27_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-600
+  echo "a done at $SECONDS s"
+fi
+if on d; then
+  A=$OUT/arms27; rm -rf $A; mkdir -p $A
+  D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch ${BATCH:-1} --temperature 0 --k 0"
+  run() { [ $SECONDS -lt $((CAP - 60)) ] && timeout -s KILL $(left 110) $D "${@:2}" \
+    --out $A/$1.json 2>&1 | grep -E "tok/s|rror" | cut -c1-300; }
+  arm() {
+    case $1 in
+      default) run default_p$2 ;;
+      mgpu) run mgpu_p$2 --decode-kernel mgpu=1 ;;
+      mgpu128) run mgpu128_p$2 --decode-kernel mgpu=1,mgpu_block=128,mgpu_stages=2 ;;
+    esac
+  }
+  ARMS=${ARMS:-"default mgpu"}
+  for a in $ARMS; do arm $a 1; done
+  for a in $(echo $ARMS | tr ' ' '\n' | tac); do arm $a 2; done
+  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A \
+    $OUT/ab_mgpu_b${BATCH:-1}_session27_$G.json
+  echo "d done at $SECONDS s"
+fi
+if on c; then
+  STEPS=ts CAP=$((CAP - SECONDS)) bash benchmarks/gpu_session26_call.sh
+fi
+echo "elapsed $SECONDS s"
