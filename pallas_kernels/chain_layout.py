@@ -142,7 +142,8 @@ def tile_table(shapes, block_n, block_k, programs):
     return table
 
 
-def check(x, w, shapes, block_n, block_k, stages, programs, interpret=False, normed=False):
+def check(x, w, shapes, block_n, block_k, stages, programs, interpret=False, normed=False,
+          extra_smem=0):
     """ValueError naming what is wrong with the call, if anything."""
     if block_n % 8 or not 8 <= block_n <= 256 or block_k % 64:
         raise ValueError(f"block_n={block_n} must be a multiple of 8 in 8..256 and "
@@ -173,6 +174,7 @@ def check(x, w, shapes, block_n, block_k, stages, programs, interpret=False, nor
     if fewest < stages:  # a request runs at most one layer ahead
         raise ValueError(f"stages={stages} exceeds the {fewest} tiles per layer of the "
                          f"program with the fewest")
-    smem = smem_bytes(shapes, block_n, block_k, stages, programs, interpret, normed)
+    smem = smem_bytes(shapes, block_n, block_k, stages, programs, interpret, normed) \
+        + extra_smem  # (the attention stage's)
     if smem > SMEM_LIMIT:
         raise ValueError(f"{smem} B of shared memory exceeds {SMEM_LIMIT}")

@@ -51,6 +51,8 @@ from pallas_kernels.chain_layout import (AROWS, Q_ROWS, SHAPES, chain_shapes, ch
                                          program_tiles, reference_chain, shapes_of,
                                          smem_bytes, stage_bases, step_tiles, table_len,
                                          tile_table, tile_weights, umax)
+from pallas_kernels.attend_head_mgpu import attend_head
+from pallas_kernels.chain_attention import operands, spec_of
 from pallas_kernels.gemv import _normed, _silu_mul
 from pallas_kernels.gemv_mgpu import w_tile_transforms
 from pallas_kernels.gemv_mgpu_areg import broadcast_a, register_a_layouts
@@ -62,7 +64,7 @@ __all__ = ["AROWS", "Q_ROWS", "SHAPES", "chain_shapes", "check", "gemv_chain_mgp
 
 @functools.lru_cache(maxsize=None)
 def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag=None,
-           interpret=None, eps=None):
+           interpret=None, eps=None, attn=None):
     dt = jnp.dtype(jnp.bfloat16)
     S, P, BN, BK = stages, programs, block_n, block_k
     kmax = max(k for _, _, k, _ in shapes)
@@ -74,17 +76,26 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
     B = step_tiles(shapes, BN, P)  # refill distance: a step's tiles are requested B ahead
     normed = eps is not None
     hidden = shapes[0][2]
+    n_st = 4 if attn is None else 5  # handovers per layer (the attention is a stage)
+    at = (0, 2, 3, 4) if attn else (0, 1, 2, 3)  # projection stage t's place in the layer
 
     def body(*refs):
         x_g, refs = refs[0], refs[1:]
         if normed:  # the first layer's branch, then per layer [L, H]: qkv's branch and
             # input norm weights, gate/up's
             d0, nbq, nnq, nbg, nng, refs = *refs[:5], refs[5:]
+        if attn:  # the caches, then the row's block table, length, page, slot, the loop
+            # (the plane is loop * n_layers + layer), RoPE's cos and sin
+            att_in, refs = refs[:9], refs[9:]
         w_g, tbl_g, ys, refs = refs[0], refs[1], refs[2:6], refs[6:]
         yd = ys[3]
         if normed:  # the residual stream after qkv's and gate/up's add_norm
             hq, hg, refs = *refs[:2], refs[2:]
-        ring, bars, x_smem, o_smem, tbl, *a_smem = refs
+        if attn:  # the attention's output row [1, H * hd], o's input
+            att_g, refs = refs[0], refs[1:]
+        ring, bars, x_smem, o_smem, tbl, *refs = refs
+        a_smem = refs[:1] if interpret else []
+        att_scratch = refs[len(a_smem):]
         # (the CPU interpreter has no global semaphores: one program needs no handover)
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if sync else None
         me = lax.axis_index("p")
@@ -157,14 +168,37 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
                 @pl.when(layer > 0)
                 def _():
                     load_x(yd.at[0, pl.ds(0, k)], k)
-            else:
-                load_x(ys[t - 1].at[0, pl.ds(0, k)], k)
+            else:  # o reads the attention's output, or (without it) q
+                load_x((att_g if attn and t == 1 else ys[t - 1]).at[0, pl.ds(0, k)], k)
+
+        def handover(idx):  # all programs' outputs of the first idx stages are stored
+            if sync:
+                plgpu.semaphore_wait(sem, idx * P, decrement=False, memory_scope="gpu")
+
+        def attention(layer):
+            """The attention stage: KV heads me, me + P, ... (attend_head_mgpu), on qkv's
+            output row, into att_g."""
+            handover(layer * n_st + 1)
+            kc, vc, bt_g, len_g, page_g, slot_g, base_g, cos_g, sin_g = att_in
+            hd = attn.hd
+            for i in range(-(-attn.kvh // P)):
+                @pl.when(me + i * P < attn.kvh)
+                def _(i=i):
+                    attend_head(attn, att_scratch, g=me + i * P,
+                                qkv_row=lambda r: ys[0].at[0, pl.ds(r * hd, hd)],
+                                out_row=lambda head: att_g.at[pl.ds(0, 1),
+                                                              pl.ds(head * hd, hd)],
+                                rope_rows=(cos_g.at[0], sin_g.at[0]), kc=kc, vc=vc,
+                                page_of=lambda col: bt_g[0, col],
+                                entry=base_g[0] * n_layers + layer, kv_len=len_g[0],
+                                wpage=page_g[0], wslot=slot_g[0])
+            plgpu.wait_smem_to_gmem(0)
+            if sync:
+                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
         def stage(t, layer, g):
             _, n, k, gated = shapes[t]
-            if sync:  # the handover: all programs' outputs of the layer * 4 + t stages
-                plgpu.semaphore_wait(sem, (layer * 4 + t) * P, decrement=False,
-                                     memory_scope="gpu")
+            handover(layer * n_st + at[t])
             stage_input(t, layer, k)
             nt = per_step[t]
 
@@ -226,6 +260,8 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
         def layer_body(layer, g):
             for t in range(4):
                 g = stage(t, layer, g)
+                if attn and t == 0:
+                    attention(layer)
             return g
 
         lax.fori_loop(0, n_layers, layer_body, jnp.int32(0))
@@ -234,19 +270,22 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
     out = [jax.ShapeDtypeStruct((1, n), dt) for _, n, _, _ in shapes]
     if normed:
         out += [jax.ShapeDtypeStruct((1, hidden), dt)] * 2
+    if attn:
+        out += [jax.ShapeDtypeStruct((1, attn.h * attn.hd), dt)]
     return plgpu.kernel(
         body, out_type=out,
         scratch_types=[plgpu.SMEM((S, BN, BK), dt, transforms=transforms),
                        plgpu.Barrier(num_arrivals=1, num_barriers=S),
                        plgpu.SMEM((kmax,), dt), plgpu.SMEM((AROWS, BN), dt),
                        plgpu.SMEM((table_len(shapes, BN, BK, P),), jnp.int32)]
-        + ([plgpu.SMEM((AROWS, BK), dt, transforms=transforms)] if interpret else []),
+        + ([plgpu.SMEM((AROWS, BK), dt, transforms=transforms)] if interpret else [])
+        + (attn.scratch() if attn else []),
         grid=(P,), grid_names=("p",), interpret=interpret)
 
 
 def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, block_n=16,
                     block_k=256, stages=16, programs=None, sync=True, diag=None,
-                    interpret=False):
+                    attention=None, interpret=False):
     """The chain over w = tile_weights((qkv, o, gate_up, down), block_n, block_k), the four
     stages' [L, rows, K] bf16 weights of the given chain_shapes (the 1.4B model's by
     default: [L, 6144, 2048], [L, 2048, 2048], [L, 11264, 2048], [L, 2048, 5632]), from x
@@ -261,7 +300,11 @@ def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, b
     pace); diag="nox" multiplies a zero A operand (no x load or broadcast), "nomma" does no
     math (the ring's pace alone). interpret: the CPU simulation, with programs=1 (it has no
     global semaphores, and one program needs no handover), or more with sync=False (each
-    program's own ring; later stages wrong)."""
+    program's own ring; later stages wrong).
+    attention: a chain_attention.ChainAttention (with norms): whole decoder layers, the
+    decode attention as a stage between qkv and o (o then reads its output, not q); returns
+    the six outputs, the attention's output row [1, H * hd], and the k and v caches, updated
+    in place (donate them)."""
     shapes = tuple(tuple(s) for s in shapes)
     if programs is None:  # one per SM, but no more than the smallest stage has blocks
         sms = getattr(jax.devices()[0], "core_count", None) or 132
@@ -272,8 +315,13 @@ def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, b
     if interpret and programs != 1 and sync:
         raise ValueError(f"interpret has no handover: programs=1, or sync=False (a "
                          f"diagnostic), got programs={programs}")
+    spec = None
+    if attention is not None:
+        if norms is None:
+            raise ValueError("attention runs whole decoder layers: it needs norms")
+        spec = spec_of(attention, tuple(tuple(s) for s in shapes), bool(interpret))
     check(x, w, shapes, block_n, block_k, stages, programs, bool(interpret),
-          norms is not None)
+          norms is not None, extra_smem=spec.smem_bytes() if spec else 0)
     n_layers, hidden = w.shape[0], shapes[0][2]
     extra = ()
     if norms is not None:
@@ -291,9 +339,11 @@ def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, b
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     table = jnp.asarray(tile_table(shapes, block_n, block_k, programs))
-    return _build(shapes, n_layers, block_n, block_k, stages, programs,
+    att_ops, refs = operands(attention) if spec else ((), ())
+    outs = _build(shapes, n_layers, block_n, block_k, stages, programs,
                   bool(sync) and not interpret, diag, interpret or None,
-                  None if norms is None else float(eps))(x, *extra, w, table)
+                  None if norms is None else float(eps), spec)(x, *extra, *att_ops, w, table)
+    return (*outs, *(jax.freeze(r) for r in refs)) if spec else outs
 
 
 def lower_for_h200(x, w, norms=None, shapes=SHAPES, **kw):
@@ -302,3 +352,16 @@ def lower_for_h200(x, w, norms=None, shapes=SHAPES, **kw):
     kw.setdefault("programs", 128)
     return lower_for_cuda(lambda x, w, norms: gemv_chain_mgpu(x, w, shapes, norms=norms, **kw),
                           x, w, norms)
+
+
+def lower_layers_for_h200(x, w, norms, attention, shapes=SHAPES, **kw):
+    """lower_for_h200 with the attention stage; attention: a ChainAttention whose arrays may
+    be ShapeDtypeStructs."""
+    from pallas_kernels.chain_attention import ChainAttention
+    from pallas_kernels.offline_compile import lower_for_cuda
+    kw.setdefault("programs", 128)
+    arrays, settings = tuple(attention[:9]), tuple(attention[9:])
+    return lower_for_cuda(
+        lambda x, w, norms, arrays: gemv_chain_mgpu(
+            x, w, shapes, norms=norms, attention=ChainAttention(*arrays, *settings), **kw),
+        x, w, norms, arrays)
