@@ -10,10 +10,16 @@
 #   d. batch-1 native greedy decode (1.4B synthetic, bf16): default vs --decode-kernel
 #      mgpu=1, two interleaved passes (the second in reverse order); the table goes to
 #      ab_mgpu_b1_session27_$G.json;
-#   c. (not in the default) session 26's persistent GEMV chain: its GPU tests and
-#      benchmarks.chain_mgpu (STEPS=tsa of benchmarks/gpu_session26_call.sh).
+# Not in the default (a second call: STEPS=gcl):
+#   g. the whole-layer persistent kernel's GPU tests (tests/test_chain_attention.py: tiny
+#      shapes on 1-3 programs through the handover, then the 1.4B shapes), Mosaic's ptxas
+#      logs kept (layer_dump.tgz);
+#   c. session 26's persistent GEMV chain: its GPU tests and benchmarks.chain_mgpu (STEPS=ts
+#      of benchmarks/gpu_session26_call.sh);
+#   l. benchmarks.layer_mgpu: whole layers per layer application, the engine's kernels vs
+#      the persistent kernel with and without its attention stage.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session27_call.sh
-# STEPS= a subset of "tadc" (default tad); ARMS= d's arms (default "default mgpu"; also
+# STEPS= a subset of "tadgcl" (default tad); ARMS= d's arms (default "default mgpu"; also
 # mgpu128: block 128, 2 stages); BATCH= d's batch (default 1); CAP= seconds (default 570).
 . benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-tad}
@@ -46,6 +52,17 @@ if on d; then
   ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A \
     $OUT/ab_mgpu_b${BATCH:-1}_session27_$G.json
   echo "d done at $SECONDS s"
+fi
+if on g; then
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/layer_dump timeout -s KILL $(left 200) \
+    python3 -m pytest -q -x -m gpu tests/test_chain_attention.py 2>&1 | tail -4
+  (cd $OUT && tar czf layer_dump.tgz layer_dump 2>/dev/null; rm -rf layer_dump)
+  echo "g done at $SECONDS s"
+fi
+if on l; then
+  timeout -s KILL $(left 240) python3 -m benchmarks.layer_mgpu \
+    --out $OUT/layer_mgpu_session27_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-600
+  echo "l done at $SECONDS s"
 fi
 if on c; then
   STEPS=ts CAP=$((CAP - SECONDS)) bash benchmarks/gpu_session26_call.sh

@@ -203,3 +203,13 @@ def test_gpu_1p4b_layers_match_the_engines_math():
         attention=ChainAttention(*arrays, *att[9:]), block_n=16, block_k=256, stages=12))(
         x, ws, norms, branch, tuple(att[:9]))
     _check_last_layer(outs, ws, norms, att, heads, heads, hd=hd)
+
+
+def test_the_layer_benchmark_parses_its_tilings():
+    from benchmarks.layer_mgpu import parse_tilings
+    assert parse_tilings("16:256:12,16:256:14:b128s1") == [
+        dict(block_n=16, block_k=256, stages=12, attn={}),
+        dict(block_n=16, block_k=256, stages=14, attn=dict(block=128, stages=1))]
+    for bad in ("16:256", "16:256:x", "16:256:12:b64"):
+        with pytest.raises(SystemExit, match="BN:BK:RING"):
+            parse_tilings(bad)
