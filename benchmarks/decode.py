@@ -50,7 +50,8 @@ def make_engine(args):
               decode_chunk=args.new_tokens, prefill_chunk=256,
               fuse_projections=not args.no_fuse, unroll_loops=args.unroll_loops,
               projections=getattr(args, "projections", "auto"),
-              fused_kv_write=getattr(args, "kv_write", "fused") == "fused")
+              fused_kv_write=getattr(args, "kv_write", "fused") == "fused",
+              persistent_layers=getattr(args, "persistent_layers", False))
     if args.model:
         return Ouro.load(args.model, args.dtype, **kw)
     cfg = PRESETS[args.synthetic]
@@ -286,6 +287,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-write", default="fused", choices=["fused", "xla"],
                    help="decode's RoPE and K/V write: inside the Pallas decode kernel "
                         "(fused, default) or as XLA kernels (xla: the pre-session-6 path)")
+    p.add_argument("--persistent-layers", action="store_true",
+                   help="batch-1 decode loops as one persistent Mosaic GPU kernel each "
+                        "(ouro_jax.persistent; jax >= 0.11, bf16, --attention pallas)")
     p.add_argument("--batch", default="1,8,32,64")
     p.add_argument("--k", default="0,2,4", help="0 = native decode")
     p.add_argument("--draft-loops", type=int, default=2)

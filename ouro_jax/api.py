@@ -135,7 +135,7 @@ class Ouro:
                  kv_pool_tokens: Optional[int] = None, prefill_chunk: int = 256,
                  decode_chunk: int = 32, fuse_projections: bool = True,
                  unroll_loops: bool = False, projections: str = "auto",
-                 fused_kv_write: bool = True):
+                 fused_kv_write: bool = True, persistent_layers: bool = False):
         page_size, prefill_chunk, decode_chunk = (
             as_int(v, name) for v, name in ((page_size, "page_size"),
                                             (prefill_chunk, "prefill_chunk"),
@@ -172,9 +172,22 @@ class Ouro:
                 f"its RoPE and K/V write) inside the layer kernel, so it needs "
                 f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), fused_kv_write and "
                 f"fuse_projections (the fused qkv weight); use '+flow4' otherwise")
+        if not isinstance(persistent_layers, bool):
+            raise ValueError(f"persistent_layers must be True or False, got "
+                             f"{persistent_layers!r}")
+        if persistent_layers:  # batch-1 decode loops as one Mosaic GPU kernel each
+            if resolved != "pallas" or kv_xla:
+                raise ValueError(f"persistent_layers runs the decode attention (its RoPE and "
+                                 f"K/V write) inside the layer kernel: it needs "
+                                 f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
+                                 f"fused_kv_write and fuse_projections")
+            from ouro_jax import persistent
+            self.params = dataclasses.replace(self.params,
+                                              persistent=persistent.pack(cfg, self.params))
         self.backend = (resolved + ("+unroll" if unroll_loops else "")
                         + ("+kvxla" if kv_xla else "")
-                        + ("" if proj == XLAProjections() else "+" + proj.spec))
+                        + ("" if proj == XLAProjections() else "+" + proj.spec)
+                        + ("+persistent" if persistent_layers else ""))
         self.prefill_chunk = next_pow2(prefill_chunk)
         self.decode_chunk = decode_chunk
         self.fixed_pool_pages = (None if kv_pool_tokens is None

@@ -177,6 +177,8 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
     interpret = jax.default_backend() != "gpu"
     last_combine, fuse_o, flow_o = _fused_decode_modes(
         cfg, b, block_tables.shape[1] * page_size, merge_splits)
+    if b == 1:  # the persistent decode kernel's inputs (ouro_jax.persistent)
+        attend.chain_attention = _chain_attention(block_tables, kv_lens, page, slot)
     if _mgpu_decode(last_combine, fuse_o, flow_o):
         attend.qkv = _mgpu_attend_qkv(num_layers, block_tables, kv_lens, page, slot,
                                       interpret)
@@ -263,6 +265,18 @@ def _mgpu_attend_qkv(num_layers, block_tables, kv_lens, page, slot, interpret):
             trash_page=TRASH_PAGE, entry_stride=num_layers, interpret=interpret, **tiling)
         return out[:, None], (kc, vc, *planes[2:])
     return attend_qkv
+
+
+def _chain_attention(block_tables, kv_lens, page, slot):
+    """attend.chain_attention(cos, sin, state, loop, **tiling): the one row's attention
+    inputs for the persistent decode kernel (pallas_kernels.chain_attention), on the planes
+    in state[:2]."""
+    def chain_attention(cos, sin, state, loop, **tiling):
+        from pallas_kernels.chain_attention import ChainAttention
+        return ChainAttention(state[0], state[1], block_tables, kv_lens[0], page[0, 0],
+                              slot[0, 0], loop, cos[:, 0], sin[:, 0], trash_page=TRASH_PAGE,
+                              **tiling)
+    return chain_attention
 
 
 def _fused_decode_modes(cfg, b: int, capacity: int, merge_splits) -> tuple:

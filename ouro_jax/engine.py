@@ -57,7 +57,10 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     kernels = [o for o in options
                if o.startswith(("gemv", "gemm", "pf", "mgpu"))
                or o in ("norms", "stream", *FLOW_PARTS)]
-    unknown = [o for o in options if o not in ("unroll", "kvxla") and o not in kernels]
+    # "+persistent" only labels the programs: the packed weights in params.persistent
+    # select the path (ouro_jax.persistent)
+    unknown = [o for o in options if o not in ("unroll", "kvxla", "persistent")
+               and o not in kernels]
     if unknown:
         raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', "
                          f"'kvxla', 'gemv...', 'gemm...', 'norms', 'pfN', 'stream', 'mgpu...', "

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and stream, experimental: a one-row layer's o -> gate/up -> down [-> "
                         "the next qkv [-> its attention]] as one kernel, measured slower); "
                         "figures in docs/performance.md")
+    r.add_argument("--persistent-layers", action="store_true",
+                   help="batch-1 decode: each loop's layers as one persistent Mosaic GPU "
+                        "kernel (jax >= 0.11, bf16, --attention pallas; unmeasured, opt-in)")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
     r.add_argument("--kv-pool-tokens", type=int, default=None,
@@ -237,7 +240,8 @@ def main(argv=None) -> int:
         llm = Ouro.load(args.model, args.dtype or "fp32", page_size=args.page_size,
                         attention=args.attention,
                         projections=args.projections,
-                        decode_chunk=args.decode_chunk, kv_pool_tokens=args.kv_pool_tokens)
+                        decode_chunk=args.decode_chunk, kv_pool_tokens=args.kv_pool_tokens,
+                        persistent_layers=args.persistent_layers)
         load_s = time.perf_counter() - t0
         hint = "" if args.dtype or args.json else _dtype_hint(args.model)
         if hint:

@@ -206,6 +206,9 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
     compiles: tests, training). A tuple of per-layer weights (`unstack_layers`, what the
     engine uses) is unrolled, so every GEMM reads its weight in place; slicing a stacked
     weight inside a loop makes XLA copy it first, tripling the weight traffic of decode."""
+    from ouro_jax import persistent
+    if persistent.applies(params, h, attend):  # one row: all layers as one kernel
+        return persistent.run_loop(params, h, cos, sin, cfg, attend, state, loop)
     if isinstance(params.layers, (tuple, list)):
         n = len(params.layers)
         for layer, lp in enumerate(params.layers):

@@ -53,6 +53,9 @@ class OuroParams:
     exit_gate_w: jax.Array  # [1, D]
     exit_gate_b: jax.Array  # [1]
     lm_head: jax.Array  # [V, D]
+    # Engine-only: the layers in the persistent decode kernel's layout (ouro_jax.persistent,
+    # Ouro(persistent_layers=True)); None otherwise.
+    persistent: Optional[object] = None
 
     @property
     def dtype(self):

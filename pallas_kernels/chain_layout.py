@@ -18,6 +18,12 @@ def chain_shapes(hidden, q_rows, qkv_rows, inter):
 
 
 SHAPES = chain_shapes(2048, 2048, 6144, 5632)  # the 1.4B model's
+
+
+def shapes_of_config(cfg):
+    """chain_shapes of an OuroConfig's layers (fused qkv and gate/up)."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return chain_shapes(cfg.hidden_size, q, q + 2 * kv, cfg.intermediate_size)
 Q_ROWS = 2048
 
 

@@ -49,6 +49,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.chain_layout import (AROWS, Q_ROWS, SHAPES, chain_shapes, check,
                                          program_tiles, reference_chain, shapes_of,
+                                         shapes_of_config,
                                          smem_bytes, stage_bases, step_tiles, table_len,
                                          tile_table, tile_weights, umax)
 from pallas_kernels.attend_head_mgpu import attend_head
@@ -58,7 +59,8 @@ from pallas_kernels.gemv_mgpu import w_tile_transforms
 from pallas_kernels.gemv_mgpu_areg import broadcast_a, register_a_layouts
 
 __all__ = ["AROWS", "Q_ROWS", "SHAPES", "chain_shapes", "check", "gemv_chain_mgpu",
-           "lower_for_h200", "program_tiles", "reference_chain", "shapes_of", "smem_bytes",
+           "lower_for_h200", "program_tiles", "reference_chain", "shapes_of",
+           "shapes_of_config", "smem_bytes",
            "stage_bases", "step_tiles", "table_len", "tile_table", "tile_weights", "umax"]
 
 
