@@ -20,7 +20,10 @@
 #      the persistent kernel with and without its attention stage.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session27_call.sh
 # STEPS= a subset of "tadgcl" (default tad); ARMS= d's arms (default "default mgpu"; also
-# mgpu128: block 128, 2 stages); BATCH= d's batch (default 1); CAP= seconds (default 570).
+# mgpu128: block 128, 2 stages; persistent: --persistent-layers, each loop's 24 layers as
+# one kernel); BATCH= d's batch (default 1); CAP= seconds (default 570).
+# Suggested calls, each within one 600 s command: STEPS=tga (every new kernel's GPU tests,
+# then the attention benchmark); STEPS=d ARMS="default mgpu persistent"; STEPS=lc.
 . benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-tad}
 on() { [[ $STEPS == *$1* ]]; }
@@ -28,6 +31,12 @@ if on t; then
   timeout -s KILL $(left 150) python3 -m pytest -q -m gpu tests/test_decode_mgpu_paged.py \
     2>&1 | tail -4
   echo "t done at $SECONDS s"
+fi
+if on g; then
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/layer_dump timeout -s KILL $(left 200) \
+    python3 -m pytest -q -x -m gpu tests/test_chain_attention.py 2>&1 | tail -4
+  (cd $OUT && tar czf layer_dump.tgz layer_dump 2>/dev/null; rm -rf layer_dump)
+  echo "g done at $SECONDS s"
 fi
 if on a; then
   timeout -s KILL $(left 200) python3 -m benchmarks.attention_paged_mgpu \
@@ -44,6 +53,7 @@ if on d; then
       default) run default_p$2 ;;
       mgpu) run mgpu_p$2 --decode-kernel mgpu=1 ;;
       mgpu128) run mgpu128_p$2 --decode-kernel mgpu=1,mgpu_block=128,mgpu_stages=2 ;;
+      persistent) run persistent_p$2 --persistent-layers ;;
     esac
   }
   ARMS=${ARMS:-"default mgpu"}
@@ -52,12 +62,6 @@ if on d; then
   ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A \
     $OUT/ab_mgpu_b${BATCH:-1}_session27_$G.json
   echo "d done at $SECONDS s"
-fi
-if on g; then
-  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/layer_dump timeout -s KILL $(left 200) \
-    python3 -m pytest -q -x -m gpu tests/test_chain_attention.py 2>&1 | tail -4
-  (cd $OUT && tar czf layer_dump.tgz layer_dump 2>/dev/null; rm -rf layer_dump)
-  echo "g done at $SECONDS s"
 fi
 if on l; then
   timeout -s KILL $(left 240) python3 -m benchmarks.layer_mgpu \
