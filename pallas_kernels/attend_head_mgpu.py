@@ -119,8 +119,15 @@ def attend_head(spec: HeadSpec, scratch, *, g, qkv_row: Callable, out_row: Calla
         f32 = lambda a: a.astype(jnp.float32)
         a = (f32(x) * f32(plgpu.load(rope_rows[0]))).astype(dt)
         c = (f32(rot) * f32(plgpu.load(rope_rows[1]))).astype(dt)
-        plgpu.commit_smem()  # every thread has read `two` before the next row writes it
-        return (f32(a) + f32(c)).astype(dt)
+        plgpu.commit_smem()  # every thread has read `two` before it is written again
+        # a and c through SMEM: the Mosaic GPU lowering folds a bf16 round trip in
+        # registers away (gemv_mgpu_normed), and apply_rope rounds both before the add
+        two[pl.ds(0, hd)] = a
+        two[pl.ds(hd, hd)] = c
+        plgpu.commit_smem()
+        out = (f32(two[pl.ds(0, hd)]) + f32(two[pl.ds(hd, hd)])).astype(dt)
+        plgpu.commit_smem()  # read before the next row writes `two`
+        return out
 
     for gi in range(group):
         q_smem.at[gi][...] = rotated(g * group + gi)
