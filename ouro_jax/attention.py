@@ -54,8 +54,10 @@ FUSE_O = False
 # Pallas decode (fused K/V write), any batch: pallas_kernels.decode_mgpu_paged instead of the
 # Triton kernel: the same contract (RoPE, K/V write, paged reads) on Mosaic GPU, one program
 # per (row, KV head) with its K/V requested by TMA up front, so no splits and no combine
-# kernel (jax >= 0.11, bf16/f16 caches, head_dim 64 or 128). Off: not yet measured on a GPU
-# (session 27); `benchmarks.decode --decode-kernel mgpu=1[,mgpu_block=B,mgpu_stages=S]`
+# kernel (jax >= 0.11, bf16/f16 caches, head_dim 64 or 128). Off: slower at batch 1 (H100,
+# session 27: 8.2 against 5.6 us per layer application with the merge at 192 positions; its
+# 16 programs each stream a head), level at batch 8; `benchmarks.decode --decode-kernel
+# mgpu=1[,mgpu_block=B,mgpu_stages=S]`
 # turns it on for a run. Read when an engine compiles its programs.
 MGPU_DECODE = False
 

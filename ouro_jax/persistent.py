@@ -1,6 +1,6 @@
-"""Opt-in batch-1 decode on one persistent Mosaic GPU kernel per loop (session 27; not yet
-measured on a GPU): `Ouro(..., persistent_layers=True)`, `--persistent-layers` in the CLI and
-benchmarks.decode.
+"""Opt-in batch-1 decode on one persistent Mosaic GPU kernel per loop (session 27; slower:
+113.7 against 205.0 tok/s on an H100, docs/performance.md): `Ouro(...,
+persistent_layers=True)`, `--persistent-layers` in the CLI and benchmarks.decode.
 
 A one-row decode step (native decode and the speculative draft at batch 1) runs each loop's
 L decoder layers as one kernel, pallas_kernels.chain_mgpu with its attention stage: the
