@@ -70,6 +70,43 @@ class HeadSpec:
         return tiles + rows + a + 2048  # + barriers, alignment
 
 
+def scores_step(qa, k_tile, s_block, scale, m, l, acc, pos, length, dt, p_smem=None):
+    """One block's scores q K^T (wgmma, fp32, scaled, masked at `pos` >= `length`) and
+    online-softmax update: (p rounded to dt as the A operand of P @ V, m, l, acc rescaled).
+    p_smem: the interpreter's SMEM A operand (its wgmma takes none from registers)."""
+    def scores(acc_ref):
+        plgpu.wgmma(acc_ref, qa, k_tile.T)
+        return acc_ref[...]
+    s = pl.run_scoped(scores, plgpu.ACC((AROWS, s_block), jnp.float32)) * scale
+    s = jnp.where(pos < length, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    p16 = p.astype(dt)
+    if p_smem is not None:
+        p_smem[...] = p16
+        plgpu.commit_smem()
+        p16 = p_smem
+    return p16, m_new, l, acc
+
+
+def pv_step(acc, p16, v_tile, interpret):
+    """acc + P @ V (wgmma). Reading the accumulator back waits for the MMAs, so the V tile's
+    slot is free after it. The CPU interpreter cannot start an accumulator from a value:
+    there the block's product starts from zero and is added."""
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_tile)
+
+    def pv_from_zero(acc_ref):
+        pv(acc_ref)
+        return acc_ref[...]
+    if interpret:
+        return acc + pl.run_scoped(pv_from_zero, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
 def attend_head(spec: HeadSpec, scratch, *, g, qkv_row: Callable, out_row: Callable,
                 rope_rows, kc, vc, page_of: Callable, entry, kv_len, wpage, wslot):
     """KV head g (traced) of one row. qkv_row(i): the GMEM ref [hd] of packed-projection row
@@ -184,41 +221,17 @@ def attend_head(spec: HeadSpec, scratch, *, g, qkv_row: Callable, out_row: Calla
         def _():
             fix_last(j, k_smem, 0)
 
-        def scores(acc_ref):
-            plgpu.wgmma(acc_ref, qa, k_smem.at[slot].T)
-            return acc_ref[...]
-        s = pl.run_scoped(scores, plgpu.ACC((AROWS, block), jnp.float32)) * scale
         pos = plgpu.broadcasted_iota(jnp.int32, (AROWS, block), 1, layout=wg) + j * block
-        s = jnp.where(pos < length, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(dt)
-        if a_smem:
-            a_smem[1][...] = p16
-            plgpu.commit_smem()
-            p16 = a_smem[1]
+        p16, m, l, acc = scores_step(qa, k_smem.at[slot], block, scale, m, l, acc, pos,
+                                     length, dt, a_smem[1] if a_smem else None)
         plgpu.barrier_wait(vbar.at[slot])
 
         @pl.when(last)
         def _():
             fix_last(j, v_smem, 1)
-
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-        def pv_from_zero(acc_ref):
-            pv(acc_ref)
-            return acc_ref[...]
-        # Reading the accumulator back waits for the MMAs: the slot is free after it.
-        if a_smem:  # the interpreter cannot start an accumulator from a value
-            acc = acc + pl.run_scoped(pv_from_zero, plgpu.ACC((AROWS, hd), jnp.float32))
-        else:
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        acc = pv_step(acc, p16, v_smem.at[slot], bool(a_smem))
         issue(j + S)
-        return acc, m_new, l
+        return acc, m, l
 
     acc, m, l = lax.fori_loop(0, steps, kv_step, (acc, m, l))
     l = jnp.where(l > 0, l, 1.0)  # nothing attended: acc is 0, the output zeros

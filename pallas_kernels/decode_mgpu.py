@@ -32,6 +32,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels.attend_head_mgpu import pv_step, scores_step
 from pallas_kernels.gemv_mgpu import SMEM_LIMIT, w_tile_transforms
 from pallas_kernels.gemv_mgpu_areg import AROWS, broadcast_a, register_a_layouts
 
@@ -123,24 +124,10 @@ def _build(n, heads, d, dtype, block, stages, interpret):
             acc, m, l = carry
             slot = j % S
             plgpu.barrier_wait(kbar.at[slot])
-
-            def scores(acc_ref):
-                plgpu.wgmma(acc_ref, qa, k_smem.at[slot].T)
-                return acc_ref[...]
-            s = pl.run_scoped(scores, plgpu.ACC((AROWS, block), jnp.float32)) * scale
             pos = plgpu.broadcasted_iota(jnp.int32, (AROWS, block), 1,
                                          layout=plgpu.Layout.WGMMA) + j * block
-            s = jnp.where(pos < length, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp(m - m_new)
-            p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(dt)
-            if a_smem:
-                a_smem[1][...] = p16
-                plgpu.commit_smem()
-                p16 = a_smem[1]
+            p16, m_new, l, acc = scores_step(qa, k_smem.at[slot], block, scale, m, l, acc,
+                                             pos, length, dt, a_smem[1] if a_smem else None)
             plgpu.barrier_wait(vbar.at[slot])
 
             @pl.when((j + 1) * block > length)
@@ -153,18 +140,7 @@ def _build(n, heads, d, dtype, block, stages, interpret):
                 tile[...] = jnp.where(rows < length, vt, jnp.zeros_like(vt))
                 plgpu.commit_smem()
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-            def pv_from_zero(acc_ref):
-                pv(acc_ref)
-                return acc_ref[...]
-            # Reading the accumulator back waits for the MMAs, so the slot is free after.
-            if a_smem:  # the CPU interpreter cannot start an accumulator from a value:
-                # this block's P @ V from zero, then added
-                acc = acc + pl.run_scoped(pv_from_zero, plgpu.ACC((AROWS, d), jnp.float32))
-            else:  # on the GPU into the running accumulator (no second [64, d] of registers)
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            acc = pv_step(acc, p16, v_smem.at[slot], bool(a_smem))
             issue(j + S)  # so slot j % S is free for block j + S
             return acc, m_new, l
 
