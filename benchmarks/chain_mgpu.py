@@ -142,9 +142,11 @@ def main(argv=None):
                 tiling["diag"] = flag
             elif flag == "norm":
                 tiling["norm"] = True
+            elif flag == "uniform":
+                tiling["uniform"] = True
             else:
-                raise SystemExit(f"unknown flag {flag!r} in --tilings (norm, nosync, nox, "
-                                 f"nomma)")
+                raise SystemExit(f"unknown flag {flag!r} in --tilings (norm, uniform, nosync, "
+                                 f"nox, nomma)")
         tilings.append(tiling)
     ws = make_weights(args.layers)
     mb = sum(w.size * 2 for w in ws) / args.layers / 1e6

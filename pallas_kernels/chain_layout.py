@@ -112,15 +112,20 @@ def tile_weights(ws, block_n, block_k):
     return jnp.concatenate(out, axis=1)
 
 
-def program_tiles(shapes, block_n, block_k, programs, p):
+def program_tiles(shapes, block_n, block_k, programs, p, uniform=False):
     """Program p's tiles of one layer, in the order it takes them: per stage, K step by K
     step, each step over its units (blocks p, p + P, ...; gate then up for gate/up), as
-    indices into tile_weights' per-layer run."""
+    indices into tile_weights' per-layer run. uniform: every program takes the most units
+    of any (umax), its last real unit repeated (computed, not stored), so that the kernel's
+    MMAs need no per-program condition."""
     bases, _ = stage_bases(shapes, block_n, block_k)
+    most = umax(shapes, block_n, programs)
     seq = []
-    for (_, n, k, gated), base in zip(shapes, bases):
+    for (_, n, k, gated), base, um in zip(shapes, bases, most):
         nk = k // block_k
-        units = range(p, n // block_n, programs)
+        units = list(range(p, n // block_n, programs))
+        if uniform:
+            units += units[-1:] * (um - len(units))
         for kb in range(nk):
             for rb in units:
                 for j in range(2 if gated else 1):
@@ -129,20 +134,20 @@ def program_tiles(shapes, block_n, block_k, programs, p):
 
 
 def table_len(shapes, block_n, block_k, programs):
-    """The tile table's row length: program 0's tiles per layer (the most), rounded up to
-    a multiple of 256 (a whole-warpgroup load)."""
+    """The tile table's row length: program 0's tiles per layer (the most, also with
+    `uniform`), rounded up to a multiple of 256 (a whole-warpgroup load)."""
     most = len(program_tiles(shapes, block_n, block_k, programs, 0))
     return -(-most // 256) * 256
 
 
 @functools.lru_cache(maxsize=None)
-def tile_table(shapes, block_n, block_k, programs):
+def tile_table(shapes, block_n, block_k, programs, uniform=False):
     """int32 [programs, table_len]: each program's program_tiles, zero-padded (built once per
     configuration, read-only)."""
     import numpy as np
     table = np.zeros((programs, table_len(shapes, block_n, block_k, programs)), np.int32)
     for p in range(programs):
-        seq = program_tiles(shapes, block_n, block_k, programs, p)
+        seq = program_tiles(shapes, block_n, block_k, programs, p, uniform)
         table[p, :len(seq)] = seq
     table.setflags(write=False)
     return table

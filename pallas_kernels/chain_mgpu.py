@@ -66,7 +66,7 @@ __all__ = ["AROWS", "Q_ROWS", "SHAPES", "chain_shapes", "check", "gemv_chain_mgp
 
 @functools.lru_cache(maxsize=None)
 def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag=None,
-           interpret=None, eps=None, attn=None):
+           interpret=None, eps=None, attn=None, uniform=False):
     dt = jnp.dtype(jnp.bfloat16)
     S, P, BN, BK = stages, programs, block_n, block_k
     kmax = max(k for _, _, k, _ in shapes)
@@ -103,7 +103,8 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
         me = lax.axis_index("p")
         # this program's units and tiles per stage (the same every layer); within a stage
         # the tiles go K step by K step, each step over the program's units (gate, up)
-        units = [(n // BN - me + P - 1) // P for _, n, _, _ in shapes]
+        real = [(n // BN - me + P - 1) // P for _, n, _, _ in shapes]  # units it stores
+        units = list(um) if uniform else real  # units it computes (uniform: um everywhere)
         per_step = [u * c[t] for t, u in enumerate(units)]
         per_layer = sum(per_step[t] * nk[t] for t in range(4))
         total = per_layer * n_layers
@@ -114,6 +115,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
         def issue(g, layer):
             """Request tile g of this program's sequence into slot g % S; `layer` is the
             requester's layer (g is at most one layer ahead of it: chain_layout.check)."""
+            g = jnp.asarray(g, jnp.int32)  # (uniform: per_layer and the first g are ints)
             r = g - layer * per_layer
             ahead = r >= per_layer
             r = jnp.where(ahead, r - per_layer, r)
@@ -173,6 +175,12 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
             else:  # o reads the attention's output, or (without it) q
                 load_x((att_g if attn and t == 1 else ys[t - 1]).at[0, pl.ds(0, k)], k)
 
+        def run(f):  # an unconditional "pl.when"
+            f()
+
+        def computes(u, t):  # uniform: every program computes umax units, no condition
+            return run if uniform else pl.when(u < units[t])
+
         def handover(idx):  # all programs' outputs of the first idx stages are stored
             if sync:
                 plgpu.semaphore_wait(sem, idx * P, decrement=False, memory_scope="gpu")
@@ -207,7 +215,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
             def scope(*accs):  # accs[u * c + j]: unit u's gate (j=0) / up (j=1) or plain
                 def kb_body(kb, g):
                     for u in range(um[t]):
-                        @pl.when(u < units[t])
+                        @computes(u, t)
                         def _(u=u):
                             for j in range(c[t]):
                                 plgpu.barrier_wait(bars.at[(g + u * c[t] + j) % S])
@@ -223,7 +231,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
                             plgpu.commit_smem()
                             a = a_smem[0]
                         for u in range(um[t]):
-                            @pl.when(u < units[t])
+                            @computes(u, t)
                             def _(u=u):
                                 for j in range(c[t]):
                                     plgpu.wgmma(accs[u * c[t] + j], a,
@@ -232,7 +240,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
                     # wgmma_wait), so slots (g - B + i) % S are free: refill them while this
                     # step's MMAs run (S >= 2B keeps them off this step's [g, g + nt)).
                     for i in range(um[t] * c[t]):
-                        @pl.when(i < nt)
+                        @(run if uniform else pl.when(i < nt))
                         def _(i=i):
                             issue(g + S - B + i, layer)
                     if diag != "nomma":
@@ -244,7 +252,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
             g, vals = pl.run_scoped(
                 scope, *([plgpu.ACC((AROWS, BN), jnp.float32)] * (um[t] * c[t])))
             for u in range(um[t]):
-                @pl.when(u < units[t])
+                @pl.when(u < real[t])
                 def _(u=u):
                     v = vals[u * c[t]:(u + 1) * c[t]]
                     res = _silu_mul(v[0], v[1], dt) if gated else v[0].astype(dt)
@@ -287,7 +295,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
 
 def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, block_n=16,
                     block_k=256, stages=16, programs=None, sync=True, diag=None,
-                    attention=None, interpret=False):
+                    attention=None, uniform=False, interpret=False):
     """The chain over w = tile_weights((qkv, o, gate_up, down), block_n, block_k), the four
     stages' [L, rows, K] bf16 weights of the given chain_shapes (the 1.4B model's by
     default: [L, 6144, 2048], [L, 2048, 2048], [L, 11264, 2048], [L, 2048, 5632]), from x
@@ -303,6 +311,10 @@ def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, b
     math (the ring's pace alone). interpret: the CPU simulation, with programs=1 (it has no
     global semaphores, and one program needs no handover), or more with sync=False (each
     program's own ring; later stages wrong).
+    uniform: every program computes as many units per stage as the busiest (its last
+    real unit again, not stored): no per-program condition around the MMAs, which
+    otherwise make ptxas serialise them (session 27); a little more weight traffic where a
+    stage's blocks do not divide among the programs.
     attention: a chain_attention.ChainAttention (with norms): whole decoder layers, the
     decode attention as a stage between qkv and o (o then reads its output, not q); returns
     the six outputs, the attention's output row [1, H * hd], and the k and v caches, updated
@@ -340,11 +352,12 @@ def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, b
         raise ValueError("branch is the first layer's add_norm input: it needs norms")
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    table = jnp.asarray(tile_table(shapes, block_n, block_k, programs))
+    table = jnp.asarray(tile_table(shapes, block_n, block_k, programs, bool(uniform)))
     att_ops, refs = operands(attention) if spec else ((), ())
     outs = _build(shapes, n_layers, block_n, block_k, stages, programs,
                   bool(sync) and not interpret, diag, interpret or None,
-                  None if norms is None else float(eps), spec)(x, *extra, *att_ops, w, table)
+                  None if norms is None else float(eps), spec, bool(uniform))(
+                      x, *extra, *att_ops, w, table)
     return (*outs, *(jax.freeze(r) for r in refs)) if spec else outs
 
 

@@ -229,3 +229,25 @@ def test_benchmark_refuses_unknown_tiling_flags():
     from benchmarks import chain_mgpu as bench
     with pytest.raises(SystemExit, match="unknown flag 'fast'"):
         bench.main(["--tilings", "16:256:12:128:fast"])
+
+
+def test_uniform_tiles_repeat_the_last_unit():
+    """uniform: every program takes umax units per stage (its last real unit again), so all
+    tile sequences have one length; the real units come first, in the same order."""
+    shapes = cm.chain_shapes(64, 64, 136, 128)
+    plain = [cm.program_tiles(shapes, 8, 64, 2, p) for p in range(2)]
+    uni = [cm.program_tiles(shapes, 8, 64, 2, p, uniform=True) for p in range(2)]
+    assert len(uni[0]) == len(uni[1]) == len(plain[0]) > len(plain[1])
+    assert uni[0] == plain[0]  # program 0 already had the most
+    assert set(uni[1]) == set(plain[1]) and len(uni[1]) - len(plain[1]) == 1  # qkv: 9 vs 8
+
+
+def test_interpret_uniform_two_programs_first_stage():
+    """uniform=True on two programs with uneven units (sync=False): the ring runs to the
+    end and the first stage, stored from the real units only, is exact."""
+    shapes = cm.chain_shapes(64, 64, 136, 128)
+    x, ws = _weights(shapes, 1, seed=3)
+    outs = cm.gemv_chain_mgpu(x, cm.tile_weights(ws, 8, 64), shapes, block_n=8, block_k=64,
+                              stages=32, programs=2, sync=False, uniform=True,
+                              interpret=True)
+    np.testing.assert_array_equal(_f32(outs[0]), _f32(gemv_reference(x, ws[0][0])))
