@@ -144,9 +144,11 @@ def main(argv=None):
                 tiling["norm"] = True
             elif flag == "uniform":
                 tiling["uniform"] = True
+            elif flag == "smema":
+                tiling["smem_a"] = True
             else:
-                raise SystemExit(f"unknown flag {flag!r} in --tilings (norm, uniform, nosync, "
-                                 f"nox, nomma)")
+                raise SystemExit(f"unknown flag {flag!r} in --tilings (norm, uniform, smema, "
+                                 f"nosync, nox, nomma)")
         tilings.append(tiling)
     ws = make_weights(args.layers)
     mb = sum(w.size * 2 for w in ws) / args.layers / 1e6

@@ -66,7 +66,7 @@ __all__ = ["AROWS", "Q_ROWS", "SHAPES", "chain_shapes", "check", "gemv_chain_mgp
 
 @functools.lru_cache(maxsize=None)
 def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag=None,
-           interpret=None, eps=None, attn=None, uniform=False):
+           interpret=None, eps=None, attn=None, uniform=False, smem_a=False):
     dt = jnp.dtype(jnp.bfloat16)
     S, P, BN, BK = stages, programs, block_n, block_k
     kmax = max(k for _, _, k, _ in shapes)
@@ -96,7 +96,7 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
         if attn:  # the attention's output row [1, H * hd], o's input
             att_g, refs = refs[0], refs[1:]
         ring, bars, x_smem, o_smem, tbl, *refs = refs
-        a_smem = refs[:1] if interpret else []
+        a_smem = refs[:1] if interpret or smem_a else []
         att_scratch = refs[len(a_smem):]
         # (the CPU interpreter has no global semaphores: one program needs no handover)
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if sync else None
@@ -226,7 +226,8 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
                             h = plgpu.load(x_smem.at[pl.ds(kb * BK, BK)], layout=col_layout,
                                            optimized=False)
                             a = broadcast_a(h, a_layout)
-                        if a_smem:  # the interpreter's wgmma takes refs only (jax 0.11.2)
+                        if a_smem:  # the interpreter's wgmma takes refs only (jax 0.11.2);
+                            # smem_a: on the GPU too, 64 registers fewer than the A fragment
                             a_smem[0][...] = a
                             plgpu.commit_smem()
                             a = a_smem[0]
@@ -288,14 +289,15 @@ def _build(shapes, n_layers, block_n, block_k, stages, programs, sync=True, diag
                        plgpu.Barrier(num_arrivals=1, num_barriers=S),
                        plgpu.SMEM((kmax,), dt), plgpu.SMEM((AROWS, BN), dt),
                        plgpu.SMEM((table_len(shapes, BN, BK, P),), jnp.int32)]
-        + ([plgpu.SMEM((AROWS, BK), dt, transforms=transforms)] if interpret else [])
+        + ([plgpu.SMEM((AROWS, BK), dt, transforms=transforms)] if interpret or smem_a
+           else [])
         + (attn.scratch() if attn else []),
         grid=(P,), grid_names=("p",), interpret=interpret)
 
 
 def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, block_n=16,
                     block_k=256, stages=16, programs=None, sync=True, diag=None,
-                    attention=None, uniform=False, interpret=False):
+                    attention=None, uniform=False, smem_a=False, interpret=False):
     """The chain over w = tile_weights((qkv, o, gate_up, down), block_n, block_k), the four
     stages' [L, rows, K] bf16 weights of the given chain_shapes (the 1.4B model's by
     default: [L, 6144, 2048], [L, 2048, 2048], [L, 11264, 2048], [L, 2048, 5632]), from x
@@ -311,6 +313,9 @@ def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, b
     math (the ring's pace alone). interpret: the CPU simulation, with programs=1 (it has no
     global semaphores, and one program needs no handover), or more with sync=False (each
     program's own ring; later stages wrong).
+    smem_a: x's broadcast chunk goes to wgmma from SMEM, not registers (64 registers fewer
+    per thread: ptxas serialised the register form's MMAs for want of registers). Lowers
+    for sm_90; not yet run on a GPU (session 27 ran out of device time).
     uniform: every program computes as many units per stage as the busiest (its last
     real unit again, not stored): no per-program condition around the MMAs, which
     otherwise make ptxas serialise them (session 27); a little more weight traffic where a
@@ -334,7 +339,8 @@ def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, b
         if norms is None:
             raise ValueError("attention runs whole decoder layers: it needs norms")
         spec = spec_of(attention, tuple(tuple(s) for s in shapes), bool(interpret))
-    check(x, w, shapes, block_n, block_k, stages, programs, bool(interpret),
+    check(x, w, shapes, block_n, block_k, stages, programs,
+          bool(interpret) or bool(smem_a),  # (the SMEM A tile counts either way)
           norms is not None, extra_smem=spec.smem_bytes() if spec else 0)
     n_layers, hidden = w.shape[0], shapes[0][2]
     extra = ()
@@ -356,7 +362,8 @@ def gemv_chain_mgpu(x, w, shapes=SHAPES, *, norms=None, branch=None, eps=1e-6, b
     att_ops, refs = operands(attention) if spec else ((), ())
     outs = _build(shapes, n_layers, block_n, block_k, stages, programs,
                   bool(sync) and not interpret, diag, interpret or None,
-                  None if norms is None else float(eps), spec, bool(uniform))(
+                  None if norms is None else float(eps), spec, bool(uniform),
+                  bool(smem_a))(
                       x, *extra, *att_ops, w, table)
     return (*outs, *(jax.freeze(r) for r in refs)) if spec else outs
 

@@ -155,10 +155,11 @@ def test_refuses_bad_norms_or_inputs():
         cm.shapes_of(bad)
 
 
-@pytest.mark.parametrize("normed,sync,diag,mmas", [
-    (False, True, None, True), (True, True, None, True), (False, False, None, True),
-    (False, True, "nomma", False)])
-def test_lowers_for_cuda_at_the_1p4b_shapes(normed, sync, diag, mmas):
+@pytest.mark.parametrize("normed,sync,diag,mmas,kw", [
+    (False, True, None, True, {}), (True, True, None, True, {}),
+    (False, False, None, True, {}), (False, True, "nomma", False, {}),
+    (True, True, None, True, dict(uniform=True, smem_a=True))])
+def test_lowers_for_cuda_at_the_1p4b_shapes(normed, sync, diag, mmas, kw):
     """The register-A path (which the interpreter replaces) lowers for sm_90 on a CPU, with
     TMA requests, the handover's release add only with the handover, and no MMA in the
     no-math diagnostic."""
@@ -168,7 +169,7 @@ def test_lowers_for_cuda_at_the_1p4b_shapes(normed, sync, diag, mmas):
     w = jax.ShapeDtypeStruct((L, total, bn, bk), jnp.bfloat16)
     norms = tuple(jax.ShapeDtypeStruct((L, 2048), jnp.bfloat16) for _ in range(4))
     text = cm.lower_for_h200(x, w, norms if normed else None, block_n=bn, block_k=bk,
-                             stages=16, programs=128, sync=sync, diag=diag).as_text()
+                             stages=16, programs=128, sync=sync, diag=diag, **kw).as_text()
     assert "cp.async.bulk.tensor" in text
     # (the module is bytecode: each inline-asm string appears once, however many sites)
     assert ("red.release.gpu" in text) == sync and "red.release.sys" not in text
