@@ -107,6 +107,68 @@ def pv_step(acc, p16, v_tile, interpret):
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
+def _rotated(x, two, rope_rows, dt):
+    """Row x [hd] rotated as model.apply_rope rounds it: x*cos + rotate_half(x)*sin, each
+    product rounded to dt, then the sum. `two` [2 hd] is SMEM scratch."""
+    if rope_rows is None:
+        return x
+    hd = x.shape[0]
+    # rotate_half(x) = [-x2, x1] is the middle of [-x, x]: one SMEM round trip
+    two[pl.ds(0, hd)] = -x
+    two[pl.ds(hd, hd)] = x
+    plgpu.commit_smem()
+    rot = two[pl.ds(hd // 2, hd)]
+    f32 = lambda a: a.astype(jnp.float32)
+    a = (f32(x) * f32(plgpu.load(rope_rows[0]))).astype(dt)
+    c = (f32(rot) * f32(plgpu.load(rope_rows[1]))).astype(dt)
+    plgpu.commit_smem()  # every thread has read `two` before it is written again
+    # a and c through SMEM: the Mosaic GPU lowering folds a bf16 round trip in registers
+    # away (gemv_mgpu_normed; the first GPU run's keys differed), and apply_rope rounds both
+    two[pl.ds(0, hd)] = a
+    two[pl.ds(hd, hd)] = c
+    plgpu.commit_smem()
+    out = (f32(two[pl.ds(0, hd)]) + f32(two[pl.ds(hd, hd)])).astype(dt)
+    plgpu.commit_smem()  # read before the next row writes `two`
+    return out
+
+
+def _query_operand(q_smem, group, hd, a_smem):
+    """The KV head's query rows (q_smem [group, hd]) as wgmma's A operand [64, hd]: row r
+    is head min(r, group - 1); in registers, or staged in a_smem (the interpreter)."""
+    a_layout, col_layout = register_a_layouts()
+
+    def row_a(ref):  # a row [hd] as the [64, hd] register A layout, all rows equal
+        return broadcast_a(plgpu.load(ref, layout=col_layout, optimized=False), a_layout)
+    qa = row_a(q_smem.at[0])
+    if group > 1:
+        heads = plgpu.broadcasted_iota(jnp.int32, (AROWS, hd), 0, layout=a_layout)
+        for gi in range(1, group):
+            qa = jnp.where(heads >= gi, row_a(q_smem.at[gi]), qa)
+    if a_smem:
+        a_smem[0][...] = qa
+        plgpu.commit_smem()
+        qa = a_smem[0]
+    return qa
+
+
+def _splice_last(t, new_row, first, n_cached, length, new, zero_past):
+    """The last block's SMEM tile t [block, hd] (positions first..): the new row (an SMEM
+    ref [hd]) at n_cached where `new`, and with zero_past (V) zeros from `length` on, so
+    that p = 0 times a stale NaN stays 0."""
+    a_layout, col_layout = register_a_layouts()
+    block, hd = t.shape
+    cur = plgpu.load(t, layout=a_layout, optimized=False)
+    pos = plgpu.broadcasted_iota(jnp.int32, (block, hd), 0, layout=a_layout) + first
+    nr = plgpu.layout_cast(lax.broadcast_in_dim(
+        plgpu.load(new_row, layout=col_layout, optimized=False), (block, hd), (1,)),
+        a_layout)
+    out = jnp.where(new & (pos == n_cached), nr, cur)
+    if zero_past:
+        out = jnp.where(pos < length, out, jnp.zeros_like(out))
+    t[...] = out
+    plgpu.commit_smem()
+
+
 def attend_head(spec: HeadSpec, scratch, *, g, qkv_row: Callable, out_row: Callable,
                 rope_rows, kc, vc, page_of: Callable, entry, kv_len, wpage, wslot):
     """KV head g (traced) of one row. qkv_row(i): the GMEM ref [hd] of packed-projection row
@@ -117,8 +179,7 @@ def attend_head(spec: HeadSpec, scratch, *, g, qkv_row: Callable, out_row: Calla
     (k_smem, v_smem, kbar, vbar, two, q_smem, new_smem, o_smem, *a_smem) = scratch
     dt = jnp.dtype(spec.dtype)
     S, group, hd, block, ps = spec.stages, spec.group, spec.hd, spec.block, spec.ps
-    ppb, cap, half = block // ps, spec.max_pages * ps, hd // 2
-    a_layout, col_layout = register_a_layouts()
+    ppb, cap = block // ps, spec.max_pages * ps
     new = (kv_len > 0) & (wpage != spec.trash_page)  # the row writes and attends a new key
     n_cached = jnp.clip(kv_len - 1, 0, cap)
     length = jnp.minimum(n_cached + new.astype(jnp.int32), cap)
@@ -143,32 +204,9 @@ def attend_head(spec: HeadSpec, scratch, *, g, qkv_row: Callable, out_row: Calla
         issue(j0)
     # an earlier head's new rows may still be read out by its K/V-write stores
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    def rotated(row):  # packed row `row`, rotated as model.apply_rope rounds it
-        x = plgpu.load(qkv_row(row))
-        if rope_rows is None:
-            return x
-        # rotate_half(x) = [-x2, x1] is the middle of [-x, x]: one SMEM round trip
-        two[pl.ds(0, hd)] = -x
-        two[pl.ds(hd, hd)] = x
-        plgpu.commit_smem()
-        rot = two[pl.ds(half, hd)]
-        f32 = lambda a: a.astype(jnp.float32)
-        a = (f32(x) * f32(plgpu.load(rope_rows[0]))).astype(dt)
-        c = (f32(rot) * f32(plgpu.load(rope_rows[1]))).astype(dt)
-        plgpu.commit_smem()  # every thread has read `two` before it is written again
-        # a and c through SMEM: the Mosaic GPU lowering folds a bf16 round trip in
-        # registers away (gemv_mgpu_normed), and apply_rope rounds both before the add
-        two[pl.ds(0, hd)] = a
-        two[pl.ds(hd, hd)] = c
-        plgpu.commit_smem()
-        out = (f32(two[pl.ds(0, hd)]) + f32(two[pl.ds(hd, hd)])).astype(dt)
-        plgpu.commit_smem()  # read before the next row writes `two`
-        return out
-
     for gi in range(group):
-        q_smem.at[gi][...] = rotated(g * group + gi)
-    new_smem.at[0][...] = rotated(spec.h + g)
+        q_smem.at[gi][...] = _rotated(plgpu.load(qkv_row(g * group + gi)), two, rope_rows, dt)
+    new_smem.at[0][...] = _rotated(plgpu.load(qkv_row(spec.h + g)), two, rope_rows, dt)
     new_smem.at[1][...] = plgpu.load(qkv_row(spec.h + spec.kvh + g))
     plgpu.commit_smem()
 
@@ -177,39 +215,11 @@ def attend_head(spec: HeadSpec, scratch, *, g, qkv_row: Callable, out_row: Calla
         for r, cache in ((0, kc), (1, vc)):
             plgpu.copy_smem_to_gmem(new_smem.at[pl.ds(r, 1)],
                                     cache.at[entry, wpage, pl.ds(wslot, 1), g])
-
-    def row_a(ref):  # a row [hd] as the [64, hd] register A layout, all rows equal
-        return broadcast_a(plgpu.load(ref, layout=col_layout, optimized=False), a_layout)
-    qa = row_a(q_smem.at[0])
-    if group > 1:  # row r holds query head min(r, group - 1) of this KV head
-        heads = plgpu.broadcasted_iota(jnp.int32, (AROWS, hd), 0, layout=a_layout)
-        for gi in range(1, group):
-            qa = jnp.where(heads >= gi, row_a(q_smem.at[gi]), qa)
-    if a_smem:
-        a_smem[0][...] = qa
-        plgpu.commit_smem()
-        qa = a_smem[0]
-
-    def fix_last(j, tile, r):
-        """The last block's tile: the new row (new_smem[r]) at n_cached, and for V (r = 1)
-        zeros past the length, so that p = 0 times a stale NaN stays 0."""
-        t = tile.at[j % S]
-        cur = plgpu.load(t, layout=a_layout, optimized=False)
-        pos = plgpu.broadcasted_iota(jnp.int32, (block, hd), 0, layout=a_layout) + j * block
-        nr = plgpu.layout_cast(lax.broadcast_in_dim(
-            plgpu.load(new_smem.at[r], layout=col_layout, optimized=False),
-            (block, hd), (1,)), a_layout)
-        out = jnp.where(new & (pos == n_cached), nr, cur)
-        if r == 1:
-            out = jnp.where(pos < length, out, jnp.zeros_like(out))
-        t[...] = out
-        plgpu.commit_smem()
-
+    qa = _query_operand(q_smem, group, hd, a_smem)
     wg = plgpu.Layout.WGMMA
     m = plgpu.layout_cast(jnp.full((AROWS,), -jnp.inf, jnp.float32), wg.reduce(1))
     l = plgpu.layout_cast(jnp.zeros((AROWS,), jnp.float32), wg.reduce(1))
     acc = plgpu.layout_cast(jnp.zeros((AROWS, hd), jnp.float32), wg)
-    scale = hd ** -0.5
 
     def kv_step(j, carry):
         acc, m, l = carry
@@ -219,16 +229,17 @@ def attend_head(spec: HeadSpec, scratch, *, g, qkv_row: Callable, out_row: Calla
 
         @pl.when(last & new)
         def _():
-            fix_last(j, k_smem, 0)
-
+            _splice_last(k_smem.at[slot], new_smem.at[0], j * block, n_cached, length, new,
+                         False)
         pos = plgpu.broadcasted_iota(jnp.int32, (AROWS, block), 1, layout=wg) + j * block
-        p16, m, l, acc = scores_step(qa, k_smem.at[slot], block, scale, m, l, acc, pos,
-                                     length, dt, a_smem[1] if a_smem else None)
+        p16, m, l, acc = scores_step(qa, k_smem.at[slot], block, hd ** -0.5, m, l, acc,
+                                     pos, length, dt, a_smem[1] if a_smem else None)
         plgpu.barrier_wait(vbar.at[slot])
 
         @pl.when(last)
         def _():
-            fix_last(j, v_smem, 1)
+            _splice_last(v_smem.at[slot], new_smem.at[1], j * block, n_cached, length, new,
+                         True)
         acc = pv_step(acc, p16, v_smem.at[slot], bool(a_smem))
         issue(j + S)
         return acc, m, l
