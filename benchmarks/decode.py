@@ -192,6 +192,22 @@ def check_mgpu_run(args) -> None:
                          "'+flow5' projections run: drop one of them")
 
 
+def parse_persistent_tiling(args) -> dict:
+    """--persistent-tiling 'stages=14,uniform=1' -> {'stages': 14, 'uniform': True}; it
+    needs --persistent-layers (else it would change nothing under its name)."""
+    from ouro_jax.persistent import TILING
+    out = {}
+    for item in filter(None, (x.strip() for x in args.persistent_tiling.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in TILING or not value.isdigit():
+            raise SystemExit(f"--persistent-tiling: {item!r} is not KEY=INT with KEY in "
+                             f"{sorted(TILING)}")
+        out[key] = bool(int(value)) if isinstance(TILING[key], bool) else int(value)
+    if out and not args.persistent_layers:
+        raise SystemExit("--persistent-tiling tiles the --persistent-layers kernel: give both")
+    return out
+
+
 def token_digest(result) -> str:
     """sha256 (16 hex digits) of every output's token ids, in order."""
     h = hashlib.sha256()
@@ -290,6 +306,10 @@ def main(argv=None) -> int:
     p.add_argument("--persistent-layers", action="store_true",
                    help="batch-1 decode loops as one persistent Mosaic GPU kernel each "
                         "(ouro_jax.persistent; jax >= 0.11, bf16, --attention pallas)")
+    p.add_argument("--persistent-tiling", default="", metavar="K=V,...",
+                   help="with --persistent-layers: the kernel's tiling for this run, e.g. "
+                        "stages=14,uniform=1,smem_a=1 (keys: block_n, block_k, stages, "
+                        "uniform, smem_a)")
     p.add_argument("--batch", default="1,8,32,64")
     p.add_argument("--k", default="0,2,4", help="0 = native decode")
     p.add_argument("--draft-loops", type=int, default=2)
@@ -333,6 +353,7 @@ def main(argv=None) -> int:
     check_fuse_o_run(args)
     check_flow_o_run(args)
     check_mgpu_run(args)
+    persistent_tiling = parse_persistent_tiling(args)
     if args.mgpu_tiling and "mgpu" not in args.projections:
         raise SystemExit("--mgpu-tiling sets the Mosaic GPU GEMV's tiling: give --projections "
                          "with an 'mgpu' part (e.g. gemv+norms+stream+mgpu:down), or leave it "
@@ -340,10 +361,17 @@ def main(argv=None) -> int:
     tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling,
                                  args.pdl, args.pdl_at, args.mgpu_tiling, args.l2_prefetch,
                                  args.l2_next, args.l2_next_at, args.stream_set)
+    from ouro_jax import persistent
+    shipped = dict(persistent.TILING)
+    persistent.TILING.update(persistent_tiling)
+    if args.persistent_layers:  # the record names the kernel's tiling
+        tuning = dict(tuning, persistent=dict(persistent.TILING))
     try:
         return _run(args, argv, tuning)
     finally:  # the overrides are process-wide: leave none behind for other callers
         apply_kernel_tuning("", "")
+        persistent.TILING.clear()
+        persistent.TILING.update(shipped)
 
 
 def _run(args, argv, tuning) -> int:

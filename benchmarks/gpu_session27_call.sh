@@ -21,7 +21,8 @@
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session27_call.sh
 # STEPS= a subset of "tadgcl" (default tad); ARMS= d's arms (default "default mgpu"; also
 # mgpu128: block 128, 2 stages; persistent: --persistent-layers, each loop's 24 layers as
-# one kernel); BATCH= d's batch (default 1); CAP= seconds (default 570).
+# one kernel; persistent_smema: the same with --persistent-tiling uniform=1,smem_a=1);
+# BATCH= d's batch (default 1); CAP= seconds (default 570).
 # Suggested calls, each within one 600 s command: STEPS=tga (every new kernel's GPU tests,
 # then the attention benchmark); STEPS=d ARMS="default mgpu persistent"; STEPS=lc.
 . benchmarks/gpu_call_setup.sh
@@ -54,6 +55,8 @@ if on d; then
       mgpu) run mgpu_p$2 --decode-kernel mgpu=1 ;;
       mgpu128) run mgpu128_p$2 --decode-kernel mgpu=1,mgpu_block=128,mgpu_stages=2 ;;
       persistent) run persistent_p$2 --persistent-layers ;;
+      persistent_smema) run persistent_smema_p$2 --persistent-layers \
+        --persistent-tiling uniform=1,smem_a=1 ;;
     esac
   }
   ARMS=${ARMS:-"default mgpu"}

@@ -29,8 +29,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-# block_n, block_k, ring slots; the attention's K/V block and stages (chain_attention)
-TILING = dict(block_n=16, block_k=256, stages=12)
+# block_n, block_k, ring slots, and chain_mgpu's uniform / smem_a forms (process-wide:
+# `benchmarks.decode --persistent-tiling`); the attention's K/V block and stages
+TILING = dict(block_n=16, block_k=256, stages=12, uniform=False, smem_a=False)
 ATTENTION_TILING = dict(block=64, stages=2)
 
 
@@ -48,6 +49,8 @@ class PersistentLayers:
     block_n: int = dataclasses.field(metadata=dict(static=True), default=16)
     block_k: int = dataclasses.field(metadata=dict(static=True), default=256)
     stages: int = dataclasses.field(metadata=dict(static=True), default=12)
+    uniform: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    smem_a: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
 
 def check_model(cfg, params) -> None:
@@ -64,12 +67,16 @@ def check_model(cfg, params) -> None:
 def pack(cfg, params, tiling=None) -> PersistentLayers:
     """PersistentLayers from the engine's per-layer fused weights (made once)."""
     check_model(cfg, params)
+    t = dict(TILING, **(tiling or {}))
+    unknown = set(t) - set(TILING)
+    if unknown:
+        raise ValueError(f"persistent tiling: unknown keys {sorted(unknown)}; "
+                         f"known: {sorted(TILING)}")
     try:
         from pallas_kernels.chain_mgpu import tile_weights
     except ImportError as e:  # jax 0.10's Mosaic GPU Pallas needs absl, and lacks pieces
         raise ValueError(f"persistent_layers needs Mosaic GPU Pallas (jax >= 0.11): {e}") \
             from e
-    t = dict(TILING, **(tiling or {}))
     layers = params.layers
     stack = lambda name: jnp.stack([getattr(lp, name) for lp in layers])
     w = tile_weights((stack("qkv_proj"), stack("o_proj"), stack("gate_up_proj"),
@@ -96,7 +103,8 @@ def run_loop(params, h, cos, sin, cfg, attend, state, loop):
     att = attend.chain_attention(cos, sin, state, loop, **ATTENTION_TILING)
     outs = gemv_chain_mgpu(h.reshape(1, -1), p.w, shapes_of_config(cfg), norms=p.norms,
                            eps=eps, attention=att, block_n=p.block_n, block_k=p.block_k,
-                           stages=p.stages, interpret=jax.default_backend() != "gpu")
+                           stages=p.stages, uniform=p.uniform, smem_a=p.smem_a,
+                           interpret=jax.default_backend() != "gpu")
     down, x, kc, vc = outs[3], outs[5], outs[7], outs[8]
     x = x + rms_norm(down, p.last_norm, eps)  # the last layer's residual, as materialize
     return rms_norm(x, params.norm, eps).reshape(h.shape), (kc, vc, *state[2:])

@@ -101,3 +101,21 @@ def test_refuses_head_dims_it_cannot_tile():
     cfg, params = load(tiny_checkpoint("tiny-gqa", branch_scale=0.3), "bf16")  # head_dim 8
     with pytest.raises(ValueError, match="head_dim=8"):
         Ouro(cfg, params, None, page_size=16, attention="pallas", persistent_layers=True)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--persistent-tiling", "uniform=1"], "give both"),
+    (["--persistent-layers", "--persistent-tiling", "fast=1"], "KEY=INT"),
+    (["--persistent-layers", "--persistent-tiling", "stages=x"], "KEY=INT"),
+])
+def test_the_decode_benchmark_refuses_bad_persistent_tilings(argv, match):
+    from benchmarks.decode import main
+    with pytest.raises(SystemExit, match=match):
+        main(["--synthetic", "tiny-gqa", *argv])
+
+
+def test_pack_refuses_unknown_tiling_keys():
+    cfg, params = _model()
+    from ouro_jax.model import unstack_layers
+    with pytest.raises(ValueError, match="unknown keys"):
+        persistent.pack(cfg, unstack_layers(params, fuse=True), dict(fast=True))
