@@ -19,6 +19,7 @@ import numpy as np
 
 from benchmarks.record import save_record
 from benchmarks.timing import device_seconds, pipelined_seconds
+from benchmarks.tuning import block_stage_tilings
 from pallas_kernels.decode import paged_decode_attention
 from pallas_kernels.decode_mgpu import decode_attention_mgpu, reference_decode
 
@@ -55,7 +56,7 @@ def main(argv=None):
                     help="block:stages,... for the Mosaic kernel")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    tilings = [tuple(map(int, t.split(":"))) for t in args.tilings.split(",") if t]
+    tilings = block_stage_tilings(args.tilings)
     rows = []
     for length in map(int, args.lengths.split(",")):
         capacity = -(-length // 256) * 256

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
-import tempfile
 import time
 
 import jax
@@ -27,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.record import save_record
+from benchmarks.timing import traced_device_events
+from benchmarks.tuning import block_stage_tilings
 
 KVH, HEAD_DIM, PAGE = 16, 128, 16
 
@@ -92,7 +92,6 @@ def chained(fn, planes):
 def timed(f, k, v, rest, calls, trials=5):
     """(device us per kernel name, wall us, first output, caches) per jitted call; the
     caches fed back call after call."""
-    from benchmarks.kernel_trace import device_events
     from ouro_jax import trace_once
     with trace_once.scope():  # the first call traces and compiles
         out, k, v = f(k, v, *rest)
@@ -104,15 +103,16 @@ def timed(f, k, v, rest, calls, trials=5):
             out, k, v = f(k, v, *rest)
         jax.block_until_ready((out, k, v))
         walls.append((time.perf_counter() - t0) / calls)
+    state = [k, v]
+
+    def run():  # the caches fed back call after call, under the profiler
+        for _ in range(calls):
+            o, state[0], state[1] = f(*state, *rest)
+        jax.block_until_ready((o, *state))
     per_name = collections.Counter()
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(calls):
-                out, k, v = f(k, v, *rest)
-            jax.block_until_ready((out, k, v))
-        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        for name, _, dur in (device_events(files[0]) if files else []):
-            per_name[name] += dur / 1e3 / calls
+    for name, _, dur in traced_device_events(run):
+        per_name[name] += dur / 1e3 / calls
+    k, v = state
     return per_name, float(np.median(walls)) * 1e6, first, (k, v)
 
 
@@ -128,7 +128,7 @@ def main(argv=None):
                     help="the kernels' CPU interpret modes (a smoke test: no device times)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    tilings = [tuple(map(int, t.split(":"))) for t in args.tilings.split(",") if t]
+    tilings = block_stage_tilings(args.tilings)
     rows = []
     for bsz in map(int, args.batch.split(",")):
         for length in map(int, args.lengths.split(",")):

@@ -59,22 +59,30 @@ def device_seconds(fn, *args, calls: int = 4, units: int = 1) -> tuple[float, fl
     trace has no GPU kernels (a CPU). Why: for short kernels the wall clock can be
     host-bound; session 13 read the streaming down GEMV at 18-20 us per call by wall clock
     and 7.6-8.5 us by this (7.7 in the engine's trace)."""
-    import glob
-    import tempfile
-
-    from benchmarks.kernel_trace import device_events
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        events = [e for e in (device_events(files[0]) if files else [])
-                  if not e[0].startswith("Memcpy")]
+
+    def run():
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    events = [e for e in traced_device_events(run) if not e[0].startswith("Memcpy")]
     if not events:
         return float("nan"), float("nan")
     n = calls * units
     kernel = sum(e[2] for e in events) / n / 1e9
     span = (max(e[1] + e[2] for e in events) - min(e[1] for e in events)) / n / 1e9
     return kernel, span
+
+
+def traced_device_events(run) -> list[tuple[str, float, float]]:
+    """(name, start_ns, duration_ns) of the GPU's events while run() runs under
+    jax.profiler.trace (run must wait for its own results); [] where there are none."""
+    import glob
+    import tempfile
+
+    from benchmarks.kernel_trace import device_events
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            run()
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        return device_events(files[0]) if files else []

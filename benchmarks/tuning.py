@@ -265,3 +265,11 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     projections.MGPU_TUNING.clear()
     projections.MGPU_TUNING.update(_MGPU_DEFAULTS, **tuning["mgpu"])
     return tuning
+
+
+def block_stage_tilings(spec: str) -> list[tuple[int, int]]:
+    """'128:2,64:4' -> [(128, 2), (64, 4)]: the Mosaic decode kernels' K/V block and stages."""
+    try:
+        return [tuple(map(int, t.split(":"))) for t in spec.split(",") if t]
+    except ValueError:
+        raise SystemExit(f"--tilings: {spec!r} is not BLOCK:STAGES,...") from None

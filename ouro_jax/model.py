@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ouro_jax import persistent
 from ouro_jax.config import OuroConfig
 # the exit selection (re-exported: its callers have always found it here)
 from ouro_jax.exit import (ExitSpec, exit_cdf, exit_probabilities,  # noqa: F401
@@ -206,7 +207,6 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
     compiles: tests, training). A tuple of per-layer weights (`unstack_layers`, what the
     engine uses) is unrolled, so every GEMM reads its weight in place; slicing a stacked
     weight inside a loop makes XLA copy it first, tripling the weight traffic of decode."""
-    from ouro_jax import persistent
     if persistent.applies(params, h, attend):  # one row: all layers as one kernel
         return persistent.run_loop(params, h, cos, sin, cfg, attend, state, loop)
     if isinstance(params.layers, (tuple, list)):

@@ -70,6 +70,12 @@ class HeadSpec:
         return tiles + rows + a + 2048  # + barriers, alignment
 
 
+def scalar_operand(x):
+    """An int32 scalar (int, numpy or traced) as the one-element operand the kernels read
+    with `ref[0]` (a reshape: XLA runs no kernel for it)."""
+    return jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
+
+
 def scores_step(qa, k_tile, s_block, scale, m, l, acc, pos, length, dt, p_smem=None):
     """One block's scores q K^T (wgmma, fp32, scaled, masked at `pos` >= `length`) and
     online-softmax update: (p rounded to dt as the A operand of P @ V, m, l, acc rescaled).

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attend_head_mgpu import HeadSpec
+from pallas_kernels.attend_head_mgpu import HeadSpec, scalar_operand
 
 
 class ChainAttention(NamedTuple):
@@ -73,7 +73,7 @@ def operands(att: ChainAttention):
     """The kernel's attention operands (the caches as mutable refs, updated in place) and
     the two refs, to freeze after the call."""
     kr, vr = jax.new_ref(att.k_cache), jax.new_ref(att.v_cache)
-    one = lambda a: jnp.reshape(jnp.asarray(a, jnp.int32), (1,))
+    one = scalar_operand
     ops = (kr, vr, att.block_table.astype(jnp.int32), one(att.kv_len), one(att.page),
            one(att.slot), one(att.loop), att.cos.astype(jnp.bfloat16),
            att.sin.astype(jnp.bfloat16))

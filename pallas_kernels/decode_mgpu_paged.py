@@ -39,7 +39,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.attend_head_mgpu import HeadSpec, attend_head
+from pallas_kernels.attend_head_mgpu import HeadSpec, attend_head, scalar_operand
 from pallas_kernels.gemv_mgpu import SMEM_LIMIT
 from pallas_kernels.gemv_mgpu_areg import AROWS
 
@@ -120,12 +120,6 @@ def _spec(qkv, k_cache, block_tables, rope, trash_page, block, stages, interpret
                     interpret=bool(interpret))
 
 
-def _scalar_operand(x):
-    """An entry part (int, numpy or traced int32 scalar) as a one-element int32 operand (a
-    reshape, which XLA does without a kernel)."""
-    return jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
-
-
 def paged_decode_attention_mgpu(qkv, k_cache, v_cache, entry, block_tables, kv_lens, page,
                                 slot, *, rope=None, trash_page=None, entry_stride: int = 1,
                                 block: int = DEFAULT_BLOCK, stages: int = DEFAULT_STAGES,
@@ -144,7 +138,7 @@ def paged_decode_attention_mgpu(qkv, k_cache, v_cache, entry, block_tables, kv_l
     kr, vr = jax.new_ref(k_cache), jax.new_ref(v_cache)
     i32 = lambda a: a.astype(jnp.int32)
     out = kernel(qkv, kr, vr, i32(block_tables), i32(kv_lens), i32(page), i32(slot),
-                 _scalar_operand(base), _scalar_operand(off), *extra)
+                 scalar_operand(base), scalar_operand(off), *extra)
     return out, jax.freeze(kr), jax.freeze(vr)
 
 
