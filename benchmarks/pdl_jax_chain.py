@@ -3,7 +3,9 @@ jitted JAX program, launched by JAX (`xla`) or by our PDL launcher
 (pallas_kernels/pdl_launch.py): without PDL (`ffi`), with PDL and the trigger at the kernel's
 start (`pdl_start`) or once the last weight block has arrived (`pdl_end`); the `_g` arms
 through the handler XLA may record into its command buffers (CUDA graphs); the `seq` arms
-with one custom call per layer launching its four kernels. Per layer, as the engine runs
+with one custom call per layer launching its four kernels; the `lseq` / `gseq` arms with one
+custom call per loop (all its layers' kernels), launched from the stream or replayed as a CUDA
+graph of the launcher's own whose PDL launches are programmatic edges. Per layer, as the engine runs
 them at one row: qkv with the add_norm prologue (residual + rms_norm(down's output), then
 rms_norm) -> (slice of q, an XLA kernel, where the attention would be) -> o -> gate/up with
 the add_norm prologue (the residual + rms_norm(o's output)) -> down -> the next layer's qkv,
@@ -44,6 +46,13 @@ ARMS = {"xla": (None, False, False), "ffi": (False, False, False),
         # one custom call per layer launching its four kernels (pdl_launch.sequence)
         "seq": (False, False, "seq"), "seq_start": ("start", True, "seq"),
         "seq_end": ("end", True, "seq"),
+        # one custom call per loop launching its 24 layers' 96 kernels (session 28), from the
+        # stream (`lseq`) or replayed as a CUDA graph of the launcher's own (`gseq`), where a
+        # PDL launch is a programmatic edge (session 26's fastest arm in a PyTorch graph:
+        # weights first, trigger at the start, half the blocks per program)
+        "lseq": (False, False, "lseq"), "lseq_start": ("start", True, "lseq"),
+        "gseq": (False, False, "gseq"), "gseq_start": ("start", True, "gseq"),
+        "gseq_end": ("end", True, "gseq"),
         # diagnostics (session 26), JAX's launch: qkv and gate/up without their add_norm
         # prologue (`xla_plain`: plain GEMVs on the branch, no norms at all; other bits), or
         # with the add_norm as separate XLA kernels before plain GEMVs (`xla_sepnorm`)
@@ -114,6 +123,8 @@ def projection(name, kernel_pdl, launch_pdl, graph, kernels, prologue="kernel"):
 def chain_fn(arm, loops, kernels):
     if ARMS[arm][2] == "seq":
         return seq_chain_fn(arm, loops, kernels)
+    if ARMS[arm][2] in ("lseq", "gseq"):
+        return loop_chain_fn(arm, loops, kernels)
     proj = {name: projection(name, *ARMS[arm], kernels, PROLOGUE.get(arm, "kernel"))
             for name in ORDER}
 
@@ -160,6 +171,48 @@ def seq_chain_fn(arm, loops, kernels):
                                         lw["gate_up_nw"], lw["gate_up"], lw["down"])
                 h, d = r[4], r[5]
                 res.append(d)
+        return h, jnp.concatenate(res)
+    return jax.jit(f)
+
+
+def loop_chain_fn(arm, loops, kernels):
+    """chain_fn's program with each loop's layers (all their kernels) launched by one custom
+    call, from the stream or as a recorded CUDA graph; every intermediate is a result of its
+    own (no buffer is written twice in a call)."""
+    mode, pdl, how = ARMS[arm]
+    for name in ORDER:
+        projection(name, mode, pdl, False, kernels)
+    bf = jnp.bfloat16
+    S = jax.ShapeDtypeStruct
+
+    def plan(n):
+        # operands: 0 h, 1 d, then per layer 8: qkv_bw, qkv_nw, qkv, o, gate_up_bw,
+        # gate_up_nw, gate_up, down; results per layer 6: y_qkv, h', o, y_gu, h'', d
+        steps, outs = [], []
+        h, d = ("in", 0), ("in", 1)
+        for layer in range(n):
+            w = [("in", 2 + 8 * layer + j) for j in range(8)]
+            r = [("out", 6 * layer + j) for j in range(6)]
+            steps += [(kernels[("qkv", mode)], [h, d, w[0], w[1], w[2], r[0], r[1]], pdl),
+                      (kernels[("o", mode)], [r[0], w[3], r[2]], pdl),
+                      (kernels[("gate_up", mode)], [r[1], r[2], w[4], w[5], w[6], r[3], r[4]],
+                       pdl),
+                      (kernels[("down", mode)], [r[3], w[7], r[5]], pdl)]
+            outs += [S((1, 6144), bf), S((1, 2048), bf), S((1, 2048), bf), S((1, 5632), bf),
+                     S((1, 2048), bf), S((1, 2048), bf)]
+            h, d = r[4], r[5]
+        return steps, outs
+
+    def f(h, layers):
+        steps, outs = plan(len(layers))
+        flat = [lw[k] for lw in layers for k in ("qkv_bw", "qkv_nw", "qkv", "o", "gate_up_bw",
+                                                   "gate_up_nw", "gate_up", "down")]
+        d = jnp.zeros_like(h)
+        res = []
+        for _ in range(loops):
+            r = pdl_launch.sequence(steps, outs, h, d, *flat, graph=how == "gseq")
+            h, d = r[-2], r[-1]
+            res += [r[6 * i + 5] for i in range(len(layers))]
         return h, jnp.concatenate(res)
     return jax.jit(f)
 
@@ -217,6 +270,7 @@ def main(argv=None):
         first = next(iter(ref.values()))[1].astype(np.float64)
         if family == "launcher":
             pdl_launch.host_stats(reset=True)
+            pdl_launch.graph_stats(reset=True)
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
@@ -232,6 +286,7 @@ def main(argv=None):
                    result_rms=float(np.sqrt(np.mean(got.astype(np.float64) ** 2))))
         if family == "launcher":
             row["host"] = pdl_launch.host_stats(reset=True)
+            row["graphs"] = pdl_launch.graph_stats(reset=True)
         if args.trace:
             row["trace"] = trace_arm(f, x0, layers, args.loops * args.layers)
         print(json.dumps(row), flush=True)

@@ -188,4 +188,5 @@ def check(x, w, shapes, block_n, block_k, stages, programs, interpret=False, nor
     smem = smem_bytes(shapes, block_n, block_k, stages, programs, interpret, normed) \
         + extra_smem  # (the attention stage's)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"{smem} B of shared memory exceeds {SMEM_LIMIT}")
+        raise ValueError(f"{smem} B of shared memory exceeds {SMEM_LIMIT} (stages={stages} ring "
+                         f"slots of {block_n}x{block_k}): take fewer stages")

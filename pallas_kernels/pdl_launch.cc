@@ -18,7 +18,9 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include <cuda.h>
 
@@ -36,6 +38,13 @@ struct Driver {
   CUresult (*func_set_attribute)(CUfunction, CUfunction_attribute, int) = nullptr;
   CUresult (*launch_kernel_ex)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
   CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+  // stream capture into a CUDA graph (SequenceGraph); optional: checked where used
+  CUresult (*stream_create)(CUstream*, unsigned int) = nullptr;
+  CUresult (*begin_capture)(CUstream, CUstreamCaptureMode) = nullptr;
+  CUresult (*end_capture)(CUstream, CUgraph*) = nullptr;
+  CUresult (*graph_instantiate)(CUgraphExec*, CUgraph, unsigned long long) = nullptr;
+  CUresult (*graph_launch)(CUgraphExec, CUstream) = nullptr;
+  CUresult (*graph_destroy)(CUgraph) = nullptr;
   std::string error;
 };
 
@@ -57,6 +66,14 @@ const Driver& driver() {
         reinterpret_cast<decltype(d.func_set_attribute)>(sym("cuFuncSetAttribute"));
     d.launch_kernel_ex = reinterpret_cast<decltype(d.launch_kernel_ex)>(sym("cuLaunchKernelEx"));
     d.get_error_string = reinterpret_cast<decltype(d.get_error_string)>(sym("cuGetErrorString"));
+    d.stream_create = reinterpret_cast<decltype(d.stream_create)>(sym("cuStreamCreate"));
+    d.begin_capture =
+        reinterpret_cast<decltype(d.begin_capture)>(sym("cuStreamBeginCapture_v2"));
+    d.end_capture = reinterpret_cast<decltype(d.end_capture)>(sym("cuStreamEndCapture"));
+    d.graph_instantiate =
+        reinterpret_cast<decltype(d.graph_instantiate)>(sym("cuGraphInstantiateWithFlags"));
+    d.graph_launch = reinterpret_cast<decltype(d.graph_launch)>(sym("cuGraphLaunch"));
+    d.graph_destroy = reinterpret_cast<decltype(d.graph_destroy)>(sym("cuGraphDestroy"));
     if (!d.ctx_get_current || !d.module_load_data || !d.module_get_function || !d.module_unload ||
         !d.func_set_attribute || !d.launch_kernel_ex || !d.get_error_string) {
       d.error = "libcuda.so.1 lacks a driver entry point this launcher needs";
@@ -95,7 +112,9 @@ std::map<int64_t, Image> images;
 // (A context destroyed and another created at the same address would find a stale entry;
 // XLA keeps its contexts for the process's life.)
 thread_local std::map<std::pair<CUcontext, int64_t>, Loaded> local_cache;
-constexpr size_t kMaxParams = 64;
+constexpr size_t kMaxParams = 64;    // one kernel's parameters
+constexpr size_t kMaxBuffers = 2048;  // one sequence call's operands and results
+constexpr int64_t kMaxKernels = 1024;  // one sequence call's kernels
 
 // Host-side timing of the handlers (OuroPdlStats): calls, nanoseconds inside them, inside
 // cuLaunchKernelEx, and from one call's entry to the next's (the host's cadence).
@@ -183,9 +202,9 @@ ffi::Error launch(CUstream stream, CUfunction fn, int64_t grid, int64_t threads,
 
 // Every operand's then every result's device pointer, in order (n of them at most kMax).
 ffi::Error buffers(ffi::RemainingArgs& args, ffi::RemainingRets& rets, void** ptrs,
-                   size_t* n) {
+                   size_t* n, size_t capacity = kMaxParams) {
   size_t at = 0;
-  if (args.size() + rets.size() > kMaxParams)
+  if (args.size() + rets.size() > capacity)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ouro_pdl_launch: too many buffers");
   for (size_t i = 0; i < args.size(); ++i) {
     auto buf = args.get<ffi::AnyBuffer>(i);
@@ -250,6 +269,57 @@ std::string check_plan(const int64_t* plan, size_t size, int64_t nbuf) {
   return "";
 }
 
+// One kernel launch of a sequence: its function, shape, PDL flag and parameters.
+struct Step {
+  CUfunction fn;
+  int64_t grid, threads, shared;
+  bool pdl;
+  std::vector<void*> ptrs;
+};
+
+// The plan checked (check_plan's layout), every kernel found and its parameter count checked
+// against its registered one, and each kernel's parameters picked from the call's buffers;
+// nothing is launched if anything is wrong.
+ffi::Error prepare(const char* who, ffi::Span<const int64_t> plan, void* const* bufs,
+                   size_t nbuf, std::vector<Step>* steps) {
+  if (std::string why = check_plan(plan.begin(), plan.size(), static_cast<int64_t>(nbuf));
+      !why.empty())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(who) + ": " + why);
+  if (plan[0] > kMaxKernels)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(who) + ": too many kernels");
+  steps->clear();
+  steps->reserve(plan[0]);
+  size_t at = 1;
+  for (int64_t k = 0; k < plan[0]; ++k) {
+    Loaded loaded;
+    if (ffi::Error e = lookup(plan[at], plan[at + 3], &loaded); e.failure()) return e;
+    int64_t np = plan[at + 5];
+    if (loaded.n_params != np)
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        std::string(who) + ": kernel " + std::to_string(k) + " takes " +
+                            std::to_string(loaded.n_params) + " parameters, the plan gives " +
+                            std::to_string(np));
+    Step st{loaded.fn, plan[at + 1], plan[at + 2], plan[at + 3], plan[at + 4] != 0, {}};
+    at += 6;
+    for (int64_t i = 0; i < np; ++i)
+      st.ptrs.push_back(plan[at + i] < 0 ? nullptr : bufs[plan[at + i]]);
+    at += np;
+    steps->push_back(std::move(st));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error launch_steps(CUstream stream, std::vector<Step>& steps) {
+  for (Step& st : steps) {
+    void* params[kMaxParams];
+    for (size_t i = 0; i < st.ptrs.size(); ++i) params[i] = &st.ptrs[i];
+    if (ffi::Error e = launch(stream, st.fn, st.grid, st.threads, st.shared, st.pdl, params);
+        e.failure())
+      return e;
+  }
+  return ffi::Error::Success();
+}
+
 // Several kernels in one custom call, in order, each with its own parameters picked from the
 // call's buffers (check_plan's layout). The whole plan, and every kernel's parameter count
 // against its registered one, is checked before the first launch. One call per layer instead
@@ -257,43 +327,93 @@ std::string check_plan(const int64_t* plan, size_t size, int64_t nbuf) {
 ffi::Error Sequence(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                     ffi::Span<const int64_t> plan) {
   Timed timed;
-  void* bufs[kMaxParams];
+  std::vector<void*> bufs(kMaxBuffers);
   size_t nbuf = 0;
-  if (ffi::Error e = buffers(args, rets, bufs, &nbuf); e.failure()) return e;
-  if (std::string why = check_plan(plan.begin(), plan.size(), static_cast<int64_t>(nbuf));
-      !why.empty())
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ouro_pdl_sequence: " + why);
-  constexpr int64_t kMaxKernels = 64;
-  if (plan[0] > kMaxKernels)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ouro_pdl_sequence: too many kernels");
-  Loaded loaded[kMaxKernels];
-  size_t at = 1;
-  for (int64_t k = 0; k < plan[0]; ++k) {  // every kernel found and its parameters counted
-    if (ffi::Error e = lookup(plan[at], plan[at + 3], &loaded[k]); e.failure()) return e;
-    if (loaded[k].n_params != plan[at + 5])
-      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                        "ouro_pdl_sequence: kernel " + std::to_string(k) + " takes " +
-                            std::to_string(loaded[k].n_params) + " parameters, the plan gives " +
-                            std::to_string(plan[at + 5]));
-    at += 6 + plan[at + 5];
+  if (ffi::Error e = buffers(args, rets, bufs.data(), &nbuf, kMaxBuffers); e.failure())
+    return e;
+  std::vector<Step> steps;
+  if (ffi::Error e = prepare("ouro_pdl_sequence", plan, bufs.data(), nbuf, &steps);
+      e.failure())
+    return e;
+  return launch_steps(stream, steps);
+}
+
+// SequenceGraph: the same kernels recorded once into a CUDA graph (stream capture on a
+// stream of our own; a PDL launch becomes a programmatic edge between the two kernel nodes,
+// which XLA's own command buffers drop) and the instantiated graph launched on XLA's stream.
+// A graph holds its kernels' parameters, so graphs are kept per (context, plan, buffer
+// addresses): a program that runs again with its buffers at the same addresses (XLA's
+// allocator reuses them) replays the graph; new addresses record a new one (graph_stats
+// counts both).
+struct GraphKey {
+  CUcontext ctx;
+  std::vector<int64_t> plan;
+  std::vector<void*> bufs;
+  bool operator<(const GraphKey& o) const {
+    return std::tie(ctx, plan, bufs) < std::tie(o.ctx, o.plan, o.bufs);
   }
-  at = 1;
-  for (int64_t k = 0; k < plan[0]; ++k) {
-    int64_t grid = plan[at + 1], threads = plan[at + 2], shared = plan[at + 3];
-    bool pdl = plan[at + 4] != 0;
-    int64_t np = plan[at + 5];
-    at += 6;
-    void* ptrs[kMaxParams];
-    void* params[kMaxParams];
-    for (int64_t i = 0; i < np; ++i) {
-      ptrs[i] = plan[at + i] < 0 ? nullptr : bufs[plan[at + i]];
-      params[i] = &ptrs[i];
-    }
-    at += np;
-    if (ffi::Error e = launch(stream, loaded[k].fn, grid, threads, shared, pdl, params);
+};
+std::mutex graph_mu;
+std::map<GraphKey, CUgraphExec> graphs;
+std::map<CUcontext, CUstream> capture_streams;
+std::atomic<int64_t> stat_graph_recorded{0}, stat_graph_replayed{0};
+constexpr size_t kMaxGraphs = 4096;  // a bound on the cache (addresses that never repeat)
+
+ffi::Error SequenceGraph(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                         ffi::Span<const int64_t> plan) {
+  Timed timed;
+  const Driver& d = driver();
+  if (!d.error.empty()) return ffi::Error(ffi::ErrorCode::kInternal, d.error);
+  if (!d.stream_create || !d.begin_capture || !d.end_capture || !d.graph_instantiate ||
+      !d.graph_launch || !d.graph_destroy)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "ouro_pdl_sequence_graph: libcuda.so.1 lacks the graph entry points");
+  std::vector<void*> bufs(kMaxBuffers);
+  size_t nbuf = 0;
+  if (ffi::Error e = buffers(args, rets, bufs.data(), &nbuf, kMaxBuffers); e.failure())
+    return e;
+  bufs.resize(nbuf);
+  CUcontext ctx = nullptr;
+  if (CUresult r = d.ctx_get_current(&ctx); r != CUDA_SUCCESS) return cuda_error("context", r);
+  GraphKey key{ctx, std::vector<int64_t>(plan.begin(), plan.end()), bufs};
+  std::lock_guard<std::mutex> lock(graph_mu);
+  auto it = graphs.find(key);
+  if (it == graphs.end()) {
+    std::vector<Step> steps;
+    if (ffi::Error e = prepare("ouro_pdl_sequence_graph", plan, bufs.data(), nbuf, &steps);
         e.failure())
       return e;
+    if (graphs.size() >= kMaxGraphs)
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "ouro_pdl_sequence_graph: more than 4096 recorded graphs (buffer "
+                        "addresses that never repeat)");
+    CUstream& cap = capture_streams[ctx];
+    if (cap == nullptr)
+      if (CUresult r = d.stream_create(&cap, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS)
+        return cuda_error("cuStreamCreate", r);
+    if (CUresult r = d.begin_capture(cap, CU_STREAM_CAPTURE_MODE_RELAXED); r != CUDA_SUCCESS)
+      return cuda_error("cuStreamBeginCapture", r);
+    ffi::Error launched = launch_steps(cap, steps);
+    CUgraph graph = nullptr;
+    CUresult r = d.end_capture(cap, &graph);  // ends the capture even after a failed launch
+    if (launched.failure()) {
+      if (graph) d.graph_destroy(graph);
+      return launched;
+    }
+    if (r != CUDA_SUCCESS) return cuda_error("cuStreamEndCapture", r);
+    CUgraphExec exec = nullptr;
+    r = d.graph_instantiate(&exec, graph, 0);
+    d.graph_destroy(graph);
+    if (r != CUDA_SUCCESS) return cuda_error("cuGraphInstantiate", r);
+    it = graphs.emplace(std::move(key), exec).first;
+    ++stat_graph_recorded;
+  } else {
+    ++stat_graph_replayed;
   }
+  int64_t t0 = now_ns();
+  CUresult r = d.graph_launch(it->second, stream);
+  stat_ns_launch += now_ns() - t0;
+  if (r != CUDA_SUCCESS) return cuda_error("cuGraphLaunch", r);
   return ffi::Error::Success();
 }
 
@@ -314,6 +434,16 @@ extern "C" int OuroPdlRegister(int64_t kernel_id, const char* image, int64_t siz
                : 1;
   images[kernel_id] = Image{std::move(bytes), name, n_params};
   return 0;
+}
+
+// Graphs recorded and replayed by SequenceGraph (out[0], out[1]); reset != 0 clears them.
+extern "C" void OuroPdlGraphStats(int64_t* out, int reset) {
+  out[0] = stat_graph_recorded;
+  out[1] = stat_graph_replayed;
+  if (reset) {
+    stat_graph_recorded = 0;
+    stat_graph_replayed = 0;
+  }
 }
 
 // check_plan for tests: 0 if the plan is well formed for nbuf buffers, else 1.
@@ -356,6 +486,13 @@ auto LaunchBinding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch, LaunchBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlSequence, Sequence,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("plan"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlSequenceGraph, SequenceGraph,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
                                   .RemainingArgs()

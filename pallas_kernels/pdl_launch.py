@@ -55,6 +55,7 @@ import numpy as np
 TARGET = "ouro_pdl_launch"
 TARGET_GRAPH = "ouro_pdl_launch_cmdbuf"  # the handler XLA may record into a CUDA graph
 TARGET_SEQ = "ouro_pdl_sequence"  # several kernels per custom call (`sequence`)
+TARGET_SEQ_GRAPH = "ouro_pdl_sequence_graph"  # the same, replayed as a CUDA graph of our own
 SOURCE = Path(__file__).with_name("pdl_launch.cc")
 _lock = threading.Lock()
 _registered: list = []  # [the loaded library] once the FFI target is registered
@@ -141,6 +142,8 @@ def declare(lib) -> None:
     lib.OuroPdlStats.restype = None
     lib.OuroPdlCheckPlan.argtypes = [i64p, i64, i64]
     lib.OuroPdlCheckPlan.restype = ctypes.c_int
+    lib.OuroPdlGraphStats.argtypes = [i64p, ctypes.c_int]
+    lib.OuroPdlGraphStats.restype = None
 
 
 def register() -> None:
@@ -155,6 +158,9 @@ def register() -> None:
         jax.ffi.register_ffi_target(TARGET_GRAPH, jax.ffi.pycapsule(lib.OuroPdlLaunchGraph),
                                     platform="CUDA")
         jax.ffi.register_ffi_target(TARGET_SEQ, jax.ffi.pycapsule(lib.OuroPdlSequence),
+                                    platform="CUDA")
+        jax.ffi.register_ffi_target(TARGET_SEQ_GRAPH,
+                                    jax.ffi.pycapsule(lib.OuroPdlSequenceGraph),
                                     platform="CUDA")
         _registered.append(lib)
 
@@ -172,6 +178,15 @@ def host_stats(reset: bool = False) -> dict:
     between = round(out[3] / (calls - 1) / 1e3, 3) if calls > 1 else None
     return dict(calls=calls, us_in_handler=per(out[1]), us_in_launch=per(out[2]),
                 us_between_calls=between)
+
+
+def graph_stats(reset: bool = False) -> dict:
+    """How many CUDA graphs `sequence(..., graph=True)` recorded (a call whose plan and buffer
+    addresses were new) and how many calls replayed one, since the last reset."""
+    register()
+    out = (ctypes.c_int64 * 2)()
+    _registered[0].OuroPdlGraphStats(out, int(reset))
+    return dict(recorded=out[0], replayed=out[1])
 
 
 def register_kernel(kernel: "Kernel") -> None:
@@ -336,10 +351,14 @@ def check_plan(plan: np.ndarray, n_buffers: int) -> bool:
         plan.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), plan.size, n_buffers) == 0
 
 
-def sequence(steps, out_shapes, *args):
+def sequence(steps, out_shapes, *args, graph: bool = False):
     """Several kernels launched in order by one custom call (one host call for all of them):
-    steps as sequence_plan's; returns the results (out_shapes, a list)."""
+    steps as sequence_plan's; returns the results (out_shapes, a list). graph: the kernels
+    are recorded once into a CUDA graph of the launcher's own (a PDL launch becomes a
+    programmatic edge, which XLA's command buffers drop) and the graph is replayed on later
+    calls whose buffers sit at the same addresses (`graph_stats`)."""
     plan = sequence_plan(steps, len(args), len(out_shapes))
     for kernel, _, _ in steps:
         register_kernel(kernel)
-    return jax.ffi.ffi_call(TARGET_SEQ, list(out_shapes))(*args, plan=plan)
+    target = TARGET_SEQ_GRAPH if graph else TARGET_SEQ
+    return jax.ffi.ffi_call(target, list(out_shapes))(*args, plan=plan)

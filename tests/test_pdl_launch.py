@@ -211,8 +211,12 @@ def test_sequence_plan_layout_and_refusals():
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("mode", [False, "start", "end"])
-def test_gpu_sequence_equals_separate_launches(mode):
+def test_gpu_sequence_equals_separate_launches(mode, graph):
+    """A sequence (stream launches, or a CUDA graph of the launcher's own with programmatic
+    edges) gives the separate launches' bits; a long chain (40 kernels, each reading the one
+    before) too; the graph is recorded once per buffer addresses and replayed after."""
     n = k = 2048
     kx, kw = jax.random.split(jax.random.PRNGKey(1))
     x = jax.random.normal(kx, (1, k), jnp.float32).astype(jnp.bfloat16)
@@ -221,11 +225,32 @@ def test_gpu_sequence_equals_separate_launches(mode):
                                      S(w.shape, w.dtype), num_warps=4, num_stages=1)
     steps = [(kern, [("in", 0), ("in", 1), ("out", 0)], bool(mode)),
              (kern, [("out", 0), ("in", 1), ("out", 1)], bool(mode))]
-    y1, y2 = jax.jit(lambda x, w: pdl_launch.sequence(steps, [S((1, n), x.dtype)] * 2, x, w))(
-        x, w)
+    pdl_launch.graph_stats(reset=True)
+    f = jax.jit(lambda x, w: pdl_launch.sequence(steps, [S((1, n), x.dtype)] * 2, x, w,
+                                                 graph=graph))
+    y1, y2 = f(x, w)
     one = jax.jit(lambda x, w: pdl_launch.call(kern, S((1, n), x.dtype), x, w, pdl=False))
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(one(x, w)))
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(one(y1, w)))
+    # a long chain through 40 results, each kernel reading the one before
+    chain = [(kern, [("in", 0), ("in", 1), ("out", 0)], bool(mode))]
+    chain += [(kern, [("out", i - 1), ("in", 1), ("out", i)], bool(mode)) for i in range(1, 40)]
+    g = jax.jit(lambda x, w: pdl_launch.sequence(chain, [S((1, n), x.dtype)] * 40, x, w,
+                                                 graph=graph))
+    ys = g(x, w)
+    want = [one(x, w)]
+    for _ in range(39):
+        want.append(one(want[-1], w))
+    for got, exp in zip(ys, want):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
+    again = g(x, w)  # the same program again: its buffers at the same addresses, or new ones
+    for got, exp in zip(again, want):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
+    stats = pdl_launch.graph_stats(reset=True)
+    if graph:
+        assert stats["recorded"] >= 2 and stats["recorded"] + stats["replayed"] == 3
+    else:
+        assert stats == dict(recorded=0, replayed=0)
 
 
 def test_the_pdl_benchmarks_refuse_bad_arguments_before_any_gpu_work():
