@@ -45,6 +45,7 @@ struct Driver {
   CUresult (*graph_instantiate)(CUgraphExec*, CUgraph, unsigned long long) = nullptr;
   CUresult (*graph_launch)(CUgraphExec, CUstream) = nullptr;
   CUresult (*graph_destroy)(CUgraph) = nullptr;
+  CUresult (*graph_exec_destroy)(CUgraphExec) = nullptr;
   std::string error;
 };
 
@@ -74,6 +75,8 @@ const Driver& driver() {
         reinterpret_cast<decltype(d.graph_instantiate)>(sym("cuGraphInstantiateWithFlags"));
     d.graph_launch = reinterpret_cast<decltype(d.graph_launch)>(sym("cuGraphLaunch"));
     d.graph_destroy = reinterpret_cast<decltype(d.graph_destroy)>(sym("cuGraphDestroy"));
+    d.graph_exec_destroy =
+        reinterpret_cast<decltype(d.graph_exec_destroy)>(sym("cuGraphExecDestroy"));
     if (!d.ctx_get_current || !d.module_load_data || !d.module_get_function || !d.module_unload ||
         !d.func_set_attribute || !d.launch_kernel_ex || !d.get_error_string) {
       d.error = "libcuda.so.1 lacks a driver entry point this launcher needs";
@@ -356,8 +359,11 @@ struct GraphKey {
 std::mutex graph_mu;
 std::map<GraphKey, CUgraphExec> graphs;
 std::map<CUcontext, CUstream> capture_streams;
-std::atomic<int64_t> stat_graph_recorded{0}, stat_graph_replayed{0};
-constexpr size_t kMaxGraphs = 4096;  // a bound on the cache (addresses that never repeat)
+std::atomic<int64_t> stat_graph_recorded{0}, stat_graph_replayed{0}, stat_graph_dropped{0};
+// A bound on the cache: a program whose buffers move on every run would record without end;
+// past it every graph is dropped (an in-flight one is freed when it completes) and recording
+// starts over.
+constexpr size_t kMaxGraphs = 1024;
 
 ffi::Error SequenceGraph(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          ffi::Span<const int64_t> plan) {
@@ -365,7 +371,7 @@ ffi::Error SequenceGraph(CUstream stream, ffi::RemainingArgs args, ffi::Remainin
   const Driver& d = driver();
   if (!d.error.empty()) return ffi::Error(ffi::ErrorCode::kInternal, d.error);
   if (!d.stream_create || !d.begin_capture || !d.end_capture || !d.graph_instantiate ||
-      !d.graph_launch || !d.graph_destroy)
+      !d.graph_launch || !d.graph_destroy || !d.graph_exec_destroy)
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "ouro_pdl_sequence_graph: libcuda.so.1 lacks the graph entry points");
   std::vector<void*> bufs(kMaxBuffers);
@@ -383,10 +389,11 @@ ffi::Error SequenceGraph(CUstream stream, ffi::RemainingArgs args, ffi::Remainin
     if (ffi::Error e = prepare("ouro_pdl_sequence_graph", plan, bufs.data(), nbuf, &steps);
         e.failure())
       return e;
-    if (graphs.size() >= kMaxGraphs)
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "ouro_pdl_sequence_graph: more than 4096 recorded graphs (buffer "
-                        "addresses that never repeat)");
+    if (graphs.size() >= kMaxGraphs) {
+      for (auto& g : graphs) d.graph_exec_destroy(g.second);
+      graphs.clear();
+      ++stat_graph_dropped;
+    }
     CUstream& cap = capture_streams[ctx];
     if (cap == nullptr)
       if (CUresult r = d.stream_create(&cap, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS)
@@ -436,13 +443,16 @@ extern "C" int OuroPdlRegister(int64_t kernel_id, const char* image, int64_t siz
   return 0;
 }
 
-// Graphs recorded and replayed by SequenceGraph (out[0], out[1]); reset != 0 clears them.
+// Graphs recorded and replayed by SequenceGraph, and how often the full cache was dropped
+// (out[0..2]); reset != 0 clears them.
 extern "C" void OuroPdlGraphStats(int64_t* out, int reset) {
   out[0] = stat_graph_recorded;
   out[1] = stat_graph_replayed;
+  out[2] = stat_graph_dropped;
   if (reset) {
     stat_graph_recorded = 0;
     stat_graph_replayed = 0;
+    stat_graph_dropped = 0;
   }
 }
 

@@ -182,11 +182,12 @@ def host_stats(reset: bool = False) -> dict:
 
 def graph_stats(reset: bool = False) -> dict:
     """How many CUDA graphs `sequence(..., graph=True)` recorded (a call whose plan and buffer
-    addresses were new) and how many calls replayed one, since the last reset."""
+    addresses were new), how many calls replayed one, and how often the full cache (1,024
+    graphs) was dropped, since the last reset."""
     register()
-    out = (ctypes.c_int64 * 2)()
+    out = (ctypes.c_int64 * 3)()
     _registered[0].OuroPdlGraphStats(out, int(reset))
-    return dict(recorded=out[0], replayed=out[1])
+    return dict(recorded=out[0], replayed=out[1], dropped=out[2])
 
 
 def register_kernel(kernel: "Kernel") -> None:
