@@ -172,6 +172,15 @@ class Ouro:
                 f"its RoPE and K/V write) inside the layer kernel, so it needs "
                 f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), fused_kv_write and "
                 f"fuse_projections (the fused qkv weight); use '+flow4' otherwise")
+        if getattr(proj, "graph", False):  # batch-1 decode loops as CUDA graphs of our own
+            if resolved != "pallas" or kv_xla:
+                raise ValueError(
+                    f"projections {projections!r}: '+graph' runs the Pallas decode attention "
+                    f"(with its RoPE and K/V write) in each loop's graph, so it needs "
+                    f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
+                    f"fused_kv_write and fuse_projections")
+            from ouro_jax import graph_loop
+            graph_loop.check_available()
         if not isinstance(persistent_layers, bool):
             raise ValueError(f"persistent_layers must be True or False, got "
                              f"{persistent_layers!r}")

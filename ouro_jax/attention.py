@@ -235,6 +235,10 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
         attend.qkv_o = attend_qkv_o
     if flow_o:
         attend.qkv_o = _flow_o_attend(qkv_stage, b, interpret)
+    if b == 1 and not (fuse_o or flow_o):  # the graph loop's attention inputs (graph_loop)
+        attend.graph_inputs = dict(block_tables=block_tables, kv_lens=kv_lens,
+                                   page=page[:, 0], slot=slot[:, 0], entry_stride=num_layers,
+                                   trash_page=TRASH_PAGE, counters_in_state=last_combine)
     return attend
 
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ouro_jax import persistent
+from ouro_jax import graph_loop, persistent
 from ouro_jax.config import OuroConfig
 # the exit selection (re-exported: its callers have always found it here)
 from ouro_jax.exit import (ExitSpec, exit_cdf, exit_probabilities,  # noqa: F401
@@ -209,6 +209,8 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
     weight inside a loop makes XLA copy it first, tripling the weight traffic of decode."""
     if persistent.applies(params, h, attend):  # one row: all layers as one kernel
         return persistent.run_loop(params, h, cos, sin, cfg, attend, state, loop)
+    if graph_loop.applies(params, h, attend, proj):  # one row: the layers as one CUDA graph
+        return graph_loop.run_loop(params, h, cos, sin, cfg, attend, state, loop, proj)
     if isinstance(params.layers, (tuple, list)):
         n = len(params.layers)
         for layer, lp in enumerate(params.layers):

@@ -66,12 +66,17 @@ def parse(spec: str):
     same with the next layer's qkv as a fourth stage (not after a loop's last layer);
     '+flow5' -> and that layer's decode attention as a fifth (flow_attention: the whole layer
     in one kernel; the decode kernel then merges its splits itself, as last_combine=1);
-    'auto' -> see resolve."""
+    '+graph' (with 'norms' and 'stream', all four names) -> a one-row loop's layers as one
+    CUDA graph of the PDL launcher's own (ouro_jax.graph_loop; experimental, opt-in, a GPU
+    with the `triton` package); 'auto' -> see resolve."""
     from ouro_jax.projections import XLA, PallasGemv  # (they import this module's names)
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
     parts = spec.split("+")
+    graph = "graph" in parts
+    if graph:
+        parts = [q for q in parts if q != "graph"]
     kinds = [p.partition(":")[0].partition("@")[0] for p in parts]
     mgpu_parts = [p for p, kind in zip(parts, kinds) if kind == "mgpu"]
     fuse_norms, stream, prefetch, flow = _modes(spec, parts, kinds, mgpu_parts)
@@ -91,8 +96,14 @@ def parse(spec: str):
         raise ValueError(f"projections {spec!r}: '{FLOW_NAME[flow]}' needs "
                          f"{sorted(need)} in the "
                          f"'gemv' part")
+    if graph and (spec.split("+").count("graph") > 1 or not (fuse_norms and stream)
+                  or flow or mgpu_names or prefetch is not None
+                  or set(gemv_names) != set(NAMES) or gemv_rows < 1):
+        raise ValueError(f"projections {spec!r}: 'graph' (a one-row loop's layers as one CUDA "
+                         f"graph of our own) is given once, with 'gemv' for all of {NAMES}, "
+                         f"'norms' and 'stream', and without 'flow', 'mgpu' or 'pfN'")
     return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream,
-                      mgpu_names, flow)
+                      mgpu_names, flow, graph)
 
 
 def _modes(spec: str, parts: list, kinds: list, mgpu_parts: list):

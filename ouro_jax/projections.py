@@ -137,6 +137,8 @@ class PallasGemv(XLA):
     # '+flow' (3) / '+flow4' (4) / '+flow5' (5): a one-row layer's o -> gate/up -> down [->
     # the next layer's qkv [-> its attention]] as one gemv_flow kernel; 0: off
     flow: int = 0
+    # '+graph': a one-row loop's layers as one CUDA graph of our own (ouro_jax.graph_loop)
+    graph: bool = False
 
     @property
     def spec(self) -> str:
@@ -161,6 +163,8 @@ class PallasGemv(XLA):
         if self.flow:
             from ouro_jax.projection_spec import FLOW_NAME
             parts.append(FLOW_NAME[self.flow])
+        if self.graph:
+            parts.append("graph")
         return "+".join(parts)
 
     def tuning(self, name: str, n_out: int, k: int) -> dict:

@@ -178,7 +178,7 @@ ffi::Error lookup(int64_t kernel_id, int64_t shared, Loaded* out) {
   return ffi::Error::Success();
 }
 
-ffi::Error launch(CUstream stream, CUfunction fn, int64_t grid, int64_t threads,
+ffi::Error launch(CUstream stream, CUfunction fn, const int64_t grid[3], int64_t threads,
                   int64_t shared, bool pdl, void** params) {
   CUlaunchAttribute attr;
   std::memset(&attr, 0, sizeof(attr));
@@ -186,9 +186,9 @@ ffi::Error launch(CUstream stream, CUfunction fn, int64_t grid, int64_t threads,
   attr.value.programmaticStreamSerializationAllowed = 1;
   CUlaunchConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
-  cfg.gridDimX = static_cast<unsigned>(grid);
-  cfg.gridDimY = 1;
-  cfg.gridDimZ = 1;
+  cfg.gridDimX = static_cast<unsigned>(grid[0]);
+  cfg.gridDimY = static_cast<unsigned>(grid[1]);
+  cfg.gridDimZ = static_cast<unsigned>(grid[2]);
   cfg.blockDimX = static_cast<unsigned>(threads);
   cfg.blockDimY = 1;
   cfg.blockDimZ = 1;
@@ -245,24 +245,27 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
                           std::to_string(k.n_params) + " parameters");
   while (extra_params-- > 0) ptrs[n++] = nullptr;
   for (size_t i = 0; i < n; ++i) params[i] = &ptrs[i];
-  return launch(stream, k.fn, grid, threads, shared, pdl, params);
+  const int64_t grid3[3] = {grid, 1, 1};
+  return launch(stream, k.fn, grid3, threads, shared, pdl, params);
 }
 
-// A plan for Sequence: [count, then per kernel: id, grid, threads, shared, pdl, n_params,
-// then n_params buffer indices (operands first, then results; -1: a null pointer)], with
-// nbuf buffers. Returns an empty string if well formed, else what is wrong.
+// A plan for Sequence: [count, then per kernel: id, grid x, grid y, grid z, threads, shared,
+// pdl, n_params, then n_params buffer indices (operands first, then results; -1: a null
+// pointer)], with nbuf buffers. Returns an empty string if well formed, else what is wrong.
+constexpr size_t kHeader = 8;
 std::string check_plan(const int64_t* plan, size_t size, int64_t nbuf) {
   if (size < 1 || plan[0] < 0) return "no kernel count";
   size_t at = 1;
   for (int64_t k = 0; k < plan[0]; ++k) {
-    if (at + 6 > size) return "kernel " + std::to_string(k) + ": plan ends in its header";
-    int64_t grid = plan[at + 1], threads = plan[at + 2], shared = plan[at + 3];
-    int64_t np = plan[at + 5];
-    if (grid < 1 || threads < 1 || threads > 1024 || shared < 0)
+    if (at + kHeader > size) return "kernel " + std::to_string(k) + ": plan ends in its header";
+    int64_t gx = plan[at + 1], gy = plan[at + 2], gz = plan[at + 3];
+    int64_t threads = plan[at + 4], shared = plan[at + 5], np = plan[at + 7];
+    if (gx < 1 || gy < 1 || gz < 1 || gx > 2147483647 || gy > 65535 || gz > 65535 ||
+        threads < 1 || threads > 1024 || shared < 0)
       return "kernel " + std::to_string(k) + ": bad launch shape";
-    if (np < 0 || np > static_cast<int64_t>(kMaxParams) || at + 6 + np > size)
+    if (np < 0 || np > static_cast<int64_t>(kMaxParams) || at + kHeader + np > size)
       return "kernel " + std::to_string(k) + ": bad parameter count";
-    at += 6;
+    at += kHeader;
     for (int64_t i = 0; i < np; ++i)
       if (plan[at + i] < -1 || plan[at + i] >= nbuf)
         return "kernel " + std::to_string(k) + ": buffer index out of range";
@@ -275,7 +278,7 @@ std::string check_plan(const int64_t* plan, size_t size, int64_t nbuf) {
 // One kernel launch of a sequence: its function, shape, PDL flag and parameters.
 struct Step {
   CUfunction fn;
-  int64_t grid, threads, shared;
+  int64_t grid[3], threads, shared;
   bool pdl;
   std::vector<void*> ptrs;
 };
@@ -295,15 +298,16 @@ ffi::Error prepare(const char* who, ffi::Span<const int64_t> plan, void* const* 
   size_t at = 1;
   for (int64_t k = 0; k < plan[0]; ++k) {
     Loaded loaded;
-    if (ffi::Error e = lookup(plan[at], plan[at + 3], &loaded); e.failure()) return e;
-    int64_t np = plan[at + 5];
+    if (ffi::Error e = lookup(plan[at], plan[at + 5], &loaded); e.failure()) return e;
+    int64_t np = plan[at + 7];
     if (loaded.n_params != np)
       return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                         std::string(who) + ": kernel " + std::to_string(k) + " takes " +
                             std::to_string(loaded.n_params) + " parameters, the plan gives " +
                             std::to_string(np));
-    Step st{loaded.fn, plan[at + 1], plan[at + 2], plan[at + 3], plan[at + 4] != 0, {}};
-    at += 6;
+    Step st{loaded.fn, {plan[at + 1], plan[at + 2], plan[at + 3]}, plan[at + 4], plan[at + 5],
+            plan[at + 6] != 0, {}};
+    at += kHeader;
     for (int64_t i = 0; i < np; ++i)
       st.ptrs.push_back(plan[at + i] < 0 ? nullptr : bufs[plan[at + i]]);
     at += np;

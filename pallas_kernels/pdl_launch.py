@@ -216,6 +216,7 @@ class Kernel:
     n_buffers: int
     has_wait: bool
     has_trigger: bool
+    grid_yz: tuple = (1, 1)  # a 2-D / 3-D grid's other sizes (sequence launches those too)
 
     @functools.cached_property
     def kernel_id(self) -> int:
@@ -224,15 +225,15 @@ class Kernel:
 
 def capture_module(fn, *args):
     """Lowers fn(*args) (which must run exactly one pallas_call) for the GPU and returns
-    (Triton IR as text, grid) as Pallas emitted them."""
+    (Triton IR as text, its grid as 3 sizes) as Pallas emitted them."""
     from pallas_kernels.offline_compile import triton_modules
     seen = triton_modules(fn, *args)
     if len(seen) != 1:
         raise ValueError(f"capture_module: fn must run exactly one pallas_call, saw {len(seen)}")
     module, grid = seen[0]
-    if any(g != 1 for g in grid[1:]):
-        raise ValueError(f"the PDL launcher takes 1-D grids, got {grid}")
-    return module, int(grid[0]) if grid else 1
+    if len(grid) > 3:
+        raise ValueError(f"the PDL launcher takes grids of up to 3 dimensions, got {grid}")
+    return module, tuple(int(g) for g in grid) + (1,) * (3 - len(grid)) if grid else (1, 1, 1)
 
 
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
@@ -289,7 +290,7 @@ def compile_pallas(fn, *args, num_warps: int, num_stages: int, arch: int = 90) -
     if n_buffers > n_params:
         raise ValueError(f"kernel {name}: {n_buffers} IR arguments but {n_params} PTX "
                          "parameters")
-    return Kernel(image=bytes(k.asm["cubin"]), name=name, grid=grid,
+    return Kernel(image=bytes(k.asm["cubin"]), name=name, grid=grid[0], grid_yz=grid[1:],
                   threads=32 * int(getattr(md, "num_warps", num_warps)),
                   shared=int(md.shared), n_params=n_params, n_buffers=n_buffers,
                   has_wait="griddepcontrol.wait" in ptx,
@@ -305,6 +306,9 @@ def call(kernel: Kernel, out_shapes, *args, pdl: bool, graph: bool = False):
         raise ValueError(f"kernel {kernel.name} has no griddepcontrol.wait: launching it with "
                          "PDL would let it read its inputs before the kernel ahead has written "
                          "them")
+    if tuple(kernel.grid_yz) != (1, 1):
+        raise ValueError(f"kernel {kernel.name} has a grid of {(kernel.grid, *kernel.grid_yz)}: "
+                         "call launches 1-D grids (sequence takes any)")
     outs = out_shapes if isinstance(out_shapes, (list, tuple)) else [out_shapes]
     if len(args) + len(outs) != kernel.n_buffers:
         raise ValueError(f"kernel {kernel.name} takes {kernel.n_buffers} operands and results, "
@@ -339,8 +343,8 @@ def sequence_plan(steps, n_args: int, n_outs: int) -> np.ndarray:
             else:
                 raise ValueError(f"bad parameter {(kind, i)} for {n_args} operands and "
                                  f"{n_outs} results")
-        plan += [kernel.kernel_id, kernel.grid, kernel.threads, kernel.shared, int(bool(pdl)),
-                 kernel.n_params, *idx, *([-1] * extra)]
+        plan += [kernel.kernel_id, kernel.grid, *kernel.grid_yz, kernel.threads, kernel.shared,
+                 int(bool(pdl)), kernel.n_params, *idx, *([-1] * extra)]
     return np.asarray(plan, np.int64)
 
 
@@ -352,14 +356,28 @@ def check_plan(plan: np.ndarray, n_buffers: int) -> bool:
         plan.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), plan.size, n_buffers) == 0
 
 
-def sequence(steps, out_shapes, *args, graph: bool = False):
+def sequence(steps, out_shapes, *args, graph: bool = False, aliases=None):
     """Several kernels launched in order by one custom call (one host call for all of them):
     steps as sequence_plan's; returns the results (out_shapes, a list). graph: the kernels
     are recorded once into a CUDA graph of the launcher's own (a PDL launch becomes a
     programmatic edge, which XLA's command buffers drop) and the graph is replayed on later
-    calls whose buffers sit at the same addresses (`graph_stats`)."""
+    calls whose buffers sit at the same addresses (`graph_stats`). aliases: {operand index:
+    result index}, results that take their operand's buffer (updated in place; donate the
+    operand); a kernel that updates such a buffer names the result ("out", j) for it."""
+    aliases = dict(aliases or {})
+    for i, j in aliases.items():
+        if not (0 <= i < len(args) and 0 <= j < len(out_shapes)):
+            raise ValueError(f"alias {i} -> {j} outside {len(args)} operands and "
+                             f"{len(out_shapes)} results")
+        a, o = args[i], out_shapes[j]
+        if (tuple(a.shape), a.dtype) != (tuple(o.shape), o.dtype):
+            raise ValueError(f"alias {i} -> {j}: operand {a.dtype}{list(a.shape)} and result "
+                             f"{o.dtype}{list(o.shape)} differ")
+    if len(set(aliases.values())) != len(aliases):
+        raise ValueError(f"aliases {aliases}: a result takes at most one operand's buffer")
     plan = sequence_plan(steps, len(args), len(out_shapes))
     for kernel, _, _ in steps:
         register_kernel(kernel)
     target = TARGET_SEQ_GRAPH if graph else TARGET_SEQ
-    return jax.ffi.ffi_call(target, list(out_shapes))(*args, plan=plan)
+    return jax.ffi.ffi_call(target, list(out_shapes), input_output_aliases=aliases or None)(
+        *args, plan=plan)

@@ -31,11 +31,11 @@ def test_capture_gives_one_module_and_the_kernels_grid():
     module, grid = pdl_launch.capture_module(f, S((1, 2048), jnp.bfloat16),
                                              S((6144, 2048), jnp.bfloat16))
     assert isinstance(module, str) and "tt.func" in module and "griddepcontrol.wait" in module
-    assert grid == 6144 // (4 * 4)
+    assert grid == (6144 // (4 * 4), 1, 1)
     # another tiling, another grid: nothing cached across captures
     f2 = functools.partial(gemv_stream, block_n=2, block_k=512, per_program=2, num_warps=4)
     assert pdl_launch.capture_module(f2, S((1, 2048), jnp.bfloat16),
-                                     S((6144, 2048), jnp.bfloat16))[1] == 6144 // 4
+                                     S((6144, 2048), jnp.bfloat16))[1] == (6144 // 4, 1, 1)
 
 
 def test_capture_refuses_functions_without_or_with_two_pallas_calls():
@@ -125,10 +125,14 @@ def test_the_librarys_plan_check_agrees_with_sequence_plan_and_refuses_malformed
     bad[0] = -1
     assert not pdl_launch.check_plan(bad, 2)
     bad = good.copy()
-    bad[6] = 65  # more parameters than the launcher takes
+    bad[8] = 65  # more parameters than the launcher takes
     assert not pdl_launch.check_plan(bad, 2)
+    for i in (2, 3, 4, 5):  # no programs along x, y or z; no threads
+        bad = good.copy()
+        bad[i] = 0
+        assert not pdl_launch.check_plan(bad, 2)
     bad = good.copy()
-    bad[3] = 0  # no threads
+    bad[3] = 70000  # over CUDA's 65,535 programs along y
     assert not pdl_launch.check_plan(bad, 2)
     assert pdl_launch.check_plan(np.asarray([0], np.int64), 0)
 
@@ -197,8 +201,11 @@ def test_sequence_plan_layout_and_refusals():
     plan = pdl_launch.sequence_plan([(a, [("in", 0), ("out", 0)], True),
                                      (b, [("out", 0), ("in", 1), ("out", 1)], False)], 2, 2)
     assert plan.dtype == np.int64
-    assert list(plan) == [2, a.kernel_id, 4, 128, 0, 1, 3, 0, 2, -1,
-                          b.kernel_id, 8, 128, 0, 0, 4, 2, 1, 3, -1]
+    assert list(plan) == [2, a.kernel_id, 4, 1, 1, 128, 0, 1, 3, 0, 2, -1,
+                          b.kernel_id, 8, 1, 1, 128, 0, 0, 4, 2, 1, 3, -1]
+    c = _kernel(image=b"3d", grid=2, grid_yz=(16, 4))  # a 3-D grid: all three sizes
+    assert list(pdl_launch.sequence_plan([(c, [("in", 0), ("out", 0)], False)], 1, 1))[2:5] \
+        == [2, 16, 4]
     with pytest.raises(ValueError, match="no griddepcontrol.wait"):
         pdl_launch.sequence_plan([(_kernel(has_wait=False), [("in", 0)], True)], 1, 0)
     with pytest.raises(ValueError, match="takes 2 operands and results, given 4"):
