@@ -279,7 +279,9 @@ PROJECTIONS_HELP = ("'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'),
                     "those projections' one-row calls; jax >= 0.11, slower so far), '+flow' / "
                     "'+flow4' / '+flow5' (with norms and stream: o -> gate/up -> down [-> next "
                     "qkv [-> its attention]] of a one-row layer as one gemv_flow kernel; "
-                    "experimental)")
+                    "experimental), '+graph' (with gemv+norms+stream: each one-row loop's "
+                    "layers as one CUDA graph of our own with PDL edges; a GPU and the triton "
+                    "package; experimental)")
 
 
 def main(argv=None) -> int:

@@ -82,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "streaming GEMV kernel, '+mgpu[:names]' the Mosaic GPU GEMV for those "
                         "projections (jax >= 0.11), '+flow' / '+flow4' / '+flow5' (with norms "
                         "and stream, experimental: a one-row layer's o -> gate/up -> down [-> "
-                        "the next qkv [-> its attention]] as one kernel, measured slower); "
-                        "figures in docs/performance.md")
+                        "the next qkv [-> its attention]] as one kernel, measured slower), "
+                        "'+graph' (with gemv+norms+stream, experimental: each one-row loop's "
+                        "layers as one CUDA graph of our own with PDL edges; a GPU and the "
+                        "triton package); figures in docs/performance.md")
     r.add_argument("--persistent-layers", action="store_true",
                    help="batch-1 decode: each loop's layers as one persistent Mosaic GPU "
                         "kernel (jax >= 0.11, bf16, --attention pallas; unmeasured, opt-in)")
