@@ -50,13 +50,14 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     "+gemm[@N][:names]" compute few-row projections (and with "+norms" the RMSNorms and
     residual adds around them; "+pfN" sets the GEMV's prefetch depth; "+stream" uses the
     streaming GEMV kernel, "+mgpu[:names]" the Mosaic GPU one, "+flow[4|5]" o -> gate/up ->
-    down [-> next qkv [-> its attention]] as one kernel) with the Pallas GEMV /
+    down [-> next qkv [-> its attention]] as one kernel, "+graph" a one-row loop's layers as
+    one CUDA graph of our own: ouro_jax.graph_loop) with the Pallas GEMV /
     skinny GEMM (ouro_jax.projections.parse). `h` overrides the embedding input
     (verification starts from the draft's states)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options
                if o.startswith(("gemv", "gemm", "pf", "mgpu"))
-               or o in ("norms", "stream", *FLOW_PARTS)]
+               or o in ("norms", "stream", "graph", *FLOW_PARTS)]
     # "+persistent" only labels the programs: the packed weights in params.persistent
     # select the path (ouro_jax.persistent)
     unknown = [o for o in options if o not in ("unroll", "kvxla", "persistent")
@@ -64,7 +65,7 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     if unknown:
         raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', "
                          f"'kvxla', 'gemv...', 'gemm...', 'norms', 'pfN', 'stream', 'mgpu...', "
-                         f"'flow', 'flow4', 'flow5'")
+                         f"'flow', 'flow4', 'flow5', 'graph'")
     proj = parse_projections("+".join(kernels) or "xla")
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
     if h is None:

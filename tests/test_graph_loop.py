@@ -156,3 +156,30 @@ def test_gpu_the_engine_with_graph_loops_tracks_the_default_tokens():
     assert "+graph" in llm.backend
     same = np.mean(np.asarray(toks[0]) == np.asarray(toks[1]))
     assert toks[0][:4] == toks[1][:4] and same >= 0.9, (toks, same)
+
+
+@pytest.mark.skipif(not has_triton or jax.default_backend() == "gpu",
+                    reason="needs the `triton` package; lowers for cuda on a CPU")
+@pytest.mark.parametrize("k", [0, 4])
+def test_the_engines_programs_lower_with_graph_loops_for_cuda(monkeypatch, k):
+    """The 1.4B engine's batch-1 decode program (and the speculative one, whose draft is one
+    row) lowered for cuda on this CPU with '+graph': each loops' layers go through one graph
+    call (one call site in the loop's fori_loop; the draft's loops too), and no Pallas
+    kernel of the graphed layers is left for XLA to launch in native decode."""
+    import argparse
+    import functools
+    from benchmarks import lower_time
+    from pallas_kernels.offline_compile import sm90_device_info
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr("ouro_jax.projections.GPU_DEFAULT", SPEC)
+    args = argparse.Namespace(preset="1.4b", dtype="bf16", batch=1, k=k, draft_loops=2,
+                              prompt_len=128, new_tokens=64, platform="cuda")
+    with sm90_device_info():
+        llm, progs = lower_time.build(args)
+        assert llm.backend.endswith("+graph")
+        name, fn, static, donate, call_args = progs[-1]
+        text = jax.jit(functools.partial(fn, **static), donate_argnums=donate).trace(
+            *call_args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("ouro_pdl_sequence_graph") == (1 if k == 0 else 2)
+    if k == 0:
+        assert "gemv_stream" not in text and "paged_decode_attention" not in text
