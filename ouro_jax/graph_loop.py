@@ -177,60 +177,65 @@ class Plan:
 def build(params, x, cos, sin, cfg, g, kc, vc, counters, loop):
     """The plan of one loop's layers at one row: (Plan, the results holding the last layer's
     residual stream x and its down output, the caches' and counters' results)."""
-    eps = cfg.rms_norm_eps
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    dt, d_model = x.dtype, x.shape[-1]
+    dt = x.dtype
     p = Plan()
-    kc_r, vc_r, cnt_r = p.updated(kc), p.updated(vc), p.updated(counters)
+    caches = (p.updated(kc), p.updated(vc), p.updated(counters))
     base = p.arg(jnp.reshape(jnp.asarray(loop, jnp.int32), (1,)))
-    bt, lens, page, slot = (p.arg(g[k].astype(jnp.int32)) for k in ("block_tables", "kv_lens",
-                                                                      "page", "slot"))
-    c, s = p.arg(cos.astype(dt)), p.arg(sin.astype(dt))
+    shared = dict(base=base, caches=caches,
+                  tables=[p.arg(g[k].astype(jnp.int32))
+                          for k in ("block_tables", "kv_lens", "page", "slot")],
+                  rope=[p.arg(cos.astype(dt)), p.arg(sin.astype(dt))])
+    attn = attention_kernel(jax.ShapeDtypeStruct((1, cfg.num_attention_heads
+                                                  + 2 * cfg.num_key_value_heads,
+                                                  cfg.head_dim), dt),
+                            kc, vc, cos.astype(dt), sin.astype(dt), g, counters)
     cur, branch = p.arg(x), None
-    q_shape = jax.ShapeDtypeStruct((1, nh + 2 * nkv, hd), dt)
     for layer, lp in enumerate(params.layers):
-        nw, w = p.arg(lp.input_layernorm.astype(dt)), p.arg(lp.qkv_proj)
-        y = p.out((1, lp.qkv_proj.shape[0]), dt)
-        if branch is None:
-            k = normed_kernel("qkv", x, lp.input_layernorm.astype(dt), lp.qkv_proj, eps, False,
-                              False)
-            p.step(k, [cur, nw, w, y])
-            resid = cur
-        else:
-            resid = p.out((1, d_model), dt)
-            k = normed_kernel("qkv", x, lp.input_layernorm.astype(dt), lp.qkv_proj, eps, False,
-                              True)
-            p.step(k, [cur, branch[0], branch[1], nw, w, y, resid])
-        ak, splits = attention_kernel(q_shape, kc, vc, cos.astype(dt), sin.astype(dt), g,
-                                      counters)
-        merges = splits > 1
-        off = p.arg(np.asarray([layer], np.int32))
-        group = nh // nkv  # the partials [1, KVH, splits, group, hd] (fp32 when merged) + lse
-        splits_out = [p.out((1, nkv, splits, group, hd), jnp.float32 if merges else dt),
-                      p.out((1, nkv, splits, group), jnp.float32)]
-        ins = [base, off, bt, lens, y, kc_r, vc_r, c, s, page, slot] + ([cnt_r] if merges
-                                                                       else [])
-        if merges:
-            att = p.out((1, nkv, nh // nkv, hd), dt)
-            p.step(ak, ins + splits_out + [kc_r, vc_r, att, cnt_r])
-        else:
-            att = splits_out[0]
-            p.step(ak, ins + splits_out + [kc_r, vc_r])
-        o = p.out((1, d_model), dt)
-        p.step(gemv_kernel("o", jax.ShapeDtypeStruct((1, nh * hd), dt), lp.o_proj),
-               [att, p.arg(lp.o_proj), o])
-        m = p.out((1, lp.gate_up_proj.shape[0] // 2), dt)
-        x2 = p.out((1, d_model), dt)
-        k = normed_kernel("gate_up", x, lp.post_attention_layernorm.astype(dt),
-                          lp.gate_up_proj, eps, True, True)
-        p.step(k, [resid, o, p.arg(lp.input_layernorm_2.astype(dt)),
-                   p.arg(lp.post_attention_layernorm.astype(dt)), p.arg(lp.gate_up_proj), m,
-                   x2])
-        d = p.out((1, d_model), dt)
-        p.step(gemv_kernel("down", jax.ShapeDtypeStruct(p.outs[m[1]].shape, dt),
-                           lp.down_proj), [m, p.arg(lp.down_proj), d])
-        cur, branch = x2, (d, p.arg(lp.post_attention_layernorm_2.astype(dt)))
-    return p, cur, branch[0], (kc_r, vc_r, cnt_r)
+        cur, branch = _layer(p, lp, layer, x, cur, branch, cfg, attn, shared)
+    return p, cur, branch[0], caches
+
+
+def _layer(p, lp, layer, x, cur, branch, cfg, attn, shared):
+    """Appends one layer's five kernels; returns (its residual stream result, (its down
+    output, the norm weight the next layer's prologue applies to it))."""
+    eps, dt, d_model = cfg.rms_norm_eps, x.dtype, x.shape[-1]
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    kc_r, vc_r, cnt_r = shared["caches"]
+    nw, w = p.arg(lp.input_layernorm.astype(dt)), p.arg(lp.qkv_proj)
+    y = p.out((1, lp.qkv_proj.shape[0]), dt)
+    k = normed_kernel("qkv", x, lp.input_layernorm.astype(dt), lp.qkv_proj, eps, False,
+                      branch is not None)
+    if branch is None:  # a loop's first layer: its input is a plain array
+        p.step(k, [cur, nw, w, y])
+        resid = cur
+    else:
+        resid = p.out((1, d_model), dt)
+        p.step(k, [cur, branch[0], branch[1], nw, w, y, resid])
+    ak, splits = attn
+    group, merges = nh // nkv, splits > 1
+    # the partials [1, KVH, splits, group, hd] (fp32 when merged) and their lse
+    part = [p.out((1, nkv, splits, group, hd), jnp.float32 if merges else dt),
+            p.out((1, nkv, splits, group), jnp.float32)]
+    ins = [shared["base"], p.arg(np.asarray([layer], np.int32)), *shared["tables"][:2], y,
+           kc_r, vc_r, *shared["rope"], *shared["tables"][2:]]
+    if merges:
+        att = p.out((1, nkv, group, hd), dt)
+        p.step(ak, ins + [cnt_r] + part + [kc_r, vc_r, att, cnt_r])
+    else:
+        att = part[0]
+        p.step(ak, ins + part + [kc_r, vc_r])
+    o = p.out((1, d_model), dt)
+    p.step(gemv_kernel("o", jax.ShapeDtypeStruct((1, nh * hd), dt), lp.o_proj),
+           [att, p.arg(lp.o_proj), o])
+    m, x2 = p.out((1, lp.gate_up_proj.shape[0] // 2), dt), p.out((1, d_model), dt)
+    k = normed_kernel("gate_up", x, lp.post_attention_layernorm.astype(dt), lp.gate_up_proj,
+                      eps, True, True)
+    p.step(k, [resid, o, p.arg(lp.input_layernorm_2.astype(dt)),
+               p.arg(lp.post_attention_layernorm.astype(dt)), p.arg(lp.gate_up_proj), m, x2])
+    d = p.out((1, d_model), dt)
+    p.step(gemv_kernel("down", jax.ShapeDtypeStruct(p.outs[m[1]].shape, dt), lp.down_proj),
+           [m, p.arg(lp.down_proj), d])
+    return x2, (d, p.arg(lp.post_attention_layernorm_2.astype(dt)))
 
 
 def run_loop(params, h, cos, sin, cfg, attend, state, loop, proj):
