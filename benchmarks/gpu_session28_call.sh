@@ -12,10 +12,10 @@
 #   p. benchmarks.pdl_jax_chain: JAX's launch against one custom call per loop (all 24
 #      layers' 96 kernels) from the stream (lseq) or as our graph (gseq), at the engine's
 #      tilings and at half the blocks per program;
-#   d. batch-1 native greedy decode: default against --persistent-layers with the smem_a /
-#      uniform chain (11 ring slots: 12 overflow SMEM with the SMEM A tile), two passes.
+# (Call 2 also ran a step d, --persistent-layers with the smem_a chain at 11 ring slots: the
+# ring needs 12 and 12 overflow SMEM, so both arms were refused; the step is gone.)
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session28_call.sh; STEPS= a subset
-# of "tgepd" (default tgep); CAP= seconds (default 570).
+# of "tgep" (default tgep); CAP= seconds (default 570).
 . benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-tgep}
 on() { [[ $STEPS == *$1* ]]; }
@@ -49,18 +49,5 @@ if on p; then
     --tiling qkv=4:2:4,o=2:1:4,gate_up=2:4:4,down=1:2:4 \
     --out $OUT/pdl_jax_chain_graph_half_session28_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-330
   echo "p done at $SECONDS s"
-fi
-if on d; then
-  A=$OUT/arms28; rm -rf $A; mkdir -p $A
-  D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --temperature 0 --k 0"
-  run() { [ $SECONDS -lt $((CAP - 60)) ] && timeout -s KILL $(left 110) $D "${@:2}" \
-    --out $A/$1.json 2>&1 | grep -E "tok/s|rror" | cut -c1-300; }
-  for p in 1 2; do
-    run default_p$p
-    run persistent_smema_p$p --persistent-layers --persistent-tiling stages=11,uniform=1,smem_a=1
-  done
-  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A \
-    $OUT/ab_persistent_smema_b1_session28_$G.json
-  echo "d done at $SECONDS s"
 fi
 echo "elapsed $SECONDS s"
