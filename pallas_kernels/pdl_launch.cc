@@ -1,6 +1,8 @@
-// An XLA FFI custom call that launches one compiled kernel (a cubin that Triton built from a
-// Pallas kernel's IR, pallas_kernels/pdl_launch.py) on XLA's stream with the programmatic
-// stream serialization attribute (PDL) on or off.
+// XLA FFI custom calls that launch compiled kernels (cubins that Triton built from Pallas
+// kernels' IR, pallas_kernels/pdl_launch.py) on XLA's stream with the programmatic stream
+// serialization attribute (PDL) on or off: one kernel (Launch), several in order
+// (Sequence), or several recorded once into a CUDA graph of our own and replayed
+// (SequenceGraph), where a PDL launch becomes a programmatic edge.
 //
 // Why: XLA launches the kernels it compiles with PDL and puts `griddepcontrol.wait` at every
 // kernel's start, so a Pallas kernel cannot request its weights before the kernel ahead of it

@@ -273,3 +273,17 @@ def test_the_pdl_benchmarks_refuse_bad_arguments_before_any_gpu_work():
     assert pdl_chain.parse_tiling("down=1:2:4")["down"] == (1, 2, 4)
     with pytest.raises(SystemExit, match="unknown arm"):
         pdl_jax_chain.main(["--arms", "xla,bogus"])
+
+
+def test_sequence_refuses_bad_aliases_before_building_anything():
+    a = _kernel(n_params=3)
+    x = jax.ShapeDtypeStruct((1, 8), jnp.bfloat16)
+    steps = [(a, [("in", 0), ("out", 0)], False)]
+    with pytest.raises(ValueError, match="outside 1 operands and 1 results"):
+        pdl_launch.sequence(steps, [x], x, aliases={0: 1})
+    with pytest.raises(ValueError, match="differ"):
+        pdl_launch.sequence(steps, [jax.ShapeDtypeStruct((1, 8), jnp.float32)], x,
+                            aliases={0: 0})
+    with pytest.raises(ValueError, match="at most one operand"):
+        pdl_launch.sequence(steps + [(a, [("in", 1), ("out", 0)], False)], [x], x, x,
+                            aliases={0: 0, 1: 0})
