@@ -1,5 +1,7 @@
 """A one-row loop's layers as one CUDA graph of our own (experimental, opt-in: projections
 'gemv+norms+stream+graph', e.g. `benchmarks.decode --projections gemv+norms+stream+graph`).
+Measured slower end to end: 196.0 against 202.8 tok/s at batch 1 on an H100 (session 28,
+benchmarks/results/ab_graph_b1_session28_h100.json; docs/performance.md).
 
 Why: XLA launches every kernel with PDL but puts `griddepcontrol.wait` at its start, so no
 kernel requests its weights before the kernel ahead of it has ended, and XLA's command
