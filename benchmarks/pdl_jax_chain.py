@@ -143,32 +143,43 @@ def chain_fn(arm, loops, kernels):
     return jax.jit(f)
 
 
-def seq_chain_fn(arm, loops, kernels):
-    """chain_fn's program with each layer's four kernels launched by one custom call; o reads
-    the first 2048 of qkv's outputs (q) in place."""
-    mode, pdl, _ = ARMS[arm]
-    for name in ORDER:  # compiles the kernels into `kernels`
+# A layer's operands after (h, d) and its results, in the order layer_steps takes them
+LAYER_WEIGHTS = ("qkv_bw", "qkv_nw", "qkv", "o", "gate_up_bw", "gate_up_nw", "gate_up", "down")
+LAYER_OUTS = ((1, 6144), (1, 2048), (1, 2048), (1, 5632), (1, 2048), (1, 2048))  # y_qkv, h',
+# o, y_gu, h'', d
+
+
+def layer_steps(kernels, mode, pdl, h, d, w, r):
+    """One layer's four sequence steps: h, d its inputs, w its 8 weights (LAYER_WEIGHTS), r
+    its 6 results (LAYER_OUTS), each as ("in", i) / ("out", j); o reads the first 2048 of
+    qkv's outputs (q) in place."""
+    return [(kernels[("qkv", mode)], [h, d, w[0], w[1], w[2], r[0], r[1]], pdl),
+            (kernels[("o", mode)], [r[0], w[3], r[2]], pdl),
+            (kernels[("gate_up", mode)], [r[1], r[2], w[4], w[5], w[6], r[3], r[4]], pdl),
+            (kernels[("down", mode)], [r[3], w[7], r[5]], pdl)]
+
+
+def _sequence_arm(arm, kernels):
+    """(mode, pdl, how) of a sequence arm, its kernels compiled into `kernels`."""
+    mode, pdl, how = ARMS[arm]
+    for name in ORDER:
         projection(name, mode, pdl, False, kernels)
-    bf = jnp.bfloat16
-    S = jax.ShapeDtypeStruct
-    # operands: 0 h, 1 d, 2 qkv_bw, 3 qkv_nw, 4 qkv, 5 o, 6 gate_up_bw, 7 gate_up_nw,
-    # 8 gate_up, 9 down; results: 0 y_qkv, 1 h', 2 o, 3 y_gu, 4 h'', 5 d
-    i, o = (lambda *n: [("in", k) for k in n]), (lambda *n: [("out", k) for k in n])
-    steps = [(kernels[("qkv", mode)], i(0, 1, 2, 3, 4) + o(0, 1), pdl),
-             (kernels[("o", mode)], o(0) + i(5) + o(2), pdl),
-             (kernels[("gate_up", mode)], o(1, 2) + i(6, 7, 8) + o(3, 4), pdl),
-             (kernels[("down", mode)], o(3) + i(9) + o(5), pdl)]
-    outs = [S((1, 6144), bf), S((1, 2048), bf), S((1, 2048), bf), S((1, 5632), bf),
-            S((1, 2048), bf), S((1, 2048), bf)]
+    return mode, pdl, how
+
+
+def seq_chain_fn(arm, loops, kernels):
+    """chain_fn's program with each layer's four kernels launched by one custom call."""
+    mode, pdl, _ = _sequence_arm(arm, kernels)
+    steps = layer_steps(kernels, mode, pdl, ("in", 0), ("in", 1),
+                        [("in", 2 + j) for j in range(8)], [("out", j) for j in range(6)])
+    outs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in LAYER_OUTS]
 
     def f(h, layers):
         d = jnp.zeros_like(h)
         res = []
         for _ in range(loops):
             for lw in layers:
-                r = pdl_launch.sequence(steps, outs, h, d, lw["qkv_bw"], lw["qkv_nw"],
-                                        lw["qkv"], lw["o"], lw["gate_up_bw"],
-                                        lw["gate_up_nw"], lw["gate_up"], lw["down"])
+                r = pdl_launch.sequence(steps, outs, h, d, *(lw[k] for k in LAYER_WEIGHTS))
                 h, d = r[4], r[5]
                 res.append(d)
         return h, jnp.concatenate(res)
@@ -179,40 +190,24 @@ def loop_chain_fn(arm, loops, kernels):
     """chain_fn's program with each loop's layers (all their kernels) launched by one custom
     call, from the stream or as a recorded CUDA graph; every intermediate is a result of its
     own (no buffer is written twice in a call)."""
-    mode, pdl, how = ARMS[arm]
-    for name in ORDER:
-        projection(name, mode, pdl, False, kernels)
-    bf = jnp.bfloat16
-    S = jax.ShapeDtypeStruct
-
-    def plan(n):
-        # operands: 0 h, 1 d, then per layer 8: qkv_bw, qkv_nw, qkv, o, gate_up_bw,
-        # gate_up_nw, gate_up, down; results per layer 6: y_qkv, h', o, y_gu, h'', d
-        steps, outs = [], []
-        h, d = ("in", 0), ("in", 1)
-        for layer in range(n):
-            w = [("in", 2 + 8 * layer + j) for j in range(8)]
-            r = [("out", 6 * layer + j) for j in range(6)]
-            steps += [(kernels[("qkv", mode)], [h, d, w[0], w[1], w[2], r[0], r[1]], pdl),
-                      (kernels[("o", mode)], [r[0], w[3], r[2]], pdl),
-                      (kernels[("gate_up", mode)], [r[1], r[2], w[4], w[5], w[6], r[3], r[4]],
-                       pdl),
-                      (kernels[("down", mode)], [r[3], w[7], r[5]], pdl)]
-            outs += [S((1, 6144), bf), S((1, 2048), bf), S((1, 2048), bf), S((1, 5632), bf),
-                     S((1, 2048), bf), S((1, 2048), bf)]
-            h, d = r[4], r[5]
-        return steps, outs
+    mode, pdl, how = _sequence_arm(arm, kernels)
 
     def f(h, layers):
-        steps, outs = plan(len(layers))
-        flat = [lw[k] for lw in layers for k in ("qkv_bw", "qkv_nw", "qkv", "o", "gate_up_bw",
-                                                   "gate_up_nw", "gate_up", "down")]
+        n = len(layers)
+        steps, outs = [], [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in LAYER_OUTS] * n
+        x, d = ("in", 0), ("in", 1)
+        for layer in range(n):  # operands: h, d, then each layer's 8 weights
+            r = [("out", 6 * layer + j) for j in range(6)]
+            steps += layer_steps(kernels, mode, pdl, x, d,
+                                 [("in", 2 + 8 * layer + j) for j in range(8)], r)
+            x, d = r[4], r[5]
+        flat = [lw[k] for lw in layers for k in LAYER_WEIGHTS]
         d = jnp.zeros_like(h)
         res = []
         for _ in range(loops):
             r = pdl_launch.sequence(steps, outs, h, d, *flat, graph=how == "gseq")
             h, d = r[-2], r[-1]
-            res += [r[6 * i + 5] for i in range(len(layers))]
+            res += [r[6 * i + 5] for i in range(n)]
         return h, jnp.concatenate(res)
     return jax.jit(f)
 

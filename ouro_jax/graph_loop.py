@@ -191,15 +191,19 @@ def build(params, x, cos, sin, cfg, g, kc, vc, counters, loop):
                                                   + 2 * cfg.num_key_value_heads,
                                                   cfg.head_dim), dt),
                             kc, vc, cos.astype(dt), sin.astype(dt), g, counters)
-    cur, branch = p.arg(x), None
+    cur, branch, d = p.arg(x), None, None
     for layer, lp in enumerate(params.layers):
-        cur, branch = _layer(p, lp, layer, x, cur, branch, cfg, attn, shared)
-    return p, cur, branch[0], caches
+        if layer:  # the previous layer's down output, added up in this qkv's prologue
+            prev = params.layers[layer - 1]
+            branch = (d, p.arg(prev.post_attention_layernorm_2.astype(dt)))
+        cur, d = _layer(p, lp, layer, x, cur, branch, cfg, attn, shared)
+    return p, cur, d, caches
 
 
 def _layer(p, lp, layer, x, cur, branch, cfg, attn, shared):
-    """Appends one layer's five kernels; returns (its residual stream result, (its down
-    output, the norm weight the next layer's prologue applies to it))."""
+    """Appends one layer's five kernels (branch: the previous layer's (down output, norm
+    weight) for qkv's add_norm prologue, None on a loop's first layer); returns the results
+    holding its residual stream and its down output."""
     eps, dt, d_model = cfg.rms_norm_eps, x.dtype, x.shape[-1]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     kc_r, vc_r, cnt_r = shared["caches"]
@@ -237,7 +241,7 @@ def _layer(p, lp, layer, x, cur, branch, cfg, attn, shared):
     d = p.out((1, d_model), dt)
     p.step(gemv_kernel("down", jax.ShapeDtypeStruct(p.outs[m[1]].shape, dt), lp.down_proj),
            [m, p.arg(lp.down_proj), d])
-    return x2, (d, p.arg(lp.post_attention_layernorm_2.astype(dt)))
+    return x2, d
 
 
 def run_loop(params, h, cos, sin, cfg, attend, state, loop, proj):

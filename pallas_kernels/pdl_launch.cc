@@ -21,6 +21,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -59,26 +60,24 @@ const Driver& driver() {
       d.error = std::string("dlopen(libcuda.so.1) failed: ") + dlerror();
       return d;
     }
-    auto sym = [&](const char* name) { return dlsym(lib, name); };
-    d.ctx_get_current = reinterpret_cast<decltype(d.ctx_get_current)>(sym("cuCtxGetCurrent"));
-    d.module_load_data = reinterpret_cast<decltype(d.module_load_data)>(sym("cuModuleLoadData"));
-    d.module_get_function =
-        reinterpret_cast<decltype(d.module_get_function)>(sym("cuModuleGetFunction"));
-    d.module_unload = reinterpret_cast<decltype(d.module_unload)>(sym("cuModuleUnload"));
-    d.func_set_attribute =
-        reinterpret_cast<decltype(d.func_set_attribute)>(sym("cuFuncSetAttribute"));
-    d.launch_kernel_ex = reinterpret_cast<decltype(d.launch_kernel_ex)>(sym("cuLaunchKernelEx"));
-    d.get_error_string = reinterpret_cast<decltype(d.get_error_string)>(sym("cuGetErrorString"));
-    d.stream_create = reinterpret_cast<decltype(d.stream_create)>(sym("cuStreamCreate"));
-    d.begin_capture =
-        reinterpret_cast<decltype(d.begin_capture)>(sym("cuStreamBeginCapture_v2"));
-    d.end_capture = reinterpret_cast<decltype(d.end_capture)>(sym("cuStreamEndCapture"));
-    d.graph_instantiate =
-        reinterpret_cast<decltype(d.graph_instantiate)>(sym("cuGraphInstantiateWithFlags"));
-    d.graph_launch = reinterpret_cast<decltype(d.graph_launch)>(sym("cuGraphLaunch"));
-    d.graph_destroy = reinterpret_cast<decltype(d.graph_destroy)>(sym("cuGraphDestroy"));
-    d.graph_exec_destroy =
-        reinterpret_cast<decltype(d.graph_exec_destroy)>(sym("cuGraphExecDestroy"));
+    // each entry point by name, cast to its member's type (null if the driver lacks it)
+    auto bind = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+    };
+    bind(d.ctx_get_current, "cuCtxGetCurrent");
+    bind(d.module_load_data, "cuModuleLoadData");
+    bind(d.module_get_function, "cuModuleGetFunction");
+    bind(d.module_unload, "cuModuleUnload");
+    bind(d.func_set_attribute, "cuFuncSetAttribute");
+    bind(d.launch_kernel_ex, "cuLaunchKernelEx");
+    bind(d.get_error_string, "cuGetErrorString");
+    bind(d.stream_create, "cuStreamCreate");
+    bind(d.begin_capture, "cuStreamBeginCapture_v2");
+    bind(d.end_capture, "cuStreamEndCapture");
+    bind(d.graph_instantiate, "cuGraphInstantiateWithFlags");
+    bind(d.graph_launch, "cuGraphLaunch");
+    bind(d.graph_destroy, "cuGraphDestroy");
+    bind(d.graph_exec_destroy, "cuGraphExecDestroy");
     if (!d.ctx_get_current || !d.module_load_data || !d.module_get_function || !d.module_unload ||
         !d.func_set_attribute || !d.launch_kernel_ex || !d.get_error_string) {
       d.error = "libcuda.so.1 lacks a driver entry point this launcher needs";
@@ -318,6 +317,16 @@ ffi::Error prepare(const char* who, ffi::Span<const int64_t> plan, void* const* 
   return ffi::Error::Success();
 }
 
+// A sequence call's operand and result pointers (up to kMaxBuffers of them).
+ffi::Error sequence_buffers(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
+                            std::vector<void*>* bufs) {
+  bufs->resize(kMaxBuffers);
+  size_t n = 0;
+  if (ffi::Error e = buffers(args, rets, bufs->data(), &n, kMaxBuffers); e.failure()) return e;
+  bufs->resize(n);
+  return ffi::Error::Success();
+}
+
 ffi::Error launch_steps(CUstream stream, std::vector<Step>& steps) {
   for (Step& st : steps) {
     void* params[kMaxParams];
@@ -336,12 +345,10 @@ ffi::Error launch_steps(CUstream stream, std::vector<Step>& steps) {
 ffi::Error Sequence(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                     ffi::Span<const int64_t> plan) {
   Timed timed;
-  std::vector<void*> bufs(kMaxBuffers);
-  size_t nbuf = 0;
-  if (ffi::Error e = buffers(args, rets, bufs.data(), &nbuf, kMaxBuffers); e.failure())
-    return e;
+  std::vector<void*> bufs;
+  if (ffi::Error e = sequence_buffers(args, rets, &bufs); e.failure()) return e;
   std::vector<Step> steps;
-  if (ffi::Error e = prepare("ouro_pdl_sequence", plan, bufs.data(), nbuf, &steps);
+  if (ffi::Error e = prepare("ouro_pdl_sequence", plan, bufs.data(), bufs.size(), &steps);
       e.failure())
     return e;
   return launch_steps(stream, steps);
@@ -380,11 +387,8 @@ ffi::Error SequenceGraph(CUstream stream, ffi::RemainingArgs args, ffi::Remainin
       !d.graph_launch || !d.graph_destroy || !d.graph_exec_destroy)
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "ouro_pdl_sequence_graph: libcuda.so.1 lacks the graph entry points");
-  std::vector<void*> bufs(kMaxBuffers);
-  size_t nbuf = 0;
-  if (ffi::Error e = buffers(args, rets, bufs.data(), &nbuf, kMaxBuffers); e.failure())
-    return e;
-  bufs.resize(nbuf);
+  std::vector<void*> bufs;
+  if (ffi::Error e = sequence_buffers(args, rets, &bufs); e.failure()) return e;
   CUcontext ctx = nullptr;
   if (CUresult r = d.ctx_get_current(&ctx); r != CUDA_SUCCESS) return cuda_error("context", r);
   GraphKey key{ctx, std::vector<int64_t>(plan.begin(), plan.end()), bufs};
@@ -392,7 +396,8 @@ ffi::Error SequenceGraph(CUstream stream, ffi::RemainingArgs args, ffi::Remainin
   auto it = graphs.find(key);
   if (it == graphs.end()) {
     std::vector<Step> steps;
-    if (ffi::Error e = prepare("ouro_pdl_sequence_graph", plan, bufs.data(), nbuf, &steps);
+    if (ffi::Error e = prepare("ouro_pdl_sequence_graph", plan, bufs.data(), bufs.size(),
+                               &steps);
         e.failure())
       return e;
     if (graphs.size() >= kMaxGraphs) {
