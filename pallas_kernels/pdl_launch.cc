@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <string>
@@ -437,6 +438,17 @@ ffi::Error SequenceGraph(CUstream stream, ffi::RemainingArgs args, ffi::Remainin
 
 }  // namespace
 
+namespace {
+// Copies the counters into out in order, and with reset != 0 sets them to zero.
+void read_counters(std::initializer_list<std::atomic<int64_t>*> counters, int64_t* out,
+                   int reset) {
+  for (std::atomic<int64_t>* c : counters) {
+    *out++ = *c;
+    if (reset) *c = 0;
+  }
+}
+}  // namespace
+
 // Stores a kernel image (cubin), its entry name and parameter count under `kernel_id`; 0 on
 // success, 1 if the id already holds another kernel, 2 for a bad parameter count.
 extern "C" int OuroPdlRegister(int64_t kernel_id, const char* image, int64_t size,
@@ -457,14 +469,7 @@ extern "C" int OuroPdlRegister(int64_t kernel_id, const char* image, int64_t siz
 // Graphs recorded and replayed by SequenceGraph, and how often the full cache was dropped
 // (out[0..2]); reset != 0 clears them.
 extern "C" void OuroPdlGraphStats(int64_t* out, int reset) {
-  out[0] = stat_graph_recorded;
-  out[1] = stat_graph_replayed;
-  out[2] = stat_graph_dropped;
-  if (reset) {
-    stat_graph_recorded = 0;
-    stat_graph_replayed = 0;
-    stat_graph_dropped = 0;
-  }
+  read_counters({&stat_graph_recorded, &stat_graph_replayed, &stat_graph_dropped}, out, reset);
 }
 
 // check_plan for tests: 0 if the plan is well formed for nbuf buffers, else 1.
@@ -475,17 +480,8 @@ extern "C" int OuroPdlCheckPlan(const int64_t* plan, int64_t size, int64_t nbuf)
 // Reads (and with reset != 0 clears) the host-side timing: out[0..3] = calls, ns in the
 // handlers, ns in cuLaunchKernelEx, ns from one call's entry to the next's.
 extern "C" void OuroPdlStats(int64_t* out, int reset) {
-  out[0] = stat_calls;
-  out[1] = stat_ns_handler;
-  out[2] = stat_ns_launch;
-  out[3] = stat_ns_between;
-  if (reset) {
-    stat_calls = 0;
-    stat_ns_handler = 0;
-    stat_ns_launch = 0;
-    stat_ns_between = 0;
-    stat_last_entry = 0;
-  }
+  read_counters({&stat_calls, &stat_ns_handler, &stat_ns_launch, &stat_ns_between}, out, reset);
+  if (reset) stat_last_entry = 0;
 }
 
 namespace {
