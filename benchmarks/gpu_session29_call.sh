@@ -2,8 +2,9 @@
 # Session 29's first GPU call: what sessions 21-28 measured only on H100s, on the card this
 # call gets (an H200 for the issue's figures), each step under a KILL timeout:
 #   e. batch-1 native greedy: default against '+graph' (session 28: 196.0 against 202.8 on
-#      an H100) and the opt-in defer_norm (session 24: +1.3-1.6% on an H100), two passes in
-#      reverse order;
+#      an H100), the graph with its GEMVs triggering the next kernel at their end
+#      (--graph-pdl end; session 28 ran the start only), and the opt-in defer_norm
+#      (session 24: +1.3-1.6% on an H100), two passes in reverse order;
 #   c. the CLI's first and cached start in bf16, native and k=4 d=2 (the cached start has
 #      only been measured on an H100): gpu_session19_call.sh step 3;
 #   t. the batch-1 rows of the decode table at today's code (k 0, 2, 4; T 0, 0.8);
@@ -21,8 +22,9 @@ if on e; then
     --temperature 0 --k 0 "${@:2}" --out $A/$1.json 2>&1 | grep -E "tok/s|rror|^  [0-9]" \
     | cut -c1-300; }
   DEFER="--stream-set qkv.defer_norm=1,gate_up.defer_norm=1"
-  erun default_p1; erun graph_p1 --projections gemv+norms+stream+graph; erun defer_p1 $DEFER
-  erun defer_p2 $DEFER; erun graph_p2 --projections gemv+norms+stream+graph; erun default_p2
+  GR="--projections gemv+norms+stream+graph"
+  erun default_p1; erun graph_p1 $GR; erun graph_end_p1 $GR --graph-pdl end; erun defer_p1 $DEFER
+  erun defer_p2 $DEFER; erun graph_end_p2 $GR --graph-pdl end; erun graph_p2 $GR; erun default_p2
   ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_session29_$G.json
   echo "e done at $SECONDS s"
 fi

@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     apply_kernel_tuning(args.decode_kernel, "", l2_spec=args.l2_prefetch,
                         l2_next_spec=args.l2_next,
-                        l2_next_at=args.l2_next_at, stream_set=args.stream_set)
+                        l2_next_at=args.l2_next_at, stream_set=args.stream_set,
+                        graph_pdl=args.graph_pdl)
     try:
         return _main(args, argv)
     finally:

@@ -172,6 +172,10 @@ def add_stream_args(p) -> None:
     p.add_argument("--l2-next-at", default="end", choices=["start", "end"],
                    help="when --l2-next's prefetch is issued: at the program's start, or once "
                         "its last weight block is requested")
+    p.add_argument("--graph-pdl", default="start", choices=["start", "end"],
+                   help="with --projections ...+graph: where each graphed GEMV triggers the "
+                        "next kernel's launch, at its start (default) or once its last "
+                        "weight block is requested (ouro_jax.graph_loop.KERNEL_PDL)")
     p.add_argument("--stream-set", default="", metavar="NAME.KEY=0|1,...",
                    help="streaming GEMV switches per projection, e.g. qkv.x_first=1 (x and "
                         "the branch read before the first weight block), "
@@ -200,7 +204,8 @@ def parse_stream_set(spec: str) -> dict:
 def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "",
                         pdl_spec: str = "", pdl_at: str = "start", mgpu_spec: str = "",
                         l2_spec: str = "", l2_next_spec: str = "",
-                        l2_next_at: str = "end", stream_set: str = "") -> dict:
+                        l2_next_at: str = "end", stream_set: str = "",
+                        graph_pdl: str = "start") -> dict:
     """Sets the kernels' process-wide tuning overrides (before anything is compiled). Every
     spec is parsed before anything is set, so a bad one changes nothing."""
     import importlib
@@ -218,6 +223,8 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
         raise SystemExit(f"--l2-next-at is start or end, got {l2_next_at!r}")
     if pdl_at not in ("start", "end"):
         raise SystemExit(f"--pdl-at is start or end, got {pdl_at!r}")
+    if graph_pdl not in ("start", "end"):
+        raise SystemExit(f"--graph-pdl is start or end, got {graph_pdl!r}")
     if tuning["decode"].get("flow_o") and (tuning["decode"].get("fuse_o")
                                            or tuning["decode"].get("pdl")):
         raise SystemExit("--decode-kernel flow_o=1 ([attention, o] as one gemv_flow) takes "
@@ -242,6 +249,9 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     if not d.get("mgpu") and {"mgpu_block", "mgpu_stages"} & set(d):
         raise SystemExit("--decode-kernel mgpu_block / mgpu_stages tile the Mosaic GPU decode "
                          "kernel: they need mgpu=1")
+    importlib.import_module("ouro_jax.graph_loop").KERNEL_PDL = graph_pdl
+    if graph_pdl != "start":  # (the record names it where it is not the shipped mode)
+        tuning["graph_pdl"] = graph_pdl
     for name in ("decode", "ragged"):
         mod = importlib.import_module(f"pallas_kernels.{name}")
         mod.TUNING.clear()

@@ -198,3 +198,21 @@ def test_the_engines_programs_lower_with_graph_loops_for_cuda(monkeypatch, k):
     assert text.count("ouro_pdl_sequence_graph") == (1 if k == 0 else 2)
     if k == 0:
         assert "gemv_stream" not in text and "paged_decode_attention" not in text
+
+
+def test_the_benchmarks_graph_pdl_switch_sets_the_graphed_gemvs_trigger():
+    """benchmarks' --graph-pdl end: every graphed GEMV triggers once its last weight block is
+    requested (gemv_stream pdl="end"); the reset restores the shipped "start"; a bad value
+    is refused and changes nothing."""
+    from benchmarks.tuning import apply_kernel_tuning
+    try:
+        t = apply_kernel_tuning("", "", graph_pdl="end")
+        assert graph_loop.KERNEL_PDL == "end" and t["graph_pdl"] == "end"
+        assert graph_loop._stream_tuning("qkv", 6144, 2048)["pdl"] == "end"
+        with pytest.raises(SystemExit, match="--graph-pdl"):
+            apply_kernel_tuning("", "", graph_pdl="middle")
+        assert graph_loop.KERNEL_PDL == "end"
+    finally:
+        assert "graph_pdl" not in apply_kernel_tuning("", "")
+    assert graph_loop.KERNEL_PDL == "start"
+    assert graph_loop._stream_tuning("down", 2048, 5632)["pdl"] == "start"
