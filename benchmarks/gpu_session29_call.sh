@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 29's first GPU call: what sessions 21-28 measured only on H100s, on the card this
 # call gets (an H200 for the issue's figures), each step under a KILL timeout:
+#   n. Nsight Compute's full set on one batch-1 step's Pallas kernels (first use here);
 #   e. batch-1 native greedy: default against '+graph' (session 28: 196.0 against 202.8 on
 #      an H100), the graph with its GEMVs triggering the next kernel at their end
 #      (--graph-pdl end; session 28 ran the start only), and the opt-in defer_norm
@@ -11,13 +12,32 @@
 #   g. the graph loops' GPU tests (the 2-layer K/V bound loosened in session 28, not rerun);
 #   p. benchmarks.pdl_jax_chain's JAX, stream-PDL and graph-PDL arms.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session29_call.sh; STEPS= a subset
-# of "ecgpt" (default ecgpt; they run in that order); CAP= seconds (default 570).
+# of "necgpt" (default necgpt; they run in that order); CAP= seconds (default 570).
 . benchmarks/gpu_call_setup.sh
-STEPS=${STEPS:-ecgpt}
+STEPS=${STEPS:-necgpt}
 on() { [[ $STEPS == *$1* ]]; }
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
+if on n && [ $SECONDS -lt $((CAP - 120)) ]; then
+  # Nsight Compute on the Firecracker machines (KINDS.md: it reads the hardware counters
+  # there), never used here before: the full set for two layer applications' Pallas
+  # kernels (qkv, attention, o, gate/up, down) of a batch-1 decode step, L2 flushed before
+  # each, clocks not locked. The report, then its details page as CSV.
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  echo "ncu: ${NCU:-none}"
+  if [ -n "$NCU" ]; then
+    R=$OUT/ncu_b1_session29_$G
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL $(left 240) $NCU --target-processes all --clock-control none \
+      --kernel-name regex:'gemv_stream|paged_decode_attention' --launch-skip 300 \
+      --launch-count 10 --set full -f -o $R $D --batch 1 --temperature 0 --k 0 --repeats 1 \
+      --new-tokens 16 --compile-cache /tmp/cc_ncu 2>&1 | grep -E "==PROF==|==ERROR==|rror" \
+      | head -20 | cut -c1-300
+    [ -f $R.ncu-rep ] && timeout -s KILL $(left 60) $NCU --import $R.ncu-rep --csv \
+      --page details > $R.csv 2>&1; ls -la $R.* 2>&1
+  fi
+  echo "n done at $SECONDS s"
+fi
 if on e; then
-  A=$OUT/ab29; rm -rf $A; mkdir -p $A
+  A=/tmp/ab29; rm -rf $A; mkdir -p $A  # (the arms' files stay there: 8 files come back)
   erun() { [ $SECONDS -lt $((CAP - 60)) ] && timeout -s KILL $(left 100) $D --batch 1 \
     --temperature 0 --k 0 "${@:2}" --out $A/$1.json 2>&1 | grep -E "tok/s|rror|^  [0-9]" \
     | cut -c1-300; }
