@@ -32,7 +32,9 @@ if on n && [ $SECONDS -lt $((CAP - 120)) ]; then
       --new-tokens 16 --compile-cache /tmp/cc_ncu 2>&1 | grep -E "==PROF==|==ERROR==|rror" \
       | head -20 | cut -c1-300
     [ -f $R.ncu-rep ] && timeout -s KILL $(left 60) $NCU --import $R.ncu-rep --csv \
-      --page details > $R.csv 2>&1; ls -la $R.* 2>&1
+      --page details > $R.csv 2>&1
+    [ -f $R.ncu-rep ] && timeout -s KILL $(left 60) $NCU --import $R.ncu-rep --csv \
+      --page raw > ${R}_raw.csv 2>&1; ls -la $R* 2>&1
   fi
   echo "n done at $SECONDS s"
 fi
