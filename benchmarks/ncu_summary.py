@@ -1,0 +1,92 @@
+"""A readable summary of an Nsight Compute report exported as CSV (`ncu --import R.ncu-rep
+--csv --page raw > R_raw.csv`), one line per profiled kernel: duration, DRAM bytes and
+throughput, achieved occupancy, registers, grid, and where its warps stall (the sampled
+stall reasons, as shares of all samples).
+
+    python -m benchmarks.ncu_summary benchmarks/results/ncu_b1_session29_h200_raw.csv
+    python -m benchmarks.ncu_summary R_raw.csv --json out.json   # the same as JSON
+
+The raw page has a header row of metric names, a row of units, then a row per kernel.
+Metrics a report lacks are left out of its lines (they depend on ncu's version and set)."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+
+# (label, metric name, scale to the printed unit)
+FIELDS = (
+    ("us", "gpu__time_duration.sum", None),
+    ("dram_MB", "dram__bytes_read.sum", None),
+    ("dram_pct", "dram__throughput.avg.pct_of_peak_sustained_elapsed", None),
+    ("occupancy_pct", "sm__warps_active.avg.pct_of_peak_sustained_active", None),
+    ("registers", "launch__registers_per_thread", None),
+    ("grid", "launch__grid_size", None),
+    ("block", "launch__block_size", None),
+    ("waves", "launch__waves_per_multiprocessor", None),
+)
+STALL = re.compile(r"^smsp__pcsamp_warps_issue_stalled_([a-z_]+)$")
+TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+TO_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+
+
+def _num(text: str):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def read(path: str) -> list[dict]:
+    """One dict per kernel: name, the FIELDS found, and `stalls` {reason: share}."""
+    with open(path, newline="") as f:
+        rows = [r for r in csv.reader(f) if r]
+    # ncu may print its own lines (==PROF==...) before the table
+    start = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+    head, units, data = rows[start], rows[start + 1], rows[start + 2:]
+    col = {name: i for i, name in enumerate(head)}
+    out = []
+    for r in data:
+        if len(r) != len(head):
+            continue
+        k = {"name": r[col["Kernel Name"]], "id": r[col["ID"]] if "ID" in col else None}
+        for label, metric, _ in FIELDS:
+            if metric in col and (v := _num(r[col[metric]])) is not None:
+                unit = units[col[metric]]
+                if label == "us":
+                    v *= TO_US.get(unit, 1.0)
+                elif label == "dram_MB":
+                    v *= TO_MB.get(unit, 1.0)
+                k[label] = round(v, 3)
+        stalls = {}
+        for name, i in col.items():
+            m = STALL.match(name)
+            if m and not m.group(1).endswith("_not_issued") and (v := _num(r[i])):
+                stalls[m.group(1)] = v
+        total = sum(stalls.values())
+        if total:
+            top = sorted(stalls.items(), key=lambda kv: -kv[1])[:6]
+            k["stalls"] = {s: round(v / total, 3) for s, v in top}
+        out.append(k)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("raw_csv")
+    p.add_argument("--json", help="also write the summary here")
+    args = p.parse_args(argv)
+    kernels = read(args.raw_csv)
+    for k in kernels:
+        fields = " ".join(f"{label}={k[label]}" for label, _, _ in FIELDS if label in k)
+        stalls = ", ".join(f"{s} {v:.0%}" for s, v in k.get("stalls", {}).items())
+        print(f"{k['name'][:40]:40s} {fields}" + (f"\n    stalls: {stalls}" if stalls else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(kernels, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
