@@ -208,7 +208,10 @@ class Ouro:
     def load(cls, path: Optional[str] = None, dtype="fp32", **kw) -> "Ouro":
         from convert.load import load_checkpoint
 
-        folder = path or DEMO_MODEL_DIR
+        if path is not None and not str(path).strip():
+            raise ValueError("empty model path: give a checkpoint folder, or none for the "
+                             "embedded demo model")
+        folder = DEMO_MODEL_DIR if path is None else path
         # straight into the engine's per-layer layout: no stacked copy to unstack again
         ck = load_checkpoint(folder, dtype, layout="engine" if kw.get("fuse_projections", True)
                              else "engine_unfused")

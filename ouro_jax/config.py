@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 import os
 from typing import Any
@@ -56,8 +57,19 @@ class OuroConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim", "total_ut_steps",
                      "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name, low in (("rope_theta", "> 0"), ("rms_norm_eps", ">= 0"),
+                          ("early_exit_threshold", "in [0, 1]")):
+            value = getattr(self, name)  # a string or bool would fail deep in the model
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number {low}, got {value!r}")
+        if not self.rope_theta > 0:  # 0, or below it, gives NaN or inf rotary frequencies
+            raise ConfigError(f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+        if not self.rms_norm_eps >= 0:
+            raise ConfigError(f"rms_norm_eps must be a finite number >= 0, got "
+                              f"{self.rms_norm_eps!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -119,20 +131,33 @@ class OuroConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json is missing required field {e.args[0]!r}") from None
-        kwargs["num_key_value_heads"] = d.get("num_key_value_heads") or kwargs[
-            "num_attention_heads"]
-        kwargs["head_dim"] = d.get("head_dim") or kwargs["hidden_size"] // kwargs[
-            "num_attention_heads"]
+        # absent (or null) means the HF default; a given 0 is an error, not "absent"
+        kv, hd = d.get("num_key_value_heads"), d.get("head_dim")
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"] if kv is None else kv
+        if hd is None:
+            heads = kwargs["num_attention_heads"]
+            if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
+                hd = kwargs["hidden_size"] // heads  # (a bad heads count is named below)
+            else:
+                hd = 1
+        kwargs["head_dim"] = hd
+        if d.get("early_exit_step") is not None:
+            raise ConfigError(
+                f"early_exit_step={d['early_exit_step']!r} is not supported (the reference "
+                f"reads it to pick the loop whose logits it uses): set it to null and pass "
+                f"exit_at_step / --exit-at-step instead")
         for name in ("total_ut_steps", "rope_theta", "max_position_embeddings", "rms_norm_eps",
                      "early_exit_threshold", "bos_token_id", "tie_word_embeddings"):
             if d.get(name) is not None:
                 kwargs[name] = d[name]
-        eos = d.get("eos_token_id")
+        eos = d.get("eos_token_id", 0)  # absent: Ouro's own id, 0
         if isinstance(eos, list):  # HF allows a list: the first is canonical, all of them stop
             kwargs["extra_eos_token_ids"] = tuple(eos[1:])
             eos = eos[0] if eos else None
-        if eos is not None:
-            kwargs["eos_token_id"] = eos
+        if eos is None:  # given as null or []: not silently id 0
+            raise ConfigError(f"eos_token_id is {d['eos_token_id']!r}: this engine needs an "
+                              f"end-of-sequence id (Ouro's is 0)")
+        kwargs["eos_token_id"] = eos
         return cls(**kwargs)
 
     @classmethod

@@ -10,17 +10,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
 from ouro_jax.sampling import SamplingParams
 
 
+_INT = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
 def _int_list(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    """'1,2, 3' -> [1, 2, 3]; '' -> []. Every comma-separated item must be one integer:
+    '1 2' or '1,,2' are errors, not 12 or [1, 2] (int() alone would take '1_0' as 10)."""
+    if not text.strip():
+        return []
+    items = text.split(",")
+    bad = [t for t in items if not _INT.fullmatch(t)]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r} (not an integer: {bad[0]!r})")
+    return [int(t) for t in items]
 
 
 def _projections(text: str) -> str:
@@ -47,9 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-k", type=int, default=0, help="0 = off")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
+    s.add_argument("--top-k", type=int, default=None, help="0 = off (default; needs "
+                   "--temperature > 0)")
+    s.add_argument("--top-p", type=float, default=None, help="default 1.0 (needs "
+                   "--temperature > 0)")
+    s.add_argument("--seed", type=int, default=None, help="request i uses seed + i (default 0; "
+                   "needs --temperature > 0)")
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--stop-token-ids", type=_int_list, default=[])
     s.add_argument("--logprobs", action="store_true", help="report raw log-probs of chosen tokens")
@@ -104,9 +117,9 @@ def _load_prompts(args) -> list:
     prompts: list = list(args.prompt) + list(args.prompt_ids)
     if args.prompts_file:
         try:
-            with open(args.prompts_file) as f:
+            with open(args.prompts_file, encoding="utf-8") as f:
                 lines = f.readlines()
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read --prompts-file {args.prompts_file}: {e}") from e
         for n, line in enumerate(lines, 1):
             if line.strip():
@@ -118,12 +131,25 @@ def _load_prompts(args) -> list:
 
 def _jsonl_prompt(line: str, where: str):
     """One --prompts-file line: {"prompt": text} or {"prompt_ids": [int, ...]}."""
+    def unique(pairs):
+        keys = [k for k, _ in pairs]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"{where}: key {dup[0]!r} given twice")
+        return dict(pairs)
+
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, object_pairs_hook=unique)
     except ValueError as e:
+        if str(e).startswith(where):
+            raise
         raise ValueError(f"{where}: not JSON ({e})") from e
     if not isinstance(obj, dict) or ("prompt" in obj) == ("prompt_ids" in obj):
         raise ValueError(f"{where}: needs an object with one of 'prompt' or 'prompt_ids'")
+    extra = sorted(set(obj) - {"prompt", "prompt_ids"})
+    if extra:  # e.g. per-line sampling settings, which the file format does not take
+        raise ValueError(f"{where}: unknown key(s) {extra}: a line holds 'prompt' or "
+                         f"'prompt_ids' only (sampling settings are flags)")
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise ValueError(f"{where}: 'prompt' must be a string, got {obj['prompt']!r}")
@@ -147,6 +173,15 @@ def _check_flags(args, num_prompts: int) -> None:
                             ("--weighted-exit", args.weighted_exit)) if v]
     if len(exits) > 1:
         raise ValueError(f"give at most one of {', '.join(exits)}")
+    if not args.temperature:  # greedy: these would change nothing
+        given = [f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                                ("--seed", args.seed)) if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: sampling settings, which need "
+                             f"--temperature > 0 (temperature 0 is greedy)")
+    args.top_k = 0 if args.top_k is None else args.top_k
+    args.top_p = 1.0 if args.top_p is None else args.top_p
+    args.seed = 0 if args.seed is None else args.seed
     if args.seed >= 0 and args.seed + num_prompts - 1 >= 2**32:
         raise ValueError(f"--seed {args.seed}: prompt i uses seed + i, so seed + "
                          f"{num_prompts - 1} must be below 2**32")

@@ -51,8 +51,8 @@ class SamplingParams:
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         top_k = as_int(self.top_k, "top_k")
-        if top_k < 0:
-            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not 0 <= top_k < 2**31:  # (an int32 on the device; above the vocab it keeps all)
+            raise ValueError(f"top_k must be an integer in [0, 2**31), got {self.top_k!r}")
         seed = as_int(self.seed, "seed")
         if not 0 <= seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
@@ -128,10 +128,14 @@ def row_keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
 def processed_logits(logits: jax.Array, arrays: SamplingArrays, mode: SamplingMode) -> jax.Array:
     """fp32 logits after temperature, top-k and top-p; filtered entries are -inf.
 
-    Rows with temperature 0 are left unscaled (their argmax is what counts)."""
+    Rows with temperature 0 are left unscaled (their argmax is what counts). The others are
+    shifted by their largest logit before the division (the same distribution): a tiny
+    temperature then sends every logit but the largest towards -inf, where dividing the raw
+    logits would overflow several of them to +inf and draw among those ties."""
     x = logits.astype(jnp.float32)
     temp = arrays.temperature[:, None]
-    x = jnp.where(temp > 0, x / jnp.where(temp > 0, temp, 1.0), x)
+    shifted = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.where(temp > 0, temp, 1.0)
+    x = jnp.where(temp > 0, shifted, x)
     vocab = x.shape[-1]
     if mode.top_k or mode.top_p:
         sorted_x = jnp.sort(x, axis=-1)[:, ::-1]

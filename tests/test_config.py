@@ -95,6 +95,15 @@ def test_optional_fields_and_defaults():
     ({"hidden_size": 0}, "hidden_size"),
     ({"some_new_feature": 1}, "some_new_feature"),
     ({"use_mla": True, "qk_norm": True}, "qk_norm, use_mla"),
+    # values that used to load and then give NaN logits (EOS 0 at once) or a traceback
+    ({"rope_theta": 0}, "rope_theta"), ({"rope_theta": -10000.0}, "rope_theta"),
+    ({"rope_theta": float("nan")}, "rope_theta"), ({"rope_theta": "abc"}, "rope_theta"),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps"), ({"rms_norm_eps": "1e-6"}, "rms_norm_eps"),
+    ({"early_exit_threshold": "0.5"}, "early_exit_threshold"),
+    ({"total_ut_steps": True}, "total_ut_steps"), ({"vocab_size": True}, "vocab_size"),
+    ({"head_dim": 0}, "head_dim"), ({"num_key_value_heads": 0}, "num_key_value_heads"),
+    ({"early_exit_step": 0}, "early_exit_step"),
+    ({"eos_token_id": None}, "eos_token_id"), ({"eos_token_id": []}, "eos_token_id"),
 ])
 def test_rejections_name_the_field(change, field):
     d = dict(ouro_1_4b_config_json(), **change)

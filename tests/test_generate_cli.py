@@ -45,7 +45,8 @@ def test_errors_are_clear_and_exit_2(capsys):
     folder = tiny_checkpoint("tiny-gqa")
     cases = [(["--model", folder, "--prompt", "hi"], "no tokenizer.json"),
              (["--model", folder, "--prompt-ids", "1,99999"], "unknown token id"),
-             (["--model", folder, "--prompt-ids", "1", "--top-p", "0"], "top_p"),
+             (["--model", folder, "--prompt-ids", "1", "--temperature", "1", "--top-p", "0"],
+              "top_p"),
              (["--model", folder, "--prompt-ids", "1", "--temperature", "-1"], "temperature"),
              (["--model", folder, "--prompt-ids", "1", "--speculative-k", "2",
                "--draft-loops", "4"], "draft_loops"),

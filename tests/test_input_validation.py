@@ -118,13 +118,18 @@ def _cli(capsys, *argv):
 def test_cli_refuses_ignored_or_conflicting_flags_and_bad_prompt_files(capsys, tmp_path):
     folder = tiny_checkpoint("tiny-gqa")
     lines = {"ids_int": {"prompt_ids": 5}, "ids_float": {"prompt_ids": [1.7, 2]},
-             "prompt_int": {"prompt": 5}, "both": {"prompt": "a", "prompt_ids": [1]}}
+             "prompt_int": {"prompt": 5}, "both": {"prompt": "a", "prompt_ids": [1]},
+             "extra": {"prompt_ids": [1], "temperature": 0.9}}
     files = {}
     for name, obj in lines.items():
         files[name] = tmp_path / f"{name}.jsonl"
         files[name].write_text(json.dumps(obj) + "\n")
     files["not_json"] = tmp_path / "bad.jsonl"
     files["not_json"].write_text('{"prompt_ids": [1]}\nnope\n')
+    files["twice"] = tmp_path / "twice.jsonl"
+    files["twice"].write_text('{"prompt_ids": [1, 2], "prompt_ids": [3]}\n')
+    files["latin1"] = tmp_path / "latin1.jsonl"
+    files["latin1"].write_bytes(b'{"prompt": "caf\xe9"}\n')
     m = ["--model", folder]
     cases = [
         (["--prompt-ids", "1", "--compile-cache", str(files["both"])], "cannot use --compile-cache"),
@@ -138,7 +143,15 @@ def test_cli_refuses_ignored_or_conflicting_flags_and_bad_prompt_files(capsys, t
         (["--prompt-ids", "1", "--rounds-per-fetch", "0"], "--rounds-per-fetch: speculative"),
         (["--prompt-ids", "1", "--exit-threshold", "0.5", "--weighted-exit"], "at most one of"),
         (["--prompt-ids", "1", "--exit-at-step", "1", "--weighted-exit"], "at most one of"),
-        (["--prompt-ids", "1", "--prompt-ids", "2", "--seed", str(2**32 - 1)], "seed + 1 must"),
+        (["--prompts-file", str(files["extra"])], "extra.jsonl:1: unknown key(s) ['temperature']"),
+        (["--prompts-file", str(files["twice"])], "twice.jsonl:1: key 'prompt_ids' given twice"),
+        (["--prompts-file", str(files["latin1"])], "cannot read --prompts-file"),
+        (["--prompt-ids", "1", "--top-k", "3"], "--top-k: sampling settings"),
+        (["--prompt-ids", "1", "--top-p", "0.5", "--seed", "9"],
+         "--top-p and --seed: sampling settings"),
+        (["--prompt-ids", "1", "--temperature", "1", "--top-k", str(2**31)], "top_k must be"),
+        (["--prompt-ids", "1", "--prompt-ids", "2", "--temperature", "1", "--seed",
+          str(2**32 - 1)], "seed + 1 must"),
         (["--prompt-ids", "1", "--temperature", "inf", "--top-k", "1"], "temperature must be"),
         (["--prompt-ids", "1", "--kv-pool-tokens", "0"], "kv_pool_tokens must be a positive"),
         (["--prompt-ids", "1", "--speculative-k", "2", "--rounds-per-fetch", "0"],
@@ -187,3 +200,22 @@ def test_a_file_given_as_the_model_folder_is_named_as_such(tmp_path):
     f.write_bytes(b"")
     with pytest.raises(CheckpointError, match="is a file, not a folder"):
         Ouro.load(str(f))
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--prompt-ids", "1 2"], "not an integer: '1 2'"),
+    (["--prompt-ids", "1,,2"], "not an integer: ''"),
+    (["--prompt-ids", "1_0"], "not an integer: '1_0'"),
+    (["--prompt-ids", "1", "--stop-token-ids", "2 59"], "not an integer: '2 59'")])
+def test_cli_id_lists_are_strict(capsys, argv, msg):
+    """'1 2' was read as [12] and '1,,2' as [1, 2]: each item must be one integer."""
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--json", *argv])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert generate._int_list(" 1, -2 ,+3") == [1, -2, 3] and generate._int_list(" ") == []
+
+
+def test_an_empty_model_path_is_refused():
+    """--model "" (an unset variable) used to load the demo model without a word."""
+    with pytest.raises(ValueError, match="empty model path"):
+        Ouro.load("")

@@ -10,7 +10,8 @@ from ouro_jax.sampling import (SamplingArrays, SamplingMode, SamplingParams, pro
 
 
 def _numpy_processed(logits, temp, top_k, top_p):
-    x = logits / temp if temp > 0 else logits.copy()
+    # (shifted by the row's largest logit first: the same distribution, no overflow)
+    x = (logits - logits.max()) / temp if temp > 0 else logits.copy()
     if top_k:
         kth = np.sort(x)[::-1][top_k - 1]
         x = np.where(x >= kth, x, -np.inf)
@@ -91,3 +92,23 @@ def test_token_logprobs_are_log_softmax():
 def test_invalid_sampling_params(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("temp", [2e-38, 1.2e-38])
+def test_a_tiny_temperature_draws_the_largest_logit(temp):
+    """Dividing the raw logits by 2e-38 overflowed several to +inf, and the draw went to the
+    first of those ties (token 1 here, not the argmax 3)."""
+    logits = jnp.array([[0.0, 5.0, 4.0, 9.0, -2.0]], jnp.float32)
+    arrays = SamplingArrays(jnp.full((1,), temp, jnp.float32), jnp.zeros((1,), jnp.int32),
+                            jnp.ones((1,), jnp.float32), jnp.zeros((1,), jnp.uint32))
+    mode = SamplingMode(sample=True)
+    x = np.asarray(processed_logits(logits, arrays, mode))
+    assert x[0, 3] == 0 and np.all(x[0, [0, 1, 2, 4]] < -1e37)  # (or -inf)
+    for pos in range(8):
+        assert int(sample(logits, arrays, mode, jnp.array([pos]))[0]) == 3
+
+
+def test_top_k_beyond_int32_is_refused():
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(temperature=1.0, top_k=2**31)
+    assert SamplingParams(temperature=1.0, top_k=2**31 - 1).top_k == 2**31 - 1
