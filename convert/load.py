@@ -59,8 +59,13 @@ class LoadedCheckpoint:
 def _weight_files(folder: str) -> tuple[str, list[str]]:
     """('safetensors'|'bin', files) for the folder, preferring safetensors."""
     def index_files(index_name):
-        with open(os.path.join(folder, index_name)) as f:
-            weight_map = json.load(f).get("weight_map")
+        path = os.path.join(folder, index_name)
+        try:
+            with open(path) as f:
+                index = json.load(f)
+        except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index_name} has no weight_map")
         files = sorted(set(weight_map.values()))
@@ -97,7 +102,12 @@ def _read_safetensors(folder: str, files: list[str]) -> tuple[dict, dict]:
 
 
 def _read_bin(folder: str, files: list[str]) -> tuple[dict, dict]:
-    import torch  # only needed for .bin checkpoints
+    try:
+        import torch  # only needed for .bin checkpoints
+    except ImportError:
+        raise CheckpointError(
+            f"{folder} holds .bin weights ({files[0]}), which need torch to read: pip install "
+            f"torch (the CPU build is enough), or convert them to safetensors") from None
 
     tensors, meta = {}, {}
     for fname in files:

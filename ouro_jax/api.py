@@ -119,10 +119,13 @@ def folder_eos_ids(folder: str, tokenizer: Optional[Tokenizer]) -> list[int]:
             ids.append(e)
     tok_cfg = read("tokenizer_config.json") if tokenizer is not None else None
     if isinstance(tok_cfg, dict):
-        tok = tok_cfg.get("eos_token")
-        tok = tok.get("content") if isinstance(tok, dict) else tok
-        tid = tokenizer.token_to_id(tok) if isinstance(tok, str) else None
-        if tid is not None:
+        raw = tok_cfg.get("eos_token")
+        tok = raw.get("content") if isinstance(raw, dict) else raw
+        if tok is not None:  # a declared EOS this folder's tokenizer cannot name would
+            tid = tokenizer.token_to_id(tok) if isinstance(tok, str) else None
+            if tid is None:  # never stop a request: refuse it rather than drop it
+                raise ValueError(f"{folder}/tokenizer_config.json: eos_token {raw!r} is not "
+                                 f"a token of tokenizer.json")
             ids.append(tid)
     return ids
 
@@ -140,8 +143,10 @@ class Ouro:
             as_int(v, name) for v, name in ((page_size, "page_size"),
                                             (prefill_chunk, "prefill_chunk"),
                                             (decode_chunk, "decode_chunk")))
-        if page_size < 1 or prefill_chunk < 1 or decode_chunk < 1:
-            raise ValueError("page_size, prefill_chunk and decode_chunk must be positive")
+        for name, v in (("page_size", page_size), ("prefill_chunk", prefill_chunk),
+                        ("decode_chunk", decode_chunk)):
+            if not 1 <= v < 2**31:  # (device int32 values)
+                raise ValueError(f"{name} must be a positive integer below 2**31, got {v}")
         if kv_pool_tokens is not None and as_int(kv_pool_tokens, "kv_pool_tokens") < 1:
             raise ValueError(f"kv_pool_tokens must be a positive number of tokens, "
                              f"got {kv_pool_tokens!r}")
@@ -234,7 +239,11 @@ class Ouro:
         elif hasattr(prompt, "__array__") or (isinstance(prompt, Sequence)
                                               and not isinstance(prompt, bytes)):
             if hasattr(prompt, "__array__"):  # numpy or jax: elements as Python scalars
-                prompt = np.asarray(prompt).tolist()
+                prompt = np.asarray(prompt)
+                if prompt.ndim != 1:  # (a 0-d array's tolist() is a bare int)
+                    raise ValueError(f"a prompt's token ids must be one-dimensional, got an "
+                                     f"array of shape {prompt.shape}")
+                prompt = prompt.tolist()
             ids = list(prompt)
             if not all(type(t) is int for t in ids):  # the per-id check only when needed
                 ids = [as_int(t, "a prompt's token id") for t in ids]
@@ -281,8 +290,17 @@ class Ouro:
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        bad = [p for p in params if not isinstance(p, SamplingParams)]
+        if bad:
+            raise ValueError(f"sampling must be a SamplingParams or a list or tuple of them, "
+                             f"got {bad[0]!r}")
         spec = ExitSpec(exit_at_step, exit_threshold, weighted_exit).validate(self.cfg)
         if speculative is not None:
+            from ouro_jax.speculative import SpeculativeConfig
+            if not isinstance(speculative, SpeculativeConfig):
+                raise ValueError(f"speculative must be a SpeculativeConfig (e.g. "
+                                 f"SpeculativeConfig(k=4, draft_loops=2)) or None, got "
+                                 f"{speculative!r}")
             speculative.validate(self.cfg)
         ids = [self.encode(p) for p in prompts]
         stops = [self._stop_ids(p) for p in params]

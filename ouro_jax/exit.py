@@ -9,10 +9,11 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ouro_jax.config import OuroConfig
 from ouro_jax.params import OuroParams
-from ouro_jax.sampling import as_int
+from ouro_jax.sampling import as_int, as_real
 
 
 def _lm_head(params: OuroParams, h: jax.Array) -> jax.Array:
@@ -78,6 +79,10 @@ class ExitSpec(NamedTuple):
 
     def validate(self, cfg: OuroConfig, num_loops: Optional[int] = None) -> "ExitSpec":
         n = cfg.total_ut_steps if num_loops is None else num_loops
+        if not isinstance(self.weighted, (bool, np.bool_)):  # "no" would mean weighted
+            raise ValueError(f"weighted_exit must be True or False, got {self.weighted!r}")
+        if self.threshold is not None:
+            as_real(self.threshold, "exit threshold")  # (not a bool or a string)
         if self.exit_at_step is not None and not 0 <= as_int(self.exit_at_step,
                                                              "exit_at_step") < n:
             raise ValueError(f"exit_at_step={self.exit_at_step} is outside 0..{n - 1}")

@@ -56,6 +56,9 @@ class SamplingParams:
         seed = as_int(self.seed, "seed")
         if not 0 <= seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
+        for name in ("ignore_eos", "logprobs"):  # "no" or "false" would read as True
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         stops = self.stop_token_ids
         if hasattr(stops, "__array__"):  # numpy or jax arrays of ids
             stops = np.asarray(stops).reshape(-1).tolist()

@@ -50,8 +50,9 @@ class SpeculativeConfig:
         for name, low, what in (("k", 1, "speculative k"), ("draft_loops", 1, "draft_loops"),
                                 ("rounds_per_fetch", 1, "rounds_per_fetch")):
             value = as_int(getattr(self, name), what)
-            if value < low:
-                raise ValueError(f"{what} must be an integer >= {low}, got {getattr(self, name)!r}")
+            if not low <= value < 2**31:  # (a device int32)
+                raise ValueError(f"{what} must be an integer >= {low} (and below 2**31), got "
+                                 f"{getattr(self, name)!r}")
             object.__setattr__(self, name, value)
         if self.target_loops is not None:
             object.__setattr__(self, "target_loops", as_int(self.target_loops, "target_loops"))

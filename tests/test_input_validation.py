@@ -103,7 +103,10 @@ def _demo_copy(tmp_path, name, text):
     ("tokenizer.json", '{"broken": ', "is not a readable tokenizer"),
     ("generation_config.json", "{", "generation_config.json is not valid JSON"),
     ("generation_config.json", '{"eos_token_id": 99999}', "is not below vocab_size"),
-    ("generation_config.json", '{"eos_token_id": [1, "x"]}', "is not a token id")])
+    ("generation_config.json", '{"eos_token_id": [1, "x"]}', "is not a token id"),
+    ("tokenizer_config.json", '{"eos_token": "<|nonexistent|>"}', "is not a token of"),
+    ("tokenizer_config.json", '{"eos_token": ["<|endoftext|>"]}', "is not a token of"),
+    ("model.safetensors.index.json", '{"weight_map": ', "index.json is not valid JSON")])
 def test_a_broken_side_file_names_itself(tmp_path, name, text, msg):
     with pytest.raises(ValueError, match=msg):
         Ouro.load(_demo_copy(tmp_path, name, text))
@@ -219,3 +222,39 @@ def test_an_empty_model_path_is_refused():
     """--model "" (an unset variable) used to load the demo model without a word."""
     with pytest.raises(ValueError, match="empty model path"):
         Ouro.load("")
+
+
+def test_bin_weights_without_torch_say_so(tmp_path, monkeypatch):
+    import builtins
+    from convert.load import CheckpointError, _read_bin
+    real = builtins.__import__
+
+    def no_torch(name, *a, **k):
+        if name == "torch":
+            raise ImportError("No module named 'torch'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    with pytest.raises(CheckpointError, match="need torch to read"):
+        _read_bin(str(tmp_path), ["pytorch_model.bin"])
+
+
+def test_api_arguments_of_the_wrong_kind_are_value_errors():
+    """They used to fail as AttributeError / TypeError deep inside, or (a string for a
+    flag) be read as True."""
+    llm = Ouro.load()
+    bad = [dict(sampling={"max_tokens": 3}), dict(speculative={"k": 4}), dict(speculative=4),
+           dict(exit_threshold="0.5"), dict(weighted_exit="no")]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            llm.generate([1, 2], **kw)
+    with pytest.raises(ValueError, match="one-dimensional"):
+        llm.generate([np.array(1), np.array(2)])
+    for name in ("ignore_eos", "logprobs"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: "no"})
+    for kw in (dict(rounds_per_fetch=2**31), dict(k=2**40)):
+        with pytest.raises(ValueError, match="below 2"):
+            SpeculativeConfig(**kw)
+    with pytest.raises(ValueError, match="decode_chunk"):
+        Ouro(llm.cfg, llm.params, decode_chunk=2**31)
