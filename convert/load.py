@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -175,5 +176,22 @@ def load_checkpoint(folder: str | os.PathLike, dtype="bf16",
         params = params_from_hf(tensors, cfg, dtype)
     else:
         params = engine_params_from_hf(tensors, cfg, dtype, fuse=layout == "engine")
-    params.embed_tokens.block_until_ready()
+    check_finite(params)
     return LoadedCheckpoint(cfg, params, time.perf_counter() - t0, files)
+
+
+@jax.jit
+def _finite_leaves(params):
+    return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), params)
+
+
+def check_finite(params) -> None:
+    """CheckpointError naming the weights that hold NaN or inf (after the dtype conversion):
+    they would run, and give NaN logits whose argmax, token 0, reads as an end of sequence.
+    One small program over every weight, one fetch."""
+    ok = jax.device_get(_finite_leaves(params))
+    bad = [jax.tree_util.keystr(path) for path, fine in
+           jax.tree_util.tree_flatten_with_path(ok)[0] if not fine]
+    if bad:
+        raise CheckpointError(f"non-finite weights (NaN or inf) in {len(bad)} tensor(s): "
+                              f"{', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else ""))

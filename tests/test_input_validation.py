@@ -258,3 +258,24 @@ def test_api_arguments_of_the_wrong_kind_are_value_errors():
             SpeculativeConfig(**kw)
     with pytest.raises(ValueError, match="decode_chunk"):
         Ouro(llm.cfg, llm.params, decode_chunk=2**31)
+
+
+def test_non_finite_weights_are_refused_by_name(tmp_path):
+    """One NaN in model.norm.weight used to run and stop every request at once (NaN logits,
+    argmax 0 = EOS)."""
+    from convert.load import CheckpointError
+    from convert.safetensors_io import read_header
+    folder = tmp_path / "m"
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    path = folder / "model.safetensors"
+    header, start = read_header(str(path))
+    info = header["model.norm.weight"]
+    assert info["dtype"] in ("F32", "BF16", "F16")
+    raw = bytearray(path.read_bytes())
+    nan = {"F32": np.float32("nan").tobytes(), "F16": np.float16("nan").tobytes(),
+           "BF16": b"\xc0\x7f"}[info["dtype"]]
+    at = start + info["data_offsets"][0]
+    raw[at:at + len(nan)] = nan
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"non-finite weights .*norm"):
+        Ouro.load(str(folder))
