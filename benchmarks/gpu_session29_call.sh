@@ -12,7 +12,8 @@
 #   g. the graph loops' GPU tests (the 2-layer K/V bound loosened in session 28, not rerun);
 #   p. benchmarks.pdl_jax_chain's JAX, stream-PDL and graph-PDL arms.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session29_call.sh; STEPS= a subset
-# of "necgpt" (default necgpt; they run in that order); CAP= seconds (default 570).
+# of "necgpt" (default necgpt; they run in that order); CAP= seconds (default 570);
+# EARMS= step e's arms (default "default graph graph_end defer").
 . benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-necgpt}
 on() { [[ $STEPS == *$1* ]]; }
@@ -45,8 +46,11 @@ if on e; then
     | cut -c1-300; }
   DEFER="--stream-set qkv.defer_norm=1,gate_up.defer_norm=1"
   GR="--projections gemv+norms+stream+graph"
-  erun default_p1; erun graph_p1 $GR; erun graph_end_p1 $GR --graph-pdl end; erun defer_p1 $DEFER
-  erun defer_p2 $DEFER; erun graph_end_p2 $GR --graph-pdl end; erun graph_p2 $GR; erun default_p2
+  arm() { case $1 in default) erun default_p$2 ;; graph) erun graph_p$2 $GR ;;
+    graph_end) erun graph_end_p$2 $GR --graph-pdl end ;; defer) erun defer_p$2 $DEFER ;; esac; }
+  EARMS=${EARMS:-"default graph graph_end defer"}  # pass 2 in reverse order
+  for a in $EARMS; do arm $a 1; done
+  for a in $(echo $EARMS | tr ' ' '\n' | tac); do arm $a 2; done
   ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_session29_$G.json
   echo "e done at $SECONDS s"
 fi
