@@ -30,7 +30,7 @@ if on n && [ $SECONDS -lt $((CAP - 120)) ]; then
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL $(left 240) $NCU --target-processes all --clock-control none \
       --kernel-name regex:'gemv_stream|paged_decode_attention' --launch-skip 300 \
       --launch-count 10 --set full -f -o $R $D --batch 1 --temperature 0 --k 0 --repeats 1 \
-      --new-tokens 16 --compile-cache /tmp/cc_ncu 2>&1 | grep -E "==PROF==|==ERROR==|rror" \
+      --warmup ${NCU_WARMUP:-1} --new-tokens 16 --compile-cache /tmp/cc_ncu 2>&1 | grep -E "==PROF==|==ERROR==|rror" \
       | head -20 | cut -c1-300
     [ -f $R.ncu-rep ] && timeout -s KILL $(left 60) $NCU --import $R.ncu-rep --csv \
       --page details > $R.csv 2>&1
