@@ -27,11 +27,15 @@ if on n && [ $SECONDS -lt $((CAP - 120)) ]; then
   echo "ncu: ${NCU:-none}"
   if [ -n "$NCU" ]; then
     R=$OUT/ncu_b1_session29_$G
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL $(left 240) $NCU --target-processes all --clock-control none \
-      --kernel-name regex:'gemv_stream|paged_decode_attention' --launch-skip 300 \
-      --launch-count 10 --set full -f -o $R $D --batch 1 --temperature 0 --k 0 --repeats 1 \
-      --warmup ${NCU_WARMUP:-1} --new-tokens 16 --compile-cache /tmp/cc_ncu 2>&1 | grep -E "==PROF==|==ERROR==|rror" \
-      | head -20 | cut -c1-300
+    # (session 29's one try, --set full on 10 kernels, ran past 200 s and returned nothing:
+    # the sections below, fewer kernels, ncu's own lines into $OUT as they come)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL $(left 300) $NCU --target-processes all \
+      --clock-control none --kernel-name regex:'gemv_stream|paged_decode_attention' \
+      --launch-skip 300 --launch-count ${NCU_COUNT:-6} --section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis -f -o $R $D --batch 1 --temperature 0 --k 0 \
+      --repeats 1 --warmup ${NCU_WARMUP:-0} --new-tokens 8 --compile-cache /tmp/cc_ncu 2>&1 \
+      | grep --line-buffered -E "==PROF==|==ERROR==|rror" | cut -c1-300 | tee $OUT/ncu_log.txt
     [ -f $R.ncu-rep ] && timeout -s KILL $(left 60) $NCU --import $R.ncu-rep --csv \
       --page details > $R.csv 2>&1
     [ -f $R.ncu-rep ] && timeout -s KILL $(left 60) $NCU --import $R.ncu-rep --csv \

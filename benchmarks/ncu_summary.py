@@ -26,7 +26,9 @@ FIELDS = (
     ("block", "launch__block_size", None),
     ("waves", "launch__waves_per_multiprocessor", None),
 )
-STALL = re.compile(r"^smsp__pcsamp_warps_issue_stalled_([a-z_]+)$")
+# the sampled stall counters (SourceCounters / --set full) or WarpStateStats' averages
+STALL = re.compile(r"^smsp__(?:pcsamp_warps_issue_stalled_([a-z_]+)|average_warps?_(?:latency_)?"
+                   r"issue_stalled_([a-z_]+?)_per_(?:warp|issue)_active\.ratio)$")
 TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 TO_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
 
@@ -62,8 +64,9 @@ def read(path: str) -> list[dict]:
         stalls = {}
         for name, i in col.items():
             m = STALL.match(name)
-            if m and not m.group(1).endswith("_not_issued") and (v := _num(r[i])):
-                stalls[m.group(1)] = v
+            reason = m and (m.group(1) or m.group(2))
+            if reason and not reason.endswith("_not_issued") and (v := _num(r[i])):
+                stalls[reason] = stalls.get(reason, 0.0) + v
         total = sum(stalls.values())
         if total:
             top = sorted(stalls.items(), key=lambda kv: -kv[1])[:6]

@@ -23,3 +23,12 @@ def test_reads_kernels_units_and_stall_shares(tmp_path, capsys):
     assert "stalls" not in ks[1]  # no samples
     assert ncu_summary.main([str(path), "--json", str(tmp_path / "s.json")]) == 0
     assert "long_scoreboard 75%" in capsys.readouterr().out
+
+
+def test_reads_warp_state_averages_too(tmp_path):
+    path = tmp_path / "raw.csv"
+    path.write_text('"ID","Kernel Name",'
+                    '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",'
+                    '"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"\n'
+                    '"","","ratio","ratio"\n"0","k","1.5","0.5"\n')
+    assert ncu_summary.read(str(path))[0]["stalls"] == {"barrier": 0.75, "wait": 0.25}
