@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks.record import save_record
 from benchmarks.timing import copy_bandwidth
 from benchmarks.tuning import (DECODE_TUNING_KEYS, RAGGED_TUNING_KEYS, add_stream_args,
-                               apply_kernel_tuning)
+                               apply_kernel_tuning, check_graph_pdl)
 
 
 def step_bytes(cfg, batch: int, context: float, dtype_bytes: int = 2) -> float:
@@ -354,6 +354,7 @@ def main(argv=None) -> int:
     check_pdl_run(args)
     check_fuse_o_run(args)
     check_flow_o_run(args)
+    check_graph_pdl(args)
     check_mgpu_run(args)
     persistent_tiling = parse_persistent_tiling(args)
     if args.mgpu_tiling and "mgpu" not in args.projections:

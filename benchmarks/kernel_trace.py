@@ -169,7 +169,7 @@ def trace_generate(llm, batch, k, args) -> dict:
 
 def main(argv=None) -> int:
     from benchmarks.decode import add_model_args
-    from benchmarks.tuning import add_stream_args, apply_kernel_tuning
+    from benchmarks.tuning import add_stream_args, apply_kernel_tuning, check_graph_pdl
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernel_trace", description=__doc__)
     add_model_args(ap)
@@ -185,6 +185,7 @@ def main(argv=None) -> int:
     add_stream_args(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    check_graph_pdl(args)
     apply_kernel_tuning(args.decode_kernel, "", l2_spec=args.l2_prefetch,
                         l2_next_spec=args.l2_next,
                         l2_next_at=args.l2_next_at, stream_set=args.stream_set,

@@ -45,7 +45,10 @@ def read(path: str) -> list[dict]:
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
     # ncu may print its own lines (==PROF==...) before the table
-    start = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+    start = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
+    if start is None or start + 1 >= len(rows):
+        raise SystemExit(f"{path}: no ncu raw-page table (a 'Kernel Name' header and a units "
+                         f"row); export it with ncu --import R.ncu-rep --csv --page raw")
     head, units, data = rows[start], rows[start + 1], rows[start + 2:]
     col = {name: i for i, name in enumerate(head)}
     out = []
@@ -61,12 +64,18 @@ def read(path: str) -> list[dict]:
                 elif label == "dram_MB":
                     v *= TO_MB.get(unit, 1.0)
                 k[label] = round(v, 3)
-        stalls = {}
+        # one family: the sampled counts where the report has them, else the averages
+        # (the two have different units and must not be added)
+        found = {1: {}, 2: {}}
         for name, i in col.items():
             m = STALL.match(name)
-            reason = m and (m.group(1) or m.group(2))
-            if reason and not reason.endswith("_not_issued") and (v := _num(r[i])):
-                stalls[reason] = stalls.get(reason, 0.0) + v
+            if not m:
+                continue
+            fam = 1 if m.group(1) else 2
+            reason = m.group(fam)
+            if not reason.endswith("_not_issued") and (v := _num(r[i])):
+                found[fam][reason] = v
+        stalls = found[1] or found[2]
         total = sum(stalls.values())
         if total:
             top = sorted(stalls.items(), key=lambda kv: -kv[1])[:6]

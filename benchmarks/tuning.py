@@ -183,6 +183,14 @@ def add_stream_args(p) -> None:
                         "another rounding, so speculative tokens stop equalling native ones)")
 
 
+def check_graph_pdl(args) -> None:
+    """--graph-pdl end changes only the '+graph' projections' kernels: say so rather than
+    record a default run under its name."""
+    if args.graph_pdl != "start" and "graph" not in args.projections.split("+"):
+        raise SystemExit("--graph-pdl sets the '+graph' loops' triggers: give --projections "
+                         "with a 'graph' part (e.g. gemv+norms+stream+graph), or leave it out")
+
+
 STREAM_SWITCHES = ("x_first", "defer_norm")  # gemv_stream's boolean keys settable per projection
 
 

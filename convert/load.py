@@ -67,8 +67,9 @@ def _weight_files(folder: str) -> tuple[str, list[str]]:
         except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
             raise CheckpointError(f"{path} is not valid JSON: {e}") from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index_name} has no weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                       for v in weight_map.values()):
+            raise CheckpointError(f"{index_name} has no weight_map of tensor -> file name")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not os.path.exists(os.path.join(folder, f))]
         if missing:

@@ -121,11 +121,13 @@ def folder_eos_ids(folder: str, tokenizer: Optional[Tokenizer]) -> list[int]:
     if isinstance(tok_cfg, dict):
         raw = tok_cfg.get("eos_token")
         tok = raw.get("content") if isinstance(raw, dict) else raw
+        where = f"{folder}/tokenizer_config.json: eos_token {raw!r}"
+        if tok is not None and not isinstance(tok, str):
+            raise ValueError(f"{where} must be a token string (or {{\"content\": ...}})")
         if tok is not None:  # a declared EOS this folder's tokenizer cannot name would
-            tid = tokenizer.token_to_id(tok) if isinstance(tok, str) else None
-            if tid is None:  # never stop a request: refuse it rather than drop it
-                raise ValueError(f"{folder}/tokenizer_config.json: eos_token {raw!r} is not "
-                                 f"a token of tokenizer.json")
+            tid = tokenizer.token_to_id(tok)  # never stop a request: refuse, not drop
+            if tid is None:
+                raise ValueError(f"{where} is not a token of tokenizer.json")
             ids.append(tid)
     return ids
 

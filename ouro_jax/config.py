@@ -135,11 +135,10 @@ class OuroConfig:
         kv, hd = d.get("num_key_value_heads"), d.get("head_dim")
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"] if kv is None else kv
         if hd is None:
-            heads = kwargs["num_attention_heads"]
-            if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
-                hd = kwargs["hidden_size"] // heads  # (a bad heads count is named below)
-            else:
-                hd = 1
+            heads, hidden = kwargs["num_attention_heads"], kwargs["hidden_size"]
+            fine = all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                       for v in (heads, hidden))
+            hd = hidden // heads if fine else 1  # (a bad size is named below)
         kwargs["head_dim"] = hd
         if d.get("early_exit_step") is not None:
             raise ConfigError(
@@ -155,8 +154,9 @@ class OuroConfig:
             kwargs["extra_eos_token_ids"] = tuple(eos[1:])
             eos = eos[0] if eos else None
         if eos is None:  # given as null or []: not silently id 0
-            raise ConfigError(f"eos_token_id is {d['eos_token_id']!r}: this engine needs an "
-                              f"end-of-sequence id (Ouro's is 0)")
+            raise ConfigError(f"eos_token_id is {d['eos_token_id']!r} in config.json, where "
+                              f"this engine reads the end-of-sequence id: set it there "
+                              f"(Ouro's is 0)")
         kwargs["eos_token_id"] = eos
         return cls(**kwargs)
 

@@ -9,11 +9,10 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ouro_jax.config import OuroConfig
 from ouro_jax.params import OuroParams
-from ouro_jax.sampling import as_int, as_real
+from ouro_jax.sampling import as_bool, as_int, as_real
 
 
 def _lm_head(params: OuroParams, h: jax.Array) -> jax.Array:
@@ -79,16 +78,14 @@ class ExitSpec(NamedTuple):
 
     def validate(self, cfg: OuroConfig, num_loops: Optional[int] = None) -> "ExitSpec":
         n = cfg.total_ut_steps if num_loops is None else num_loops
-        if not isinstance(self.weighted, (bool, np.bool_)):  # "no" would mean weighted
-            raise ValueError(f"weighted_exit must be True or False, got {self.weighted!r}")
-        if self.threshold is not None:
-            as_real(self.threshold, "exit threshold")  # (not a bool or a string)
         if self.exit_at_step is not None and not 0 <= as_int(self.exit_at_step,
                                                              "exit_at_step") < n:
             raise ValueError(f"exit_at_step={self.exit_at_step} is outside 0..{n - 1}")
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+        if self.threshold is not None and not 0.0 <= as_real(self.threshold,
+                                                             "exit threshold") <= 1.0:
             raise ValueError(f"exit threshold {self.threshold} is outside [0, 1]")
-        return self
+        # (a string such as "no" would otherwise read as True)
+        return self._replace(weighted=as_bool(self.weighted, "weighted_exit"))
 
 
 def select_exit(params: OuroParams, hidden: jax.Array, gate_logits: jax.Array,

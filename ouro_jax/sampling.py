@@ -57,8 +57,7 @@ class SamplingParams:
         if not 0 <= seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
         for name in ("ignore_eos", "logprobs"):  # "no" or "false" would read as True
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, as_bool(getattr(self, name), name))
         stops = self.stop_token_ids
         if hasattr(stops, "__array__"):  # numpy or jax arrays of ids
             stops = np.asarray(stops).reshape(-1).tolist()
@@ -89,6 +88,17 @@ def as_int(value, what: str) -> int:
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
         raise ValueError(f"{what} must be an integer, got {value!r}")
     return int(v)
+
+
+def as_bool(value, what: str) -> bool:
+    """`value` as a Python bool when it is a bool (Python, numpy, a 0-d array) or the
+    integer 0 or 1; a string such as "no" is a ValueError, not True."""
+    v = _scalar(value, "biu")
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, numbers.Integral) and v in (0, 1):
+        return bool(v)
+    raise ValueError(f"{what} must be True or False, got {value!r}")
 
 
 def as_real(value, what: str) -> float:
@@ -137,7 +147,9 @@ def processed_logits(logits: jax.Array, arrays: SamplingArrays, mode: SamplingMo
     logits would overflow several of them to +inf and draw among those ties."""
     x = logits.astype(jnp.float32)
     temp = arrays.temperature[:, None]
-    shifted = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.where(temp > 0, temp, 1.0)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # (an inf or NaN row: no inf - inf NaNs)
+    shifted = (x - top) / jnp.where(temp > 0, temp, 1.0)
     x = jnp.where(temp > 0, shifted, x)
     vocab = x.shape[-1]
     if mode.top_k or mode.top_p:

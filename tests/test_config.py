@@ -104,6 +104,7 @@ def test_optional_fields_and_defaults():
     ({"head_dim": 0}, "head_dim"), ({"num_key_value_heads": 0}, "num_key_value_heads"),
     ({"early_exit_step": 0}, "early_exit_step"),
     ({"eos_token_id": None}, "eos_token_id"), ({"eos_token_id": []}, "eos_token_id"),
+    ({"hidden_size": "2048", "head_dim": None}, "hidden_size"),
 ])
 def test_rejections_name_the_field(change, field):
     d = dict(ouro_1_4b_config_json(), **change)

@@ -216,3 +216,10 @@ def test_the_benchmarks_graph_pdl_switch_sets_the_graphed_gemvs_trigger():
         assert "graph_pdl" not in apply_kernel_tuning("", "")
     assert graph_loop.KERNEL_PDL == "start"
     assert graph_loop._stream_tuning("down", 2048, 5632)["pdl"] == "start"
+
+
+def test_graph_pdl_without_graph_projections_is_refused():
+    """--graph-pdl end on the default projections would record a default run under its name."""
+    from benchmarks import decode
+    with pytest.raises(SystemExit, match="--graph-pdl sets the '\\+graph' loops"):
+        decode.main(["--graph-pdl", "end", "--synthetic", "tiny-gqa", "--batch", "1"])

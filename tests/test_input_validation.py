@@ -105,7 +105,7 @@ def _demo_copy(tmp_path, name, text):
     ("generation_config.json", '{"eos_token_id": 99999}', "is not below vocab_size"),
     ("generation_config.json", '{"eos_token_id": [1, "x"]}', "is not a token id"),
     ("tokenizer_config.json", '{"eos_token": "<|nonexistent|>"}', "is not a token of"),
-    ("tokenizer_config.json", '{"eos_token": ["<|endoftext|>"]}', "is not a token of"),
+    ("tokenizer_config.json", '{"eos_token": ["<|endoftext|>"]}', "must be a token string"),
     ("model.safetensors.index.json", '{"weight_map": ', "index.json is not valid JSON")])
 def test_a_broken_side_file_names_itself(tmp_path, name, text, msg):
     with pytest.raises(ValueError, match=msg):
@@ -258,6 +258,18 @@ def test_api_arguments_of_the_wrong_kind_are_value_errors():
             SpeculativeConfig(**kw)
     with pytest.raises(ValueError, match="decode_chunk"):
         Ouro(llm.cfg, llm.params, decode_chunk=2**31)
+    # flags given as numpy / jax bools or 0 / 1 still work, as before
+    a = llm.generate([1, 2], SamplingParams(max_tokens=3), weighted_exit=np.array(False))
+    b = llm.generate([1, 2], SamplingParams(max_tokens=3), weighted_exit=0)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_a_shard_index_that_maps_to_non_files_is_refused(tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": 1}}')
+    with pytest.raises(ValueError, match="weight_map of tensor -> file name"):
+        Ouro.load(str(folder))
 
 
 def test_non_finite_weights_are_refused_by_name(tmp_path):

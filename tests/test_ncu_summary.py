@@ -2,6 +2,8 @@
 per-kernel figures, units converted, stall reasons as shares of the sampled stalls."""
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import ncu_summary
 
 CSV = '''==PROF== Connected to process 1
@@ -32,3 +34,14 @@ def test_reads_warp_state_averages_too(tmp_path):
                     '"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"\n'
                     '"","","ratio","ratio"\n"0","k","1.5","0.5"\n')
     assert ncu_summary.read(str(path))[0]["stalls"] == {"barrier": 0.75, "wait": 0.25}
+
+
+def test_a_full_report_uses_the_sampled_counts_only_and_a_bad_file_says_so(tmp_path):
+    path = tmp_path / "raw.csv"
+    path.write_text('"ID","Kernel Name","smsp__pcsamp_warps_issue_stalled_wait",'
+                    '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"\n'
+                    '"","","","ratio"\n"0","k","10","7.5"\n')
+    assert ncu_summary.read(str(path))[0]["stalls"] == {"wait": 1.0}
+    path.write_text("==ERROR== no kernels were profiled\n")
+    with pytest.raises(SystemExit, match="no ncu raw-page table"):
+        ncu_summary.read(str(path))

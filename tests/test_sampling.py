@@ -112,3 +112,21 @@ def test_top_k_beyond_int32_is_refused():
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(temperature=1.0, top_k=2**31)
     assert SamplingParams(temperature=1.0, top_k=2**31 - 1).top_k == 2**31 - 1
+
+
+def test_an_infinite_logit_keeps_its_draw_under_the_filters():
+    """The max shift is skipped for a row whose largest logit is not finite (inf - inf
+    would make the row NaN and the filters would drop every token)."""
+    logits = jnp.array([[1.0, jnp.inf, 3.0, 2.0]], jnp.float32)
+    arrays = SamplingArrays(jnp.full((1,), 0.7, jnp.float32), jnp.full((1,), 2, jnp.int32),
+                            jnp.full((1,), 0.9, jnp.float32), jnp.zeros((1,), jnp.uint32))
+    mode = SamplingMode(sample=True, top_k=True, top_p=True)
+    assert int(sample(logits, arrays, mode, jnp.array([3]))[0]) == 1
+
+
+def test_flags_take_bools_of_any_kind_but_not_strings():
+    assert SamplingParams(ignore_eos=np.array(True), logprobs=np.True_).ignore_eos is True
+    assert SamplingParams(ignore_eos=1, logprobs=0).logprobs is False
+    for bad in ("no", "false", 2, 0.5):
+        with pytest.raises(ValueError, match="ignore_eos must be True or False"):
+            SamplingParams(ignore_eos=bad)
