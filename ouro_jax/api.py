@@ -31,6 +31,7 @@ from ouro_jax.programs import ProgramCache
 from ouro_jax.projections import XLA as XLAProjections
 from ouro_jax.projections import parse as parse_projections
 from ouro_jax.sampling import SamplingParams, as_int
+from ouro_jax.speculative import SpeculativeConfig
 from ouro_jax.tokenizer import Tokenizer
 
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(__file__), "demo_model")
@@ -298,7 +299,6 @@ class Ouro:
                              f"got {bad[0]!r}")
         spec = ExitSpec(exit_at_step, exit_threshold, weighted_exit).validate(self.cfg)
         if speculative is not None:
-            from ouro_jax.speculative import SpeculativeConfig
             if not isinstance(speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a SpeculativeConfig (e.g. "
                                  f"SpeculativeConfig(k=4, draft_loops=2)) or None, got "

@@ -59,17 +59,15 @@ class OuroConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name, low in (("rope_theta", "> 0"), ("rms_norm_eps", ">= 0"),
-                          ("early_exit_threshold", "in [0, 1]")):
-            value = getattr(self, name)  # a string or bool would fail deep in the model
+        # a string or bool would fail deep in the model; rope_theta <= 0 gives NaN or inf
+        # rotary frequencies, a negative eps NaN norms
+        for name, ok, rule in (("rope_theta", lambda v: v > 0, "> 0"),
+                               ("rms_norm_eps", lambda v: v >= 0, ">= 0"),
+                               ("early_exit_threshold", lambda v: 0 <= v <= 1, "in [0, 1]")):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                    or not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number {low}, got {value!r}")
-        if not self.rope_theta > 0:  # 0, or below it, gives NaN or inf rotary frequencies
-            raise ConfigError(f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
-        if not self.rms_norm_eps >= 0:
-            raise ConfigError(f"rms_norm_eps must be a finite number >= 0, got "
-                              f"{self.rms_norm_eps!r}")
+                    or not math.isfinite(value) or not ok(value):
+                raise ConfigError(f"{name} must be a finite number {rule}, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -87,9 +85,6 @@ class OuroConfig:
         object.__setattr__(self, "eos_token_id", int(self.eos_token_id))
         object.__setattr__(self, "extra_eos_token_ids",
                            tuple(int(e) for e in self.extra_eos_token_ids))
-        if not 0.0 <= self.early_exit_threshold <= 1.0:
-            raise ConfigError(
-                f"early_exit_threshold must be in [0, 1], got {self.early_exit_threshold}")
 
     # --- derived sizes -------------------------------------------------------------------
     @property

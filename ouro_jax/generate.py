@@ -129,20 +129,26 @@ def _load_prompts(args) -> list:
     return prompts
 
 
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs):
+    """json's object_pairs_hook: a key given twice is an error, not the last one winning."""
+    keys = [k for k, _ in pairs]
+    dup = [k for k in keys if keys.count(k) > 1]
+    if dup:
+        raise _RepeatedKey(f"key {dup[0]!r} given twice")
+    return dict(pairs)
+
+
 def _jsonl_prompt(line: str, where: str):
     """One --prompts-file line: {"prompt": text} or {"prompt_ids": [int, ...]}."""
-    def unique(pairs):
-        keys = [k for k, _ in pairs]
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        if dup:
-            raise ValueError(f"{where}: key {dup[0]!r} given twice")
-        return dict(pairs)
-
     try:
-        obj = json.loads(line, object_pairs_hook=unique)
+        obj = json.loads(line, object_pairs_hook=_unique_keys)
+    except _RepeatedKey as e:
+        raise ValueError(f"{where}: {e}") from None
     except ValueError as e:
-        if str(e).startswith(where):
-            raise
         raise ValueError(f"{where}: not JSON ({e})") from e
     if not isinstance(obj, dict) or ("prompt" in obj) == ("prompt_ids" in obj):
         raise ValueError(f"{where}: needs an object with one of 'prompt' or 'prompt_ids'")
@@ -179,11 +185,9 @@ def _check_flags(args, num_prompts: int) -> None:
         if given:
             raise ValueError(f"{' and '.join(given)}: sampling settings, which need "
                              f"--temperature > 0 (temperature 0 is greedy)")
-    args.top_k = 0 if args.top_k is None else args.top_k
-    args.top_p = 1.0 if args.top_p is None else args.top_p
-    args.seed = 0 if args.seed is None else args.seed
-    if args.seed >= 0 and args.seed + num_prompts - 1 >= 2**32:
-        raise ValueError(f"--seed {args.seed}: prompt i uses seed + i, so seed + "
+    seed = args.seed or 0
+    if seed >= 0 and seed + num_prompts - 1 >= 2**32:
+        raise ValueError(f"--seed {seed}: prompt i uses seed + i, so seed + "
                          f"{num_prompts - 1} must be below 2**32")
 
 
@@ -264,8 +268,11 @@ def main(argv=None) -> int:
             enable_compile_cache(args.compile_cache)
         prompts = _load_prompts(args)
         _check_flags(args, len(prompts))
+        # (the sampling flags' defaults; None told _check_flags they were not given)
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
+                                 top_k=args.top_k or 0,
+                                 top_p=1.0 if args.top_p is None else args.top_p,
+                                 seed=(args.seed or 0) + i,
                                  ignore_eos=args.ignore_eos, stop_token_ids=tuple(args.stop_token_ids),
                                  logprobs=args.logprobs) for i in range(len(prompts))]
         spec = (SpeculativeConfig(args.speculative_k,
