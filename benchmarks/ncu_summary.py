@@ -15,11 +15,15 @@ import csv
 import json
 import re
 
-# (label, metric name, scale to the printed unit)
+# (label, metric names in order of preference, None); the sections ncu collects decide which
+# of a label's names a report has (--set full has dram__bytes_read.sum; SpeedOfLight alone
+# has the per-second rate, from which the bytes follow with the duration)
 FIELDS = (
     ("us", "gpu__time_duration.sum", None),
-    ("dram_MB", "dram__bytes_read.sum", None),
-    ("dram_pct", "dram__throughput.avg.pct_of_peak_sustained_elapsed", None),
+    ("dram_MB", ("dram__bytes_read.sum", "dram__bytes.sum"), None),
+    ("dram_TB_s", "dram__bytes.sum.per_second", None),
+    ("dram_pct", ("dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                  "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"), None),
     ("occupancy_pct", "sm__warps_active.avg.pct_of_peak_sustained_active", None),
     ("registers", "launch__registers_per_thread", None),
     ("grid", "launch__grid_size", None),
@@ -31,6 +35,7 @@ STALL = re.compile(r"^smsp__(?:pcsamp_warps_issue_stalled_([a-z_]+)|average_warp
                    r"issue_stalled_([a-z_]+?)_per_(?:warp|issue)_active\.ratio)$")
 TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 TO_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+TO_TB_S = {"byte/s": 1e-12, "Kbyte/s": 1e-9, "Mbyte/s": 1e-6, "Gbyte/s": 1e-3, "Tbyte/s": 1.0}
 
 
 def _num(text: str):
@@ -56,14 +61,21 @@ def read(path: str) -> list[dict]:
         if len(r) != len(head):
             continue
         k = {"name": r[col["Kernel Name"]], "id": r[col["ID"]] if "ID" in col else None}
-        for label, metric, _ in FIELDS:
-            if metric in col and (v := _num(r[col[metric]])) is not None:
-                unit = units[col[metric]]
-                if label == "us":
-                    v *= TO_US.get(unit, 1.0)
-                elif label == "dram_MB":
-                    v *= TO_MB.get(unit, 1.0)
-                k[label] = round(v, 3)
+        for label, metrics, _ in FIELDS:
+            metric = next((m for m in ((metrics,) if isinstance(metrics, str) else metrics)
+                           if m in col and _num(r[col[m]]) is not None), None)
+            if metric is None:
+                continue
+            v, unit = _num(r[col[metric]]), units[col[metric]]
+            if label == "us":
+                v *= TO_US.get(unit, 1.0)
+            elif label == "dram_MB":
+                v *= TO_MB.get(unit, 1.0)
+            elif label == "dram_TB_s":
+                v *= TO_TB_S.get(unit, 1.0)
+            k[label] = round(v, 3)
+        if "dram_MB" not in k and "dram_TB_s" in k and "us" in k:  # rate x duration
+            k["dram_MB"] = round(k["dram_TB_s"] * k["us"], 3)
         # one family: the sampled counts where the report has them, else the averages
         # (the two have different units and must not be added)
         found = {1: {}, 2: {}}

@@ -45,3 +45,18 @@ def test_a_full_report_uses_the_sampled_counts_only_and_a_bad_file_says_so(tmp_p
     path.write_text("==ERROR== no kernels were profiled\n")
     with pytest.raises(SystemExit, match="no ncu raw-page table"):
         ncu_summary.read(str(path))
+
+
+def test_sections_without_byte_totals_give_bytes_from_the_rate(tmp_path):
+    # SpeedOfLight alone (no --set full) reports the DRAM rate and the %-of-peak under the
+    # gpu__ name; the bytes are rate x duration (session 30's H100 report: qkv 25.36 MB)
+    path = tmp_path / "raw.csv"
+    path.write_text('"ID","Kernel Name","gpu__time_duration.sum","dram__bytes.sum.per_second",'
+                    '"gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"\n'
+                    '"","","usecond","Tbyte/s","%"\n"0","k","13.888","1.825917","54.64"\n'
+                    '"1","j","2","500","10"\n')
+    ks = ncu_summary.read(str(path))
+    assert ks[0]["dram_TB_s"] == 1.826 and ks[0]["dram_pct"] == 54.64
+    assert ks[0]["dram_MB"] == pytest.approx(25.36, abs=0.01)
+    path.write_text(path.read_text().replace("Tbyte/s", "Gbyte/s"))
+    assert ncu_summary.read(str(path))[1]["dram_MB"] == pytest.approx(1.0)  # 0.5 TB/s x 2 us

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Session 30's second GPU call, after its first Nsight Compute profile of a batch-1 decode
+# step (ncu_b1_session30_h100: the GEMVs hold 55-65% of DRAM peak while they run, 3 CTAs
+# of 4 warps per SM by their 122-142 registers, the norm-prologue kernels stalled on
+# short-scoreboard and barrier more than on memory):
+#   n. ncu on the same six kernels with row2d (x loaded in the weight tile's register
+#      layout, no shared-memory re-layout of the prologue's chunks) on every projection,
+#      and on XLA's own dot and an `a + 1` copy of the qkv weight's size (what the same
+#      counters read for a kernel that is not ours);
+#   e. batch-1 native greedy: default against row2d on every projection and on the two
+#      norm-prologue projections only, two passes in reverse order.
+# ncu needs XLA's command buffers off (with them the process segfaults under ncu, session
+# 30's first try), and runs in its own process group under a hard kill: session 29's and
+# 30's first tries, in a pipeline under `timeout`, left the target process holding the
+# pipe until the call's limit.
+# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session30_call.sh; STEPS= a subset
+# of "ne" (default ne); CAP= seconds (default 420).
+CAP=${CAP:-420}
+. benchmarks/gpu_call_setup.sh
+STEPS=${STEPS:-ne}
+on() { [[ $STEPS == *$1* ]]; }
+D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
+ROW2D="--stream-set qkv.row2d=1,o.row2d=1,gate_up.row2d=1,down.row2d=1"
+NCU=/usr/local/cuda/bin/ncu
+SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis"
+ncu_run() {  # ncu_run NAME SECONDS KERNEL_REGEX SKIP COUNT CMD...: report, raw CSV, summary
+  local R=$OUT/ncu_$1_session30_$G lim=$(left $2) re=$3 skip=$4 count=$5; shift 5
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" XLA_PYTHON_CLIENT_PREALLOCATE=false setsid \
+    $NCU --target-processes application-only --clock-control none --kernel-name regex:"$re" \
+    --launch-skip $skip --launch-count $count $SECTIONS -f -o $R "$@" > $OUT/ncu_$1_log.txt 2>&1 &
+  local P=$!; ( sleep $lim; kill -9 -- -$P 2>/dev/null && echo "KILLED at $lim s" >> $OUT/ncu_$1_log.txt ) &
+  local K=$!; wait $P; kill $K 2>/dev/null
+  grep -E "==ERROR==|KILLED|rror" $OUT/ncu_$1_log.txt | head -5
+  if [ -f $R.ncu-rep ]; then
+    timeout -s KILL 40 $NCU --import $R.ncu-rep --csv --page raw > ${R}_raw.csv 2>&1
+    python3 -m benchmarks.ncu_summary ${R}_raw.csv
+    rm -f $R.ncu-rep  # (8 files come back: the CSV holds what the summary reads)
+  fi
+}
+if on n; then
+  ncu_run b1_row2d 90 'gemv_stream|paged_decode_attention' 300 6 $D --batch 1 --temperature 0 \
+    --k 0 --repeats 1 --warmup 0 --new-tokens 8 --compile-cache /tmp/cc_ncu $ROW2D
+  cat > /tmp/ncu_xla.py <<'PY'
+import jax, jax.numpy as jnp
+w = jnp.ones((6144, 2048), jnp.bfloat16); x = jnp.ones((1, 2048), jnp.bfloat16)
+dot = jax.jit(lambda x, w: x @ w.T); add = jax.jit(lambda w: w + 1)
+for _ in range(3):
+    jax.block_until_ready((dot(x, w), add(w)))
+PY
+  ncu_run xla 60 "." 2 6 python3 /tmp/ncu_xla.py
+  echo "n done at $SECONDS s"
+fi
+if on e; then
+  A=/tmp/ab30; rm -rf $A; mkdir -p $A
+  erun() { [ $SECONDS -lt $((CAP - 45)) ] && timeout -s KILL $(left 100) $D --batch 1 \
+    --temperature 0 --k 0 "${@:2}" --out $A/$1.json 2>&1 | grep -E "tok/s|rror|^  [0-9]" \
+    | cut -c1-300; }
+  arm() { case $1 in default) erun default_p$2 ;; row2d) erun row2d_p$2 $ROW2D ;;
+    row2d_norm) erun row2d_norm_p$2 --stream-set qkv.row2d=1,gate_up.row2d=1 ;; esac; }
+  EARMS=${EARMS:-"default row2d row2d_norm"}
+  for a in $EARMS; do arm $a 1; done
+  for a in $(echo $EARMS | tr ' ' '\n' | tac); do arm $a 2; done
+  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_row2d_session30_$G.json
+  echo "e done at $SECONDS s"
+fi
+echo "elapsed $SECONDS s"
