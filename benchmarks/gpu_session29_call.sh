@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 29's first GPU call: what sessions 21-28 measured only on H100s, on the card this
 # call gets (an H200 for the issue's figures), each step under a KILL timeout:
-#   n. Nsight Compute's full set on one batch-1 step's Pallas kernels (first use here);
+#   n. Nsight Compute on one batch-1 step's Pallas kernels (five sections; gpu_ncu.sh);
 #   e. batch-1 native greedy: default against '+graph' (session 28: 196.0 against 202.8 on
 #      an H100), the graph with its GEMVs triggering the next kernel at their end
 #      (--graph-pdl end; session 28 ran the start only), and the opt-in defer_norm
@@ -19,28 +19,13 @@ STEPS=${STEPS:-necgpt}
 on() { [[ $STEPS == *$1* ]]; }
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
 if on n && [ $SECONDS -lt $((CAP - 120)) ]; then
-  # Nsight Compute on the Firecracker machines (KINDS.md: it reads the hardware counters
-  # there), never used here before: the full set for two layer applications' Pallas
-  # kernels (qkv, attention, o, gate/up, down) of a batch-1 decode step, L2 flushed before
-  # each, clocks not locked. The report, then its details page as CSV.
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  echo "ncu: ${NCU:-none}"
-  if [ -n "$NCU" ]; then
-    R=$OUT/ncu_b1_session29_$G
-    # (session 29's one try, --set full on 10 kernels, ran past 200 s and returned nothing:
-    # the sections below, fewer kernels, ncu's own lines into $OUT as they come)
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL $(left 300) $NCU --target-processes all \
-      --clock-control none --kernel-name regex:'gemv_stream|paged_decode_attention' \
-      --launch-skip 300 --launch-count ${NCU_COUNT:-6} --section SpeedOfLight \
-      --section LaunchStats --section Occupancy --section WarpStateStats \
-      --section MemoryWorkloadAnalysis -f -o $R $D --batch 1 --temperature 0 --k 0 \
-      --repeats 1 --warmup ${NCU_WARMUP:-0} --new-tokens 8 --compile-cache /tmp/cc_ncu 2>&1 \
-      | grep --line-buffered -E "==PROF==|==ERROR==|rror" | cut -c1-300 | tee $OUT/ncu_log.txt
-    [ -f $R.ncu-rep ] && timeout -s KILL $(left 60) $NCU --import $R.ncu-rep --csv \
-      --page details > $R.csv 2>&1
-    [ -f $R.ncu-rep ] && timeout -s KILL $(left 60) $NCU --import $R.ncu-rep --csv \
-      --page raw > ${R}_raw.csv 2>&1; ls -la $R* 2>&1
-  fi
+  # Nsight Compute on six Pallas kernels (qkv, attention, o, gate/up, down, the next qkv) of
+  # a batch-1 decode step, L2 flushed before each, clocks not locked; through
+  # gpu_ncu.sh's ncu_run since session 30 (this step's first form hung the call twice)
+  . benchmarks/gpu_ncu.sh
+  NCU_TAG=_session29 ncu_run b1 120 'gemv_stream|paged_decode_attention' 300 ${NCU_COUNT:-6} \
+    $D --batch 1 --temperature 0 --k 0 --repeats 1 --warmup ${NCU_WARMUP:-0} --new-tokens 8 \
+    --compile-cache /tmp/cc_ncu
   echo "n done at $SECONDS s"
 fi
 if on e; then

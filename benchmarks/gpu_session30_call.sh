@@ -18,25 +18,11 @@
 CAP=${CAP:-420}
 . benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-ne}
+NCU_TAG=_session30
 on() { [[ $STEPS == *$1* ]]; }
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
 ROW2D="--stream-set qkv.row2d=1,o.row2d=1,gate_up.row2d=1,down.row2d=1"
-NCU=/usr/local/cuda/bin/ncu
-SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis"
-ncu_run() {  # ncu_run NAME SECONDS KERNEL_REGEX SKIP COUNT CMD...: report, raw CSV, summary
-  local R=$OUT/ncu_$1_session30_$G lim=$(left $2) re=$3 skip=$4 count=$5; shift 5
-  XLA_FLAGS="--xla_gpu_enable_command_buffer=" XLA_PYTHON_CLIENT_PREALLOCATE=false setsid \
-    $NCU --target-processes application-only --clock-control none --kernel-name regex:"$re" \
-    --launch-skip $skip --launch-count $count $SECTIONS -f -o $R "$@" > $OUT/ncu_$1_log.txt 2>&1 &
-  local P=$!; ( sleep $lim; kill -9 -- -$P 2>/dev/null && echo "KILLED at $lim s" >> $OUT/ncu_$1_log.txt ) &
-  local K=$!; wait $P; kill $K 2>/dev/null
-  grep -E "==ERROR==|KILLED|rror" $OUT/ncu_$1_log.txt | head -5
-  if [ -f $R.ncu-rep ]; then
-    timeout -s KILL 40 $NCU --import $R.ncu-rep --csv --page raw > ${R}_raw.csv 2>&1
-    python3 -m benchmarks.ncu_summary ${R}_raw.csv
-    rm -f $R.ncu-rep  # (8 files come back: the CSV holds what the summary reads)
-  fi
-}
+. benchmarks/gpu_ncu.sh
 if on n; then
   ncu_run b1_row2d 90 'gemv_stream|paged_decode_attention' 300 6 $D --batch 1 --temperature 0 \
     --k 0 --repeats 1 --warmup 0 --new-tokens 8 --compile-cache /tmp/cc_ncu $ROW2D
