@@ -268,6 +268,9 @@ def test_stream_set_option():
         t = apply_kernel_tuning("", "", stream_set="qkv.x_first=1,gate_up.x_first=0")
         assert t["stream_set"] == {"qkv": {"x_first": True}, "gate_up": {"x_first": False}}
         assert projections.STREAM_TUNING["qkv"]["x_first"] is True
+        apply_kernel_tuning("", "", stream_set="o.row2d=1,down.row2d=1")  # (session 30's A/B)
+        assert projections.STREAM_TUNING["o"]["row2d"] is True
+        assert "row2d" not in projections.STREAM_TUNING["qkv"]
         for bad in ("qkv.x_first=2", "qkv=1", "mlp.x_first=1", "qkv.block_n=1",
                     "qkv.x_first=1,qkv.x_first=0"):
             with pytest.raises(SystemExit):
