@@ -8,16 +8,18 @@
 #      and on XLA's own dot and an `a + 1` copy of the qkv weight's size (what the same
 #      counters read for a kernel that is not ours);
 #   e. batch-1 native greedy: default against row2d on every projection and on the two
-#      norm-prologue projections only, two passes in reverse order.
+#      norm-prologue projections only, two passes in reverse order;
+#   f. the load's non-finite check (convert.load.check_finite) on the 1.4B shape in bf16,
+#      first and cached calls (measured on the CPU only: 4.6 / 3.2 s).
 # ncu needs XLA's command buffers off (with them the process segfaults under ncu, session
 # 30's first try), and runs in its own process group under a hard kill: session 29's and
 # 30's first tries, in a pipeline under `timeout`, left the target process holding the
 # pipe until the call's limit.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session30_call.sh; STEPS= a subset
-# of "ne" (default ne); CAP= seconds (default 420).
+# of "nef" (default nef; they run in that order); CAP= seconds (default 420).
 CAP=${CAP:-420}
 . benchmarks/gpu_call_setup.sh
-STEPS=${STEPS:-ne}
+STEPS=${STEPS:-nef}
 NCU_TAG=_session30
 on() { [[ $STEPS == *$1* ]]; }
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
@@ -48,5 +50,10 @@ if on e; then
   for a in $(echo $EARMS | tr ' ' '\n' | tac); do arm $a 2; done
   ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_row2d_session30_$G.json
   echo "e done at $SECONDS s"
+fi
+if on f && [ $SECONDS -lt $((CAP - 30)) ]; then
+  timeout -s KILL $(left 60) python3 -m benchmarks.load_check_time \
+    --out $OUT/load_check_session30_$G.json 2>&1 | grep -E '^\{|rror' | cut -c1-300
+  echo "f done at $SECONDS s"
 fi
 echo "elapsed $SECONDS s"

@@ -376,3 +376,18 @@ def test_start_time_reports_each_phase_and_the_repeated_request(tmp_path, capsys
         assert rec[run]["generated_tokens"] == 3 and rec[run]["spec"]["rounds"] >= 1
     assert rec["first"]["compiles"] >= 2 and rec["again"]["compiles"] == 0  # nothing new
     assert rec["model"] == "embedded demo model" and rec["speculative_k"] == 2
+
+
+def test_load_check_time_records_first_and_cached_calls(tmp_path):
+    import json
+
+    from benchmarks import load_check_time
+    out = tmp_path / "lc.json"
+    assert load_check_time.main(["--synthetic", "tiny-mha", "--repeats", "2",
+                                 "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["command"].startswith("python -m benchmarks.load_check_time")
+    assert len(rec["cached_s"]) == 2 and rec["first_s"] > 0 and rec["weights_GB"] > 0
+    assert rec["cached_median_s"] in rec["cached_s"]
+    with pytest.raises(SystemExit, match="--repeats must be at least 1"):
+        load_check_time.main(["--synthetic", "tiny-mha", "--repeats", "0"])
