@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Session 30's second GPU call, after its first Nsight Compute profile of a batch-1 decode
-# step (ncu_b1_session30_h100: the GEMVs hold 55-65% of DRAM peak while they run, 3 CTAs
+# step (ncu_b1_session30_h100: the GEMVs hold 40-65% of DRAM peak while they run, 3-4 CTAs
 # of 4 warps per SM by their 122-142 registers, the norm-prologue kernels stalled on
 # short-scoreboard and barrier more than on memory):
-#   n. ncu on the same six kernels with row2d (x loaded in the weight tile's register
-#      layout, no shared-memory re-layout of the prologue's chunks) on every projection,
-#      and on XLA's own dot and an `a + 1` copy of the qkv weight's size (what the same
-#      counters read for a kernel that is not ours);
-#   e. batch-1 native greedy: default against row2d on every projection and on the two
-#      norm-prologue projections only, two passes in reverse order;
+#   n. ncu on the same six kernels with fold_sums on qkv and gate/up (each row statistic
+#      through one block-wide reduction, not one per K chunk: 2 instead of 8 per call),
+#      with row2d on every projection (x loaded in the weight tile's register layout, no
+#      shared-memory re-layout of the prologue's chunks), and on XLA's own dot and an
+#      `a + 1` copy of the qkv weight's size (what the same counters read for kernels that
+#      are not ours);
+#   e. batch-1 native greedy: default, row2d on every projection, fold_sums on qkv and
+#      gate/up, and both, two passes in reverse order (fold_sums and row2d change no math;
+#      fold_sums sums in another order, so the digest may differ in a near tie);
 #   f. the load's non-finite check (convert.load.check_finite) on the 1.4B shape in bf16,
 #      first and cached calls (measured on the CPU only: 4.6 / 3.2 s).
 # ncu needs XLA's command buffers off (with them the process segfaults under ncu, session
@@ -23,11 +26,15 @@ STEPS=${STEPS:-nef}
 NCU_TAG=_session30
 on() { [[ $STEPS == *$1* ]]; }
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
-ROW2D="--stream-set qkv.row2d=1,o.row2d=1,gate_up.row2d=1,down.row2d=1"
+R2="qkv.row2d=1,o.row2d=1,gate_up.row2d=1,down.row2d=1"
+FOLD="qkv.fold_sums=1,gate_up.fold_sums=1"
 . benchmarks/gpu_ncu.sh
 if on n; then
-  ncu_run b1_row2d 90 'gemv_stream|paged_decode_attention' 300 6 $D --batch 1 --temperature 0 \
-    --k 0 --repeats 1 --warmup 0 --new-tokens 8 --compile-cache /tmp/cc_ncu $ROW2D
+  for v in fold row2d; do
+    [ $v = fold ] && set_=$FOLD || set_=$R2
+    ncu_run b1_$v 90 'gemv_stream|paged_decode_attention' 300 6 $D --batch 1 --temperature 0 \
+      --k 0 --repeats 1 --warmup 0 --new-tokens 8 --compile-cache /tmp/cc_ncu_$v --stream-set $set_
+  done
   cat > /tmp/ncu_xla.py <<'PY'
 import jax, jax.numpy as jnp
 w = jnp.ones((6144, 2048), jnp.bfloat16); x = jnp.ones((1, 2048), jnp.bfloat16)
@@ -43,12 +50,12 @@ if on e; then
   erun() { [ $SECONDS -lt $((CAP - 45)) ] && timeout -s KILL $(left 100) $D --batch 1 \
     --temperature 0 --k 0 "${@:2}" --out $A/$1.json 2>&1 | grep -E "tok/s|rror|^  [0-9]" \
     | cut -c1-300; }
-  arm() { case $1 in default) erun default_p$2 ;; row2d) erun row2d_p$2 $ROW2D ;;
-    row2d_norm) erun row2d_norm_p$2 --stream-set qkv.row2d=1,gate_up.row2d=1 ;; esac; }
-  EARMS=${EARMS:-"default row2d row2d_norm"}
+  arm() { case $1 in default) erun default_p$2 ;; row2d) erun row2d_p$2 --stream-set $R2 ;;
+    fold) erun fold_p$2 --stream-set $FOLD ;; both) erun both_p$2 --stream-set $R2,$FOLD ;; esac; }
+  EARMS=${EARMS:-"default fold row2d both"}
   for a in $EARMS; do arm $a 1; done
   for a in $(echo $EARMS | tr ' ' '\n' | tac); do arm $a 2; done
-  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_row2d_session30_$G.json
+  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_fold_row2d_session30_$G.json
   echo "e done at $SECONDS s"
 fi
 if on f && [ $SECONDS -lt $((CAP - 30)) ]; then

@@ -69,9 +69,16 @@ PDL_MODES = (False, "start", "end")
 # native greedy ran 1.3-1.6% faster (session 24), but the engine's verification (XLA GEMMs)
 # rounds as the reference, so greedy speculative output no longer equals native output bit
 # for bit and acceptance drops (k=4: 247.7 against 263.4 tok/s).
+# fold_sums (with a prologue): each row statistic through one block-wide reduction instead of
+# one per K chunk (_sum_sq): the same terms summed in another order, so a scale can differ in
+# its last fp32 bits and, through the normed input's rounding, an output in its last bit.
+# Opt-in until measured on a GPU (session 30: ncu found the norm-prologue kernels stalled on
+# shared memory and barriers more than on DRAM; the engine's qkv and gate/up take 8
+# reductions per call at K = 2048, block_k = 512).
 NEXT_AT = ("start", "end")
 DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False,
-                l2_prefetch=0, next_rows=0, next_at="end", x_first=False, defer_norm=False)
+                l2_prefetch=0, next_rows=0, next_at="end", x_first=False, defer_norm=False,
+                fold_sums=False)
 
 
 def raw_rows(refs, rows, nk, block_k, prologue, row2d, after, f32=False):
@@ -92,14 +99,29 @@ def raw_rows(refs, rows, nk, block_k, prologue, row2d, after, f32=False):
     return out
 
 
+def _sum_sq(vs, fold: bool):
+    """The sum of squares of the chunks vs (fp32). fold=False: one block-wide reduction per
+    chunk, then their sum; fold=True: the chunks' squares added element by element in chunk
+    order, then one block-wide reduction. The same terms in another order, so the scale can
+    differ in its last bits; fold takes K / block_k - 1 reductions (each a shared-memory round
+    trip behind a barrier) out of the prologue's chain."""
+    if fold:
+        acc = vs[0] * vs[0]
+        for v in vs[1:]:
+            acc = acc + v * v
+        return jnp.sum(acc)
+    return sum(jnp.sum(v * v) for v in vs)
+
+
 def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, raw,
-                defer=False):
+                defer=False, fold=False):
     """Row r's GEMV input as nk fp32 chunks ([1, block_k] with row2d, else [block_k]), after
     the prologue (stores x' for add_norm), from raw_rows' loads `raw` = (x chunks, branch
     chunks). The row statistics are summed chunk by chunk (gemv._rms_scale sums the whole
     row at once); otherwise the rounding is gemv.py's, through the same helpers. With row2d
     the norm weights arrive as [1, K] arrays. defer (DEFAULTS' defer_norm, with a prologue):
-    returns (x' * norm_w chunks, a thunk for the row's RMS scale) instead."""
+    returns (x' * norm_w chunks, a thunk for the row's RMS scale) instead. fold (DEFAULTS'
+    fold_sums): each statistic through one block-wide reduction (_sum_sq)."""
     _, _, wb_ref, wx_ref, xo_ref = refs
     cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
     row = pl.ds(r, 1) if row2d else r
@@ -110,7 +132,7 @@ def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d
         return xs
     if prologue == "add_norm":
         bs = [raw_b[c].astype(jnp.float32) for c in range(nk)]
-        s_b = lax.rsqrt(sum(jnp.sum(b * b) for b in bs) / k + eps)
+        s_b = lax.rsqrt(_sum_sq(bs, fold) / k + eps)
         xs = [(xs[c] + _normed(bs[c], s_b, vec(wb_ref, c), dt).astype(jnp.float32)).astype(dt)
               .astype(jnp.float32) for c in range(nk)]
 
@@ -119,7 +141,7 @@ def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d
             for c in range(nk):
                 xo_ref[row, cols[c]] = xs[c].astype(dt)
 
-    scale = lambda: lax.rsqrt(sum(jnp.sum(x * x) for x in xs) / k + eps)
+    scale = lambda: lax.rsqrt(_sum_sq(xs, fold) / k + eps)
     if defer:
         return [xs[c] * vec(wx_ref, c).astype(jnp.float32) for c in range(nk)], scale
     s_x = scale()
@@ -127,7 +149,7 @@ def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d
 
 
 def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row2d, after=None,
-               raw=None, defer=False):
+               raw=None, defer=False, fold=False):
     """Every row's GEMV input chunks (_row_chunks), as [1, block_k] arrays. after: pdl_wait's
     zero (default: an int32 0, which the Triton lowering's multiple_of hint needs as a value).
     raw: raw_rows' loads, when they were issued earlier (else they are issued here). defer
@@ -136,7 +158,7 @@ def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row
     load = lambda r: raw[r] if raw is not None else \
         raw_rows(refs, [r], nk, block_k, prologue, row2d, after, f32=True)[0]  # row by row
     xs = [_row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d, load(r),
-                      defer=defer) for r in range(m)]
+                      defer=defer, fold=fold) for r in range(m)]
     scales = None
     if defer and prologue:
         xs, scales = [x for x, _ in xs], [f for _, f in xs]
@@ -159,7 +181,7 @@ def split_refs(refs, prologue: str, n_weights: int):
 
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
             row2d, interpret, pdl, l2_prefetch, next_rows, next_split, next_at, x_first,
-            defer_norm=False):
+            defer_norm=False, fold_sums=False):
     refs = list(refs)
     next_ref = refs.pop(-3 if prologue == "add_norm" else -2) if next_rows else None
     x_ref, b_ref, wb_ref, wx_ref, (w_ref,), y_ref, xo_ref = split_refs(refs, prologue, 1)
@@ -186,7 +208,7 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
     defer = defer_norm and bool(prologue)
     xs = row_inputs((x_ref, b_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=block_k, k=k,
                     dt=y_ref.dtype, prologue=prologue, eps=eps, first_program=p == 0,
-                    row2d=row2d, after=after, raw=raw, defer=defer)
+                    row2d=row2d, after=after, raw=raw, defer=defer, fold=fold_sums)
     xs, scales = xs if defer else (xs, None)
     late = [nxt] if nxt is not None and next_at == "end" else []
     if x_first:  # the reads of x no longer take `after`: keep the prefetches alive here
@@ -229,7 +251,7 @@ def _config(tuning: dict, k: int) -> dict:
         raise ValueError(f"unknown gemv_stream tuning keys {sorted(unknown)}; valid: "
                          f"{sorted(DEFAULTS)}")
     cfg = dict(DEFAULTS, **tuning)
-    for key in ("x_first", "defer_norm"):
+    for key in ("x_first", "defer_norm", "fold_sums"):
         if not isinstance(cfg[key], bool):
             raise ValueError(f"gemv_stream {key} must be a bool, got {cfg[key]!r}")
     if cfg["x_first"] and cfg.get("pdl"):
@@ -267,7 +289,8 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
                                row2d=cfg["row2d"], interpret=interpret, pdl=cfg["pdl"],
                                l2_prefetch=cfg["l2_prefetch"], next_rows=next_rows,
                                next_split=next_split, next_at=cfg["next_at"],
-                               x_first=cfg["x_first"], defer_norm=cfg["defer_norm"])
+                               x_first=cfg["x_first"], defer_norm=cfg["defer_norm"],
+                               fold_sums=cfg["fold_sums"])
     if cfg["row2d"]:  # the norm weights as [1, K] rows
         operands = tuple(o.reshape(1, -1) if o.ndim == 1 else o for o in operands)
     dt = operands[0].dtype

@@ -1,7 +1,7 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --stream | --flow | --flow-o]
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --stream | --flow | --flow-o | --prologue]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,16 @@ def _hook(*a, **k):
     return r
 
 
-def compile_captured(tag, num_warps=4, num_stages=2):
+def sass_counts(cuobjdump: str, cubin: str) -> str:
+    """How many block barriers, warp shuffles and shared-memory stores / loads the cubin's
+    SASS holds: the prologue's reductions and re-layouts, which counting them compares
+    across variants (ncu, session 30: the norm-prologue GEMVs stall on these)."""
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
+    ops = {"BAR.SYNC": r"\bBAR\.SYNC", "SHFL": r"\bSHFL\.", "STS": r"\bSTS\b", "LDS": r"\bLDS\b"}
+    return " ".join(f"{name} {len(re.findall(rx, sass))}" for name, rx in ops.items())
+
+
+def compile_captured(tag, num_warps=4, num_stages=2, counts=False):
     import triton
     from triton.backends.compiler import GPUTarget
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -105,7 +115,9 @@ def compile_captured(tag, num_warps=4, num_stages=2):
                                   os.path.join(d, "k.cubin")], capture_output=True, text=True).stdout
             usage = " ".join(w for l in res.splitlines() if "REG" in l for w in l.split()
                              if w.startswith(("REG", "STACK", "LOCAL")))
-            print(f"{tag}: ok {usage} shared {k.metadata.shared} B")
+            extra = (" " + sass_counts(os.path.join(bindir, "cuobjdump"),
+                                       os.path.join(d, "k.cubin"))) if counts else ""
+            print(f"{tag}: ok {usage} shared {k.metadata.shared} B{extra}")
     _captured.clear()
 
 
@@ -182,6 +194,26 @@ def check_stream():
                     continue
                 compile_captured(f"stream {name} {vname} {prologue or 'plain'}",
                                  num_warps=kw["num_warps"], num_stages=1)
+
+
+def check_prologue():
+    """The engine's qkv and gate/up streaming GEMVs with the add_norm prologue (the 1.4B
+    shapes, one row) as shipped and with fold_sums, row2d and both: registers, and the
+    barriers, shuffles and shared-memory traffic in their SASS (sass_counts)."""
+    from ouro_jax.projections import STREAM_TUNING
+    from pallas_kernels.gemv_stream import gemv_stream_normed
+    S, bf, k = jax.ShapeDtypeStruct, jnp.bfloat16, 2048
+    for name, n, gated in (("qkv", 6144, False), ("gate_up", 2 * 5632, True)):
+        for var in ({}, {"fold_sums": True}, {"row2d": True}, {"fold_sums": True, "row2d": True}):
+            kw = dict(STREAM_TUNING[name], **var)
+
+            def f(x, w, b, nw, kw=kw, gated=gated):
+                return gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=nw,
+                                          gated=gated, **kw)
+            jax.jit(f).trace(S((1, k), bf), S((n, k), bf), S((1, k), bf), S((k,), bf)).lower(
+                lowering_platforms=("cuda",))
+            compile_captured(f"prologue {name} {'+'.join(var) or 'shipped'}",
+                             num_warps=kw["num_warps"], num_stages=1, counts=True)
 
 
 def check_gemm():
@@ -290,6 +322,8 @@ def _main():
         return check_flow()
     if "--flow-o" in sys.argv:
         return check_flow_o()
+    if "--prologue" in sys.argv:
+        return check_prologue()
     from pallas_kernels import (paged_decode_attention, paged_decode_attention_qkv,
                                 ragged_paged_attention)
     S, i32 = jax.ShapeDtypeStruct, jnp.int32

@@ -146,6 +146,51 @@ def test_stream_defer_norm_is_the_same_math(gated, m, per_program):
         gemv_stream_normed(x, wx, w, eps=1e-6, defer_norm=1, **plain)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_stream_fold_sums_is_the_same_math(gated, monkeypatch):
+    """fold_sums: each row statistic through one reduction (the chunks' squares added first).
+    The same terms in another order: fp32 within 1e-5 of the layer's math, bf16 within one
+    rounding of the default (outputs and x'), for both prologues; it reaches the kernel (a
+    spy on _sum_sq sees fold=True, one call per statistic per row) and a plain GEMV has no
+    statistic to fold."""
+    from ouro_jax.model import rms_norm
+    from pallas_kernels import gemv_stream as gs
+    ks = jax.random.split(jax.random.PRNGKey(11), 5)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jax.random.normal(ks[0], (2, 256)).astype(dtype)
+        b = (jax.random.normal(ks[1], (2, 256)) * 3).astype(dtype)
+        wb, wx = ((1 + 0.1 * jax.random.normal(kk, (256,))).astype(dtype) for kk in ks[2:4])
+        w = (jax.random.normal(ks[4], (128, 256)) * 0.06).astype(dtype)
+        kw = dict(eps=1e-6, gated=gated, interpret=True, block_n=4, block_k=64, per_program=2)
+        for branch in (None, b):
+            bk = {} if branch is None else dict(branch=branch, branch_w=wb)
+            y0, x0 = gemv_stream_normed(x, wx, w, **bk, **kw)
+            y1, x1 = gemv_stream_normed(x, wx, w, fold_sums=True, **bk, **kw)
+            if dtype == jnp.float32:
+                xr = x if branch is None else x + rms_norm(b, wb, 1e-6)
+                ref = gemv_reference(rms_norm(xr, wx, 1e-6), w, gated=gated)
+                np.testing.assert_allclose(f32(y1), f32(ref), rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(f32(x1), f32(xr), rtol=1e-6, atol=1e-6)
+            else:
+                np.testing.assert_allclose(f32(y1), f32(y0), rtol=2 ** -7, atol=2 ** -7)
+                np.testing.assert_allclose(f32(x1), f32(x0), rtol=2 ** -8, atol=2 ** -8)
+    seen = []
+    real = gs._sum_sq
+    monkeypatch.setattr(gs, "_sum_sq", lambda vs, fold: (seen.append((len(vs), fold)),
+                                                         real(vs, fold))[1])
+    gemv_stream_normed(x, wx, w, branch=b, branch_w=wb, fold_sums=True, **kw)
+    assert seen == [(4, True)] * 4  # 2 rows x (branch, x') statistics, 4 chunks each
+    vs = [jax.random.normal(kk, (64,)) for kk in jax.random.split(ks[0], 4)]
+    assert float(real(vs, True)) == float(jnp.sum(((vs[0] ** 2 + vs[1] ** 2) + vs[2] ** 2)
+                                                  + vs[3] ** 2))
+    np.testing.assert_allclose(float(real(vs, True)), float(real(vs, False)), rtol=1e-6)
+    plain = dict(interpret=True, block_n=4, block_k=64)
+    np.testing.assert_array_equal(f32(gemv_stream(x, w, fold_sums=True, **plain)),
+                                  f32(gemv_stream(x, w, **plain)))
+    with pytest.raises(ValueError, match="fold_sums must be a bool"):
+        gemv_stream_normed(x, wx, w, eps=1e-6, fold_sums=1, **plain)
+
+
 @pytest.mark.parametrize("bad,msg", [
     (dict(block_n=3), "block_n must be a power of two"),
     (dict(block_k=96), "block_k must be a power of two"),
