@@ -10,8 +10,9 @@
 #      `a + 1` copy of the qkv weight's size (what the same counters read for kernels that
 #      are not ours);
 #   e. batch-1 native greedy: default, row2d on every projection, fold_sums on qkv and
-#      gate/up, and both, two passes in reverse order (fold_sums and row2d change no math;
-#      fold_sums sums in another order, so the digest may differ in a near tie);
+#      gate/up, and both, two passes in reverse order (row2d changes no math; fold_sums sums
+#      the same terms in another order, so its digest may differ where a rounding falls
+#      differently);
 #   f. the load's non-finite check (convert.load.check_finite) on the 1.4B shape in bf16,
 #      first and cached calls (measured on the CPU only: 4.6 / 3.2 s).
 # ncu needs XLA's command buffers off (with them the process segfaults under ncu, session

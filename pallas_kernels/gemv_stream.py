@@ -117,8 +117,8 @@ def _row_chunks(refs, r, nk, block_k, k, dt, prologue, eps, first_program, row2d
                 defer=False, fold=False):
     """Row r's GEMV input as nk fp32 chunks ([1, block_k] with row2d, else [block_k]), after
     the prologue (stores x' for add_norm), from raw_rows' loads `raw` = (x chunks, branch
-    chunks). The row statistics are summed chunk by chunk (gemv._rms_scale sums the whole
-    row at once); otherwise the rounding is gemv.py's, through the same helpers. With row2d
+    chunks). The row statistics are summed chunk by chunk, or with fold in one reduction
+    (gemv._rms_scale sums the whole row at once); otherwise the rounding is gemv.py's, through the same helpers. With row2d
     the norm weights arrive as [1, K] arrays. defer (DEFAULTS' defer_norm, with a prologue):
     returns (x' * norm_w chunks, a thunk for the row's RMS scale) instead. fold (DEFAULTS'
     fold_sums): each statistic through one block-wide reduction (_sum_sq)."""
