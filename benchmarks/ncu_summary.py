@@ -4,7 +4,7 @@ throughput, achieved occupancy, registers, grid, and where its warps stall (the 
 stall reasons, as shares of all samples).
 
     python -m benchmarks.ncu_summary benchmarks/results/ncu_b1_session29_h200_raw.csv
-    python -m benchmarks.ncu_summary R_raw.csv --json out.json   # the same as JSON
+    python -m benchmarks.ncu_summary R_raw.csv --json out.json   # also {"source", "kernels"}
 
 The raw page has a header row of metric names, a row of units, then a row per kernel.
 Metrics a report lacks are left out of its lines (they depend on ncu's version and set)."""
@@ -106,9 +106,9 @@ def main(argv=None) -> int:
         fields = " ".join(f"{label}={k[label]}" for label, _, _ in FIELDS if label in k)
         stalls = ", ".join(f"{s} {v:.0%}" for s, v in k.get("stalls", {}).items())
         print(f"{k['name'][:40]:40s} {fields}" + (f"\n    stalls: {stalls}" if stalls else ""))
-    if args.json:
+    if args.json:  # a dict, as the other records in benchmarks/results are
         with open(args.json, "w") as f:
-            json.dump(kernels, f, indent=1)
+            json.dump({"source": args.raw_csv, "kernels": kernels}, f, indent=1)
     return 0
 
 

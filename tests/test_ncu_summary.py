@@ -25,6 +25,9 @@ def test_reads_kernels_units_and_stall_shares(tmp_path, capsys):
     assert "stalls" not in ks[1]  # no samples
     assert ncu_summary.main([str(path), "--json", str(tmp_path / "s.json")]) == 0
     assert "long_scoreboard 75%" in capsys.readouterr().out
+    import json
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert saved["source"] == str(path) and saved["kernels"] == ks
 
 
 def test_reads_warp_state_averages_too(tmp_path):
