@@ -16,11 +16,13 @@ import json
 import re
 
 # (label, metric names in order of preference, None); the sections ncu collects decide which
-# of a label's names a report has (--set full has dram__bytes_read.sum; SpeedOfLight alone
-# has the per-second rate, from which the bytes follow with the duration)
+# of a label's names a report has. dram_MB counts reads and writes (dram__bytes.sum, or the
+# per-second rate that SpeedOfLight alone gives times the duration); dram_read_MB, where the
+# report has it (--set full), the reads alone.
 FIELDS = (
     ("us", "gpu__time_duration.sum", None),
-    ("dram_MB", ("dram__bytes_read.sum", "dram__bytes.sum"), None),
+    ("dram_MB", "dram__bytes.sum", None),
+    ("dram_read_MB", "dram__bytes_read.sum", None),
     ("dram_TB_s", "dram__bytes.sum.per_second", None),
     ("dram_pct", ("dram__throughput.avg.pct_of_peak_sustained_elapsed",
                   "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"), None),
@@ -33,7 +35,10 @@ FIELDS = (
 # the sampled stall counters (SourceCounters / --set full) or WarpStateStats' averages
 STALL = re.compile(r"^smsp__(?:pcsamp_warps_issue_stalled_([a-z_]+)|average_warps?_(?:latency_)?"
                    r"issue_stalled_([a-z_]+?)_per_(?:warp|issue)_active\.ratio)$")
-TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+# ncu's unit strings: the raw page says "us" (session 30's ncu), others "usecond"; a unit not
+# listed is an error, not a silent 1.0
+TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+         "second": 1e6, "s": 1e6}
 TO_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
 TO_TB_S = {"byte/s": 1e-12, "Kbyte/s": 1e-9, "Mbyte/s": 1e-6, "Gbyte/s": 1e-3, "Tbyte/s": 1.0}
 
@@ -61,21 +66,24 @@ def read(path: str) -> list[dict]:
         if len(r) != len(head):
             continue
         k = {"name": r[col["Kernel Name"]], "id": r[col["ID"]] if "ID" in col else None}
+        exact = {}  # (rounded once, after the bytes are derived)
         for label, metrics, _ in FIELDS:
             metric = next((m for m in ((metrics,) if isinstance(metrics, str) else metrics)
                            if m in col and _num(r[col[m]]) is not None), None)
             if metric is None:
                 continue
             v, unit = _num(r[col[metric]]), units[col[metric]]
-            if label == "us":
-                v *= TO_US.get(unit, 1.0)
-            elif label == "dram_MB":
-                v *= TO_MB.get(unit, 1.0)
-            elif label == "dram_TB_s":
-                v *= TO_TB_S.get(unit, 1.0)
-            k[label] = round(v, 3)
-        if "dram_MB" not in k and "dram_TB_s" in k and "us" in k:  # rate x duration
-            k["dram_MB"] = round(k["dram_TB_s"] * k["us"], 3)
+            scale = {"us": TO_US, "dram_MB": TO_MB, "dram_read_MB": TO_MB,
+                     "dram_TB_s": TO_TB_S}.get(label)
+            if scale is not None:
+                if unit not in scale:
+                    raise SystemExit(f"{path}: {metric} in unit {unit!r}, which this reader "
+                                     f"does not know (known: {sorted(scale)})")
+                v *= scale[unit]
+            exact[label] = v
+        if "dram_MB" not in exact and {"dram_TB_s", "us"} <= exact.keys():  # rate x duration
+            exact["dram_MB"] = exact["dram_TB_s"] * exact["us"]
+        k.update({label: round(v, 3) for label, v in exact.items()})
         # one family: the sampled counts where the report has them, else the averages
         # (the two have different units and must not be added)
         found = {1: {}, 2: {}}

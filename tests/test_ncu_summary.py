@@ -19,7 +19,8 @@ def test_reads_kernels_units_and_stall_shares(tmp_path, capsys):
     path.write_text(CSV)
     ks = ncu_summary.read(str(path))
     assert [k["name"] for k in ks] == ["gemv_stream_add_norm", "paged_decode_attention"]
-    assert ks[0]["us"] == 10.5 and ks[0]["dram_MB"] == 25.2 and ks[0]["registers"] == 96
+    assert ks[0]["us"] == 10.5 and ks[0]["dram_read_MB"] == 25.2 and ks[0]["registers"] == 96
+    assert "dram_MB" not in ks[0]  # reads alone are not the reads and writes
     # the _not_issued counter is not a reason of its own; shares of the reasons sampled
     assert ks[0]["stalls"] == {"long_scoreboard": 0.75, "barrier": 0.25}
     assert "stalls" not in ks[1]  # no samples
@@ -52,14 +53,20 @@ def test_a_full_report_uses_the_sampled_counts_only_and_a_bad_file_says_so(tmp_p
 
 def test_sections_without_byte_totals_give_bytes_from_the_rate(tmp_path):
     # SpeedOfLight alone (no --set full) reports the DRAM rate and the %-of-peak under the
-    # gpu__ name; the bytes are rate x duration (session 30's H100 report: qkv 25.36 MB)
+    # gpu__ name, the duration in "us" (session 30's H100 report: qkv 25.36 MB); the bytes
+    # are rate x duration, from the unrounded values
     path = tmp_path / "raw.csv"
     path.write_text('"ID","Kernel Name","gpu__time_duration.sum","dram__bytes.sum.per_second",'
                     '"gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"\n'
-                    '"","","usecond","Tbyte/s","%"\n"0","k","13.888","1.825917","54.64"\n'
-                    '"1","j","2","500","10"\n')
+                    '"","","us","Tbyte/s","%"\n"0","k","13.888","1.825917","54.64"\n'
+                    '"1","j","2","500","10"\n"2","i","10","0.00149","1"\n')
     ks = ncu_summary.read(str(path))
-    assert ks[0]["dram_TB_s"] == 1.826 and ks[0]["dram_pct"] == 54.64
-    assert ks[0]["dram_MB"] == pytest.approx(25.36, abs=0.01)
-    path.write_text(path.read_text().replace("Tbyte/s", "Gbyte/s"))
-    assert ncu_summary.read(str(path))[1]["dram_MB"] == pytest.approx(1.0)  # 0.5 TB/s x 2 us
+    assert ks[0]["us"] == 13.888 and ks[0]["dram_TB_s"] == 1.826 and ks[0]["dram_pct"] == 54.64
+    assert ks[0]["dram_MB"] == round(13.888 * 1.825917, 3)
+    assert ks[2]["dram_TB_s"] == 0.001 and ks[2]["dram_MB"] == 0.015  # (not 10 x 0.001)
+    path.write_text(path.read_text().replace("Tbyte/s", "Gbyte/s").replace('"us"', '"ns"'))
+    ks = ncu_summary.read(str(path))
+    assert ks[1]["us"] == 0.002 and ks[1]["dram_MB"] == pytest.approx(0.001)  # 0.5 TB/s x 2 ns
+    path.write_text(path.read_text().replace('"ns"', '"fortnight"'))
+    with pytest.raises(SystemExit, match="unit 'fortnight'"):
+        ncu_summary.read(str(path))
