@@ -13,6 +13,8 @@
 #      gate/up, and both, two passes in reverse order (row2d changes no math; fold_sums sums
 #      the same terms in another order, so its digest may differ where a rounding falls
 #      differently);
+#   s. with fold_sums, greedy native against k=4 d=2 speculative tokens (a default must keep
+#      them equal);
 #   f. the load's non-finite check (convert.load.check_finite) on the 1.4B shape in bf16,
 #      first and cached calls (measured on the CPU only: 4.6 / 3.2 s).
 # ncu needs XLA's command buffers off (with them the process segfaults under ncu, session
@@ -20,10 +22,10 @@
 # 30's first tries, in a pipeline under `timeout`, left the target process holding the
 # pipe until the call's limit.
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session30_call.sh; STEPS= a subset
-# of "nef" (default nef; they run in that order); CAP= seconds (default 420).
-CAP=${CAP:-420}
+# of "nesf" (default nesf; they run in that order); CAP= seconds (default 480).
+CAP=${CAP:-480}
 . benchmarks/gpu_call_setup.sh
-STEPS=${STEPS:-nef}
+STEPS=${STEPS:-nesf}
 NCU_TAG=_session30
 on() { [[ $STEPS == *$1* ]]; }
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
@@ -50,7 +52,8 @@ for i in range(4):
     jax.block_until_ready((dot(x, w), add(w)))
 PY
   NCU_EXTRA="--profile-from-start off" ncu_run xla 60 "." 0 6 python3 /tmp/ncu_xla.py
-  echo "n done at $SECONDS s"
+  cat $OUT/ncu_*_log.txt > $OUT/ncu_logs_session30_$G.txt 2>/dev/null && rm -f $OUT/ncu_*_log.txt
+  echo "n done at $SECONDS s"  # (3 raw CSVs and 1 log of 8 files that come back)
 fi
 if on e; then
   A=/tmp/ab30; rm -rf $A; mkdir -p $A
@@ -64,6 +67,15 @@ if on e; then
   for a in $(echo $EARMS | tr ' ' '\n' | tac); do arm $a 2; done
   ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_fold_row2d_session30_$G.json
   echo "e done at $SECONDS s"
+fi
+if on s && [ $SECONDS -lt $((CAP - 60)) ]; then
+  # fold_sums as a default would need greedy speculative tokens equal to native ones
+  timeout -s KILL $(left 120) $D --batch 1 --temperature 0 --k 0,4 --repeats 1 \
+    --stream-set $FOLD --out $OUT/decode_b1_fold_session30_$G.json 2>&1 \
+    | grep -E "^ *[0-9]+ +(native|spec)|rror" | cut -c1-300
+  python3 -c "import json,sys; print('greedy_token_match', json.load(open(sys.argv[1]))['greedy_token_match'])" \
+    $OUT/decode_b1_fold_session30_$G.json 2>&1 | cut -c1-300
+  echo "s done at $SECONDS s"
 fi
 if on f && [ $SECONDS -lt $((CAP - 30)) ]; then
   timeout -s KILL $(left 60) python3 -m benchmarks.load_check_time \
