@@ -82,7 +82,11 @@ STREAM_VARIANTS = {
                           # of two, for grids of 256 programs (one or two per SM on all 132,
                           # where the engine's 352-512 put 2-3 or 3-4 on an SM):
                           # qkv, gate/up, down
-                          (4, 512, 6, 4), (2, 512, 11, 4), (1, 512, 8, 4)]
+                          (4, 512, 6, 4), (2, 512, 11, 4), (1, 512, 8, 4),
+                          # fifth round (session 30): the whole K = 2048 row as one chunk for
+                          # qkv and gate/up, so the norm prologue converts and reduces once
+                          # (offline: qkv 15 barriers against 41, 124 registers; at 8 warps 72)
+                          (4, 2048, 4, 4), (4, 2048, 4, 8), (2, 2048, 8, 4), (2, 2048, 8, 8)]
     for x2 in (False, True)
 }
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))

@@ -10,7 +10,9 @@
 #      `a + 1` copy of the qkv weight's size (what the same counters read for kernels that
 #      are not ours);
 #   e. batch-1 native greedy: default, row2d on every projection, fold_sums on qkv and
-#      gate/up, and both, two passes in reverse order (row2d changes no math; fold_sums sums
+#      gate/up, and qkv and gate/up with block_k = K = 2048 (one chunk: the prologue
+#      converts and reduces once) at 4 and 8 warps ("both" = row2d + fold_sums is an arm
+#      EARMS can name), two passes in reverse order (row2d changes no math; fold_sums sums
 #      the same terms in another order, so its digest may differ where a rounding falls
 #      differently);
 #   s. with fold_sums, greedy native against k=4 d=2 speculative tokens (a default must keep
@@ -60,9 +62,12 @@ if on e; then
   erun() { [ $SECONDS -lt $((CAP - 45)) ] && timeout -s KILL $(left 100) $D --batch 1 \
     --temperature 0 --k 0 "${@:2}" --out $A/$1.json 2>&1 | grep -E "tok/s|rror|^  [0-9]" \
     | cut -c1-300; }
+  K2="qkv=st4_k2048_p4_w4,gate_up=st2_k2048_p8_w4"
   arm() { case $1 in default) erun default_p$2 ;; row2d) erun row2d_p$2 --stream-set $R2 ;;
-    fold) erun fold_p$2 --stream-set $FOLD ;; both) erun both_p$2 --stream-set $R2,$FOLD ;; esac; }
-  EARMS=${EARMS:-"default fold row2d both"}
+    fold) erun fold_p$2 --stream-set $FOLD ;; both) erun both_p$2 --stream-set $R2,$FOLD ;;
+    k2048) erun k2048_p$2 --stream-tiling $K2 ;;
+    k2048w8) erun k2048w8_p$2 --stream-tiling ${K2//_w4/_w8} ;; esac; }
+  EARMS=${EARMS:-"default fold row2d k2048 k2048w8"}
   for a in $EARMS; do arm $a 1; done
   for a in $(echo $EARMS | tr ' ' '\n' | tac); do arm $a 2; done
   ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_fold_row2d_session30_$G.json

@@ -191,6 +191,27 @@ def test_stream_fold_sums_is_the_same_math(gated, monkeypatch):
         gemv_stream_normed(x, wx, w, eps=1e-6, fold_sums=1, **plain)
 
 
+def test_stream_one_chunk_block_k_equal_to_k():
+    """block_k = K (session 30's fifth-round tilings for qkv and gate/up): one chunk, so
+    the prologue reduces and converts once. bf16 within one rounding of four chunks, and
+    fold_sums changes nothing at one chunk (the same single reduction)."""
+    ks = jax.random.split(jax.random.PRNGKey(5), 4)
+    x = jax.random.normal(ks[0], (1, 256)).astype(jnp.bfloat16)
+    b = (jax.random.normal(ks[1], (1, 256)) * 3).astype(jnp.bfloat16)
+    nw = (1 + 0.1 * jax.random.normal(ks[2], (256,))).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[3], (128, 256)) * 0.06).astype(jnp.bfloat16)
+    for gated in (False, True):
+        kw = dict(eps=1e-6, gated=gated, interpret=True, block_n=4, per_program=2,
+                  branch=b, branch_w=nw[::-1])
+        y4, x4 = gemv_stream_normed(x, nw, w, block_k=64, **kw)
+        y1, x1 = gemv_stream_normed(x, nw, w, block_k=256, **kw)
+        yf, xf = gemv_stream_normed(x, nw, w, block_k=256, fold_sums=True, **kw)
+        np.testing.assert_allclose(f32(y1), f32(y4), rtol=2 ** -7, atol=2 ** -7)
+        np.testing.assert_allclose(f32(x1), f32(x4), rtol=2 ** -8, atol=2 ** -8)
+        np.testing.assert_array_equal(f32(yf), f32(y1))
+        np.testing.assert_array_equal(f32(xf), f32(x1))
+
+
 @pytest.mark.parametrize("bad,msg", [
     (dict(block_n=3), "block_n must be a power of two"),
     (dict(block_k=96), "block_k must be a power of two"),
