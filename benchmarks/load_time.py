@@ -73,6 +73,9 @@ def phases(folder: str, dtype: str) -> dict[str, float]:
     params = L.params_from_hf(tensors, cfg, L.resolve_dtype(dtype))
     jax.block_until_ready(params)
     out["stack_and_transfer_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    L.check_finite(params)  # (load_checkpoint's last step since session 29)
+    out["check_finite_s"] = time.perf_counter() - t
     return out
 
 

@@ -168,27 +168,32 @@ def check_gemv():
                                  num_stages=kw["num_stages"])
 
 
+def _lower_stream(n: int, k: int, gated: bool, kw: dict, prologue: str) -> None:
+    """Lowers the streaming GEMV at one row for an n x k weight (the add_norm prologue, or
+    none), which _hook captures for compile_captured."""
+    from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+    S = jax.ShapeDtypeStruct
+
+    def f(x, w, b, nw):
+        if not prologue:
+            return gemv_stream(x, w, gated=gated, **kw)
+        return gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=nw, gated=gated, **kw)
+    jax.jit(f).trace(S((1, k), jnp.bfloat16), S((n, k), jnp.bfloat16), S((1, k), jnp.bfloat16),
+                     S((k,), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+
+
 def check_stream():
     """Every benchmarks/gemv.py STREAM_VARIANTS tiling of the streaming GEMV on the 1.4B
     projection shapes at one row, plain and with the add_norm prologue (qkv, gate_up)."""
     from benchmarks.gemv import SHAPES, STREAM_VARIANTS
-    from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
-    S = jax.ShapeDtypeStruct
     only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
     for name, (n, k, gated) in SHAPES.items():
         for vname, kw in STREAM_VARIANTS.items():
             if only and vname not in only[0].split(","):
                 continue
             for prologue in ("", "add_norm") if name in ("qkv", "gate_up") else ("",):
-                def f(x, w, b, nw, gated=gated, kw=kw, prologue=prologue):
-                    if not prologue:
-                        return gemv_stream(x, w, gated=gated, **kw)
-                    return gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=nw,
-                                              gated=gated, **kw)
                 try:
-                    jax.jit(f).trace(S((1, k), jnp.bfloat16), S((n, k), jnp.bfloat16),
-                                     S((1, k), jnp.bfloat16), S((k,), jnp.bfloat16)).lower(
-                        lowering_platforms=("cuda",))
+                    _lower_stream(n, k, gated, kw, prologue)
                 except ValueError as e:  # a tiling this shape does not divide
                     print(f"stream {name} {vname}: skipped ({e})")
                     continue
@@ -198,22 +203,22 @@ def check_stream():
 
 def check_prologue():
     """The engine's qkv and gate/up streaming GEMVs with the add_norm prologue (the 1.4B
-    shapes, one row) as shipped and with fold_sums, row2d and both: registers, and the
+    shapes, one row) as shipped, with fold_sums, row2d and both, and with the whole K = 2048
+    row as one chunk at 4 and 8 warps (benchmarks.gemv's fifth round): registers, and the
     barriers, shuffles and shared-memory traffic in their SASS (sass_counts)."""
+    from benchmarks.gemv import SHAPES
     from ouro_jax.projections import STREAM_TUNING
-    from pallas_kernels.gemv_stream import gemv_stream_normed
-    S, bf, k = jax.ShapeDtypeStruct, jnp.bfloat16, 2048
-    for name, n, gated in (("qkv", 6144, False), ("gate_up", 2 * 5632, True)):
-        for var in ({}, {"fold_sums": True}, {"row2d": True}, {"fold_sums": True, "row2d": True}):
+    variants = ({}, {"fold_sums": True}, {"row2d": True}, {"fold_sums": True, "row2d": True},
+                {"block_k": 2048}, {"block_k": 2048, "num_warps": 8})
+    for name in ("qkv", "gate_up"):
+        n, k, gated = SHAPES[name]
+        for var in variants:
             kw = dict(STREAM_TUNING[name], **var)
-
-            def f(x, w, b, nw, kw=kw, gated=gated):
-                return gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=nw,
-                                          gated=gated, **kw)
-            jax.jit(f).trace(S((1, k), bf), S((n, k), bf), S((1, k), bf), S((k,), bf)).lower(
-                lowering_platforms=("cuda",))
-            compile_captured(f"prologue {name} {'+'.join(var) or 'shipped'}",
-                             num_warps=kw["num_warps"], num_stages=1, counts=True)
+            _lower_stream(n, k, gated, kw, "add_norm")
+            tag = "+".join(f"{key}={v}" if key in ("block_k", "num_warps") else key
+                           for key, v in var.items()) or "shipped"
+            compile_captured(f"prologue {name} {tag}", num_warps=kw["num_warps"],
+                             num_stages=1, counts=True)
 
 
 def check_gemm():

@@ -391,3 +391,12 @@ def test_load_check_time_records_first_and_cached_calls(tmp_path):
     assert rec["cached_median_s"] in rec["cached_s"]
     with pytest.raises(SystemExit, match="--repeats must be at least 1"):
         load_check_time.main(["--synthetic", "tiny-mha", "--repeats", "0"])
+
+
+def test_load_time_phases_follow_load_checkpoint_including_the_finite_check():
+    from benchmarks.load_time import phases
+    from ouro_jax.api import DEMO_MODEL_DIR
+    got = phases(DEMO_MODEL_DIR, "bf16")
+    assert list(got) == ["open_and_headers_s", "validate_s", "stack_and_transfer_s",
+                         "check_finite_s"]
+    assert all(v >= 0 for v in got.values())
