@@ -18,7 +18,7 @@
 #   s. with fold_sums, greedy native against k=4 d=2 speculative tokens (a default must keep
 #      them equal);
 #   f. the load's non-finite check (convert.load.check_finite) on the 1.4B shape in bf16,
-#      first and cached calls (measured on the CPU only: 4.6 / 3.2 s).
+#      first and cached calls (measured on the CPU only: 1.19 / 0.90 s).
 # ncu needs XLA's command buffers off (with them the process segfaults under ncu, session
 # 30's first try), and runs in its own process group under a hard kill: session 29's and
 # 30's first tries, in a pipeline under `timeout`, left the target process holding the

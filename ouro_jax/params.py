@@ -173,7 +173,7 @@ def engine_params_from_hf(tensors: dict[str, np.ndarray], cfg: OuroConfig, dtype
     concatenated on the host when `fuse`. Same values as params_from_hf followed by
     unstack_layers, without the stacked copy and the device-side slicing and concatenation
     (1.4B bf16 on a 2-core CPU: 3.80 s -> 0.76 s, benchmarks.load_time; load_checkpoint's
-    non-finite check, since session 29, adds 1.3-3.2 s there)."""
+    non-finite check, since session 29, adds 0.9-1.2 s there, load_check_session30_cpu.json)."""
     dtype = jnp.dtype(dtype)
 
     def host(a):  # (the tensor in `dtype`, whether that is a new array): a memmap stays a view
