@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Session 31's GPU call, after session 30's prepared call (first step of this session, on an
+# H100: ab_b1_fold_row2d_session30_h100.json) put fold_sums at +0.4% and qkv and gate/up at
+# block_k = K = 2048 with 8 warps at +0.6-1.0% over the default, row2d at -0.8%, all with
+# the default's greedy token digest:
+#   e. batch-1 native greedy, three passes (the second in reverse order), arms:
+#      default; w8 (qkv st4_k2048_p4_w8, gate_up st2_k2048_p8_w8); w8o (w8 and o at
+#      st2_k2048_p2_w8); w8x2 (qkv st4_k2048_p2_w8, gate_up st2_k2048_p4_w8: twice the
+#      programs); w8d (w8 and down at st1_k512_p2_w8); fold (fold_sums on qkv and gate/up);
+#      EARMS picks a subset.
+#   s. with w8, greedy native against k=4 d=2 speculative tokens (a default must keep them
+#      equal), batch 1 and 8.
+#   t. (H200 only) the batch-1 table rows at today's default code, k 0,2,4, T 0 and 0.8.
+#   c. (H200 only) the CLI's first and cached start, native and k=4 (session 19's step 3).
+# Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session31_call.sh; STEPS= a subset
+# of "estc" (default estc; t and c run on an H200 only unless FORCE_TC=1); CAP= seconds
+# (default 560).
+CAP=${CAP:-560}
+. benchmarks/gpu_call_setup.sh
+STEPS=${STEPS:-estc}
+on() { [[ $STEPS == *$1* ]]; }
+D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
+W8="qkv=st4_k2048_p4_w8,gate_up=st2_k2048_p8_w8"
+if on e; then
+  A=/tmp/ab31; rm -rf $A; mkdir -p $A
+  erun() { [ $SECONDS -lt $((CAP - 45)) ] && timeout -s KILL $(left 100) $D --batch 1 \
+    --temperature 0 --k 0 "${@:2}" --out $A/$1.json 2>&1 | grep -E "rror" | cut -c1-300; }
+  arm() { case $1 in default) erun default_p$2 ;; fold) erun fold_p$2 --stream-set \
+      qkv.fold_sums=1,gate_up.fold_sums=1 ;;
+    w8) erun w8_p$2 --stream-tiling $W8 ;;
+    w8o) erun w8o_p$2 --stream-tiling $W8,o=st2_k2048_p2_w8 ;;
+    w8x2) erun w8x2_p$2 --stream-tiling qkv=st4_k2048_p2_w8,gate_up=st2_k2048_p4_w8 ;;
+    w8d) erun w8d_p$2 --stream-tiling $W8,down=st1_k512_p2_w8 ;; esac; }
+  EARMS=${EARMS:-"default w8 w8o w8x2 w8d fold"}
+  PASSES=${PASSES:-3}
+  for p in $(seq 1 $PASSES); do
+    [ $((p % 2)) = 0 ] && order=$(echo $EARMS | tr ' ' '\n' | tac) || order=$EARMS
+    for a in $order; do arm $a $p; done
+  done
+  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_k2048w8_session31_$G.json
+  echo "e done at $SECONDS s"
+fi
+if on s && [ $SECONDS -lt $((CAP - 60)) ]; then
+  timeout -s KILL $(left 120) $D --batch 1,8 --temperature 0 --k 0,4 --repeats 1 \
+    --stream-tiling $W8 --out $OUT/decode_w8_spec_session31_$G.json 2>&1 \
+    | grep -E "^ *[0-9]+ +(native|spec)|rror" | cut -c1-300
+  python3 -c "import json,sys; print('greedy_token_match', json.load(open(sys.argv[1]))['greedy_token_match'])" \
+    $OUT/decode_w8_spec_session31_$G.json 2>&1 | cut -c1-400
+  echo "s done at $SECONDS s"
+fi
+TC=${FORCE_TC:-0}; [ $G = h200 ] && TC=1
+if on t && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 90)) ]; then
+  timeout -s KILL $(left 150) $D --batch 1 --k 0,2,4 --temperature 0,0.8 \
+    --out $OUT/decode_b1_session31_$G.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
+  echo "t done at $SECONDS s"
+fi
+if on c && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 90)) ]; then
+  STEPS=3 CLI_K="0 4" TAG=_session31 CAP=$((SECONDS + $(left 150))) OUT=$OUT \
+    bash benchmarks/gpu_session19_call.sh 2>&1 | tail -12
+  echo "c done at $SECONDS s"
+fi
+echo "elapsed $SECONDS s"
