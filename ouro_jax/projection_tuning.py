@@ -31,10 +31,19 @@ GEMV_TUNING = {
 # with it (session 9, gemv_stream_add_norm_session9_h200.json) the fastest were qkv
 # st4_k512_p4_w4 (11.41 vs 12.00 us) and gate/up st2_k512_p8_w4 (17.05 vs 17.33), and
 # batch-1 native went from 232.7 to 239.2 tok/s with both (ab_b1_*_session9_h200.json).
+# Session 31: qkv and gate/up read the whole K = 2048 row as one chunk at 8 warps (the same
+# programs and blocks per program): the norm prologue converts x to the weight tile's layout
+# and reduces each statistic once instead of once per 512-wide chunk (SASS barriers 41 -> 15
+# for qkv, offline), and at ~72 registers twice the warps fit an SM. Batch-1 native greedy
+# on an H100, two calls: +0.6 / +1.0% (ab_b1_fold_row2d_session30_h100.json) and +1.4 /
+# +0.9 / +2.0% over three passes (ab_b1_k2048w8_session31_h100.json), the same tokens as
+# the 512-wide tiling (digest 3961d77b) and greedy k=4 speculative tokens equal native ones
+# at batch 1 (decode_w8_spec_session31_h100.json). Not yet measured on an H200; the old
+# tiling is --stream-tiling qkv=st4_k512_p4_w4,gate_up=st2_k512_p8_w4.
 STREAM_TUNING = {
-    "qkv": dict(block_n=4, block_k=512, per_program=4, num_warps=4),
+    "qkv": dict(block_n=4, block_k=2048, per_program=4, num_warps=8),
     "o": dict(block_n=2, block_k=512, per_program=2, num_warps=4),
-    "gate_up": dict(block_n=2, block_k=512, per_program=8, num_warps=4),
+    "gate_up": dict(block_n=2, block_k=2048, per_program=8, num_warps=8),
     "down": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
 }
 # Calls the streaming kernel takes: one row (decode, draft), the only count measured on a GPU;
