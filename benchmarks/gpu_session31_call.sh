@@ -12,9 +12,14 @@
 #      equal), batch 1 and 8.
 #   t. (H200 only) the batch-1 table rows at today's default code, k 0,2,4, T 0 and 0.8.
 #   c. (H200 only) the CLI's first and cached start, native and k=4 (session 19's step 3).
+#   n. (after w8 became the default) ncu on a decode step's six Pallas kernels, as in
+#      session 30's profile (ncu_b1_session30_h100_*), to see what the one-chunk prologue
+#      changed in the stalls.
+#   g. the streaming GEMV's GPU tests (the engine's picks against XLA) and the graph loops'
+#      (which compile the engine's tilings through the triton package).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session31_call.sh; STEPS= a subset
-# of "estc" (default estc; t and c run on an H200 only unless FORCE_TC=1); CAP= seconds
-# (default 560).
+# of "estcng" (default estc; they run in the order e s n g t c; t and c run on an H200 only
+# unless FORCE_TC=1); CAP= seconds (default 560).
 CAP=${CAP:-560}
 . benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-estc}
@@ -47,6 +52,19 @@ if on s && [ $SECONDS -lt $((CAP - 60)) ]; then
   python3 -c "import json,sys; print('greedy_token_match', json.load(open(sys.argv[1]))['greedy_token_match'])" \
     $OUT/decode_w8_spec_session31_$G.json 2>&1 | cut -c1-400
   echo "s done at $SECONDS s"
+fi
+if on n && [ $SECONDS -lt $((CAP - 90)) ]; then
+  . benchmarks/gpu_ncu.sh
+  NCU_TAG=_session31
+  ncu_run b1_w8 90 'gemv_stream|paged_decode_attention' 300 6 $D --batch 1 --temperature 0 \
+    --k 0 --repeats 1 --warmup 0 --new-tokens 8 --compile-cache /tmp/cc_ncu
+  mv $OUT/ncu_b1_w8_log.txt $OUT/ncu_b1_w8_session31_${G}_log.txt 2>/dev/null
+  echo "n done at $SECONDS s"
+fi
+if on g && [ $SECONDS -lt $((CAP - 60)) ]; then
+  timeout -s KILL $(left 200) python3 -m pytest -q -m gpu tests/test_gemv_stream.py \
+    tests/test_graph_loop.py 2>&1 | grep -E "passed|failed|Error|assert" | tail -8 | cut -c1-400
+  echo "g done at $SECONDS s"
 fi
 TC=${FORCE_TC:-0}; [ $G = h200 ] && TC=1
 if on t && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 90)) ]; then
