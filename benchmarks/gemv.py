@@ -91,7 +91,10 @@ STREAM_VARIANTS = {
                           # +0.6-1.0% end to end on an H100): o at block_k 2048, and qkv and
                           # gate/up with half the blocks per program (twice the programs)
                           (2, 2048, 2, 8), (2, 2048, 2, 4), (1, 2048, 4, 8), (4, 2048, 2, 8),
-                          (2, 2048, 4, 8)]
+                          (2, 2048, 4, 8),
+                          # seventh round (session 31, 8 warps having beaten 4 at block_k
+                          # 2048): 16 warps, and twice the rows per block at the same grid
+                          (4, 2048, 4, 16), (2, 2048, 8, 16), (8, 2048, 2, 16), (8, 2048, 2, 8)]
     for x2 in (False, True)
 }
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))

@@ -7,7 +7,10 @@
 #      default; w8 (qkv st4_k2048_p4_w8, gate_up st2_k2048_p8_w8); w8o (w8 and o at
 #      st2_k2048_p2_w8); w8x2 (qkv st4_k2048_p2_w8, gate_up st2_k2048_p4_w8: twice the
 #      programs); w8d (w8 and down at st1_k512_p2_w8); fold (fold_sums on qkv and gate/up);
-#      EARMS picks a subset.
+#      EARMS picks a subset. Arms for after w8 became the default (calls 3 on): k512 (the
+#      old 512-wide tiling: st4_k512_p4_w4, st2_k512_p8_w4), w16 (qkv st4_k2048_p4_w16,
+#      gate_up st2_k2048_p8_w16), w16q8 (qkv st8_k2048_p2_w16, gate_up as w16). PASSES
+#      (default 3) and AB_NAME (default k2048w8) name the passes and the result file.
 #   s. with w8, greedy native against k=4 d=2 speculative tokens (a default must keep them
 #      equal), batch 1 and 8.
 #   t. (H200 only) the batch-1 table rows at today's default code, k 0,2,4, T 0 and 0.8.
@@ -35,14 +38,18 @@ if on e; then
     w8) erun w8_p$2 --stream-tiling $W8 ;;
     w8o) erun w8o_p$2 --stream-tiling $W8,o=st2_k2048_p2_w8 ;;
     w8x2) erun w8x2_p$2 --stream-tiling qkv=st4_k2048_p2_w8,gate_up=st2_k2048_p4_w8 ;;
-    w8d) erun w8d_p$2 --stream-tiling $W8,down=st1_k512_p2_w8 ;; esac; }
+    w8d) erun w8d_p$2 --stream-tiling $W8,down=st1_k512_p2_w8 ;;
+    k512) erun k512_p$2 --stream-tiling qkv=st4_k512_p4_w4,gate_up=st2_k512_p8_w4 ;;
+    w16) erun w16_p$2 --stream-tiling qkv=st4_k2048_p4_w16,gate_up=st2_k2048_p8_w16 ;;
+    w16q8) erun w16q8_p$2 --stream-tiling qkv=st8_k2048_p2_w16,gate_up=st2_k2048_p8_w16 ;;
+  esac; }
   EARMS=${EARMS:-"default w8 w8o w8x2 w8d fold"}
   PASSES=${PASSES:-3}
   for p in $(seq 1 $PASSES); do
     [ $((p % 2)) = 0 ] && order=$(echo $EARMS | tr ' ' '\n' | tac) || order=$EARMS
     for a in $order; do arm $a $p; done
   done
-  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_k2048w8_session31_$G.json
+  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_${AB_NAME:-k2048w8}_session31_$G.json
   echo "e done at $SECONDS s"
 fi
 if on s && [ $SECONDS -lt $((CAP - 60)) ]; then
