@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,8 +26,8 @@ import numpy as np
 
 from benchmarks.record import save_record
 from benchmarks.timing import copy_bandwidth
-from benchmarks.tuning import (DECODE_TUNING_KEYS, RAGGED_TUNING_KEYS, add_stream_args,
-                               apply_kernel_tuning, check_graph_pdl)
+from benchmarks.decode_args import PROJECTIONS_HELP, build_parser, check_run
+from benchmarks.tuning import apply_kernel_tuning
 
 
 def step_bytes(cfg, batch: int, context: float, dtype_bytes: int = 2) -> float:
@@ -123,91 +122,6 @@ def run_config(llm, batch, k, temp, args):
     return row, runs[-1]
 
 
-def check_pdl_run(args) -> None:
-    """--pdl and --decode-kernel pdl=1 make kernels let the next one launch early, which is safe
-    only where that next kernel is a Pallas kernel that waits (pallas_kernels._common.PDL):
-    the engine's GPU defaults (Pallas attention with the fused K/V write, the streaming GEMVs
-    with the norm prologues), and for the decode kernel one row."""
-    if not args.pdl and "pdl=1" not in args.decode_kernel.replace(" ", ""):
-        return
-    if (args.attention != "pallas" or args.kv_write != "fused" or args.projections != "auto"
-            or args.no_fuse):
-        raise SystemExit("--pdl / --decode-kernel pdl=1 need --attention pallas, --kv-write "
-                         "fused, --projections auto and fused projections: with other paths "
-                         "an XLA kernel can follow the triggering one")
-    if "pdl=1" in args.decode_kernel.replace(" ", "") and args.batch.strip() != "1":
-        raise SystemExit("--decode-kernel pdl=1 needs --batch 1: with more rows the o "
-                         "projection after the decode kernel is an XLA GEMM")
-
-
-def check_fuse_o_run(args) -> None:
-    """--decode-kernel fuse_o=1 changes only one-row decode steps on the Pallas attention with
-    the fused K/V write and the fused qkv weight; anywhere else it would silently measure the
-    default, so say so instead."""
-    if "fuse_o=1" not in args.decode_kernel.replace(" ", ""):
-        return
-    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
-        raise SystemExit("--decode-kernel fuse_o=1 needs --attention pallas, --kv-write fused "
-                         "and fused projections (it replaces the fused-write decode kernel)")
-    if "1" not in [b.strip() for b in args.batch.split(",")]:
-        raise SystemExit("--decode-kernel fuse_o=1 changes one-row decode only: give --batch 1 "
-                         "(other batch sizes run the default kernels)")
-    from ouro_jax.attention import FUSE_O_MAX_KEYS
-    if ("o_split=1" not in args.decode_kernel.replace(" ", "")
-            and args.prompt_len + args.new_tokens + 16 > FUSE_O_MAX_KEYS):
-        raise SystemExit(f"--decode-kernel fuse_o=1 runs unsplit only up to {FUSE_O_MAX_KEYS} "
-                         f"keys (ouro_jax.attention.FUSE_O_MAX_KEYS); give o_split=1 or a "
-                         f"shorter --prompt-len / --new-tokens")
-
-
-def check_flow_o_run(args) -> None:
-    """--decode-kernel flow_o=1 changes only one-row decode steps on the Pallas attention with
-    the fused K/V write and the fused qkv weight (as fuse_o=1): say so rather than measure
-    the default under its name."""
-    if "flow_o=1" not in args.decode_kernel.replace(" ", ""):
-        return
-    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
-        raise SystemExit("--decode-kernel flow_o=1 needs --attention pallas, --kv-write fused "
-                         "and fused projections (its first stage is the fused-write decode "
-                         "kernel's body)")
-    if "1" not in [b.strip() for b in args.batch.split(",")]:
-        raise SystemExit("--decode-kernel flow_o=1 changes one-row decode only: give --batch 1 "
-                         "(other batch sizes run the default kernels)")
-    from ouro_jax.projection_spec import FLOW_PARTS
-    if set(args.projections.split("+")) & set(FLOW_PARTS):
-        raise SystemExit("--decode-kernel flow_o=1 runs o with the attention: the '+flow' "
-                         "projections (which start with o) would never run; use one")
-
-
-def check_mgpu_run(args) -> None:
-    """--decode-kernel mgpu=1 replaces the fused-write decode kernel (Pallas attention, fused
-    K/V write, fused qkv); anywhere else it would silently measure the default."""
-    if "mgpu=1" not in args.decode_kernel.replace(" ", ""):
-        return
-    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
-        raise SystemExit("--decode-kernel mgpu=1 needs --attention pallas, --kv-write fused "
-                         "and fused projections (it replaces the fused-write decode kernel)")
-    if "flow5" in args.projections.split("+"):
-        raise SystemExit("--decode-kernel mgpu=1 has no gemv_flow attention stage, which "
-                         "'+flow5' projections run: drop one of them")
-
-
-def parse_persistent_tiling(args) -> dict:
-    """--persistent-tiling 'stages=14,uniform=1' -> {'stages': 14, 'uniform': True}; it
-    needs --persistent-layers (else it would change nothing under its name)."""
-    from ouro_jax.persistent import TILING
-    out = {}
-    for item in filter(None, (x.strip() for x in args.persistent_tiling.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key not in TILING or not value.isdigit():
-            raise SystemExit(f"--persistent-tiling: {item!r} is not KEY=INT with KEY in "
-                             f"{sorted(TILING)}")
-        out[key] = bool(int(value)) if isinstance(TILING[key], bool) else int(value)
-    if out and not args.persistent_layers:
-        raise SystemExit("--persistent-tiling tiles the --persistent-layers kernel: give both")
-    return out
-
-
 def token_digest(result) -> str:
     """sha256 (16 hex digits) of every output's token ids, in order."""
     h = hashlib.sha256()
@@ -269,98 +183,9 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-PROJECTIONS_HELP = ("'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'), 'xla' "
-                    "(einsum GEMMs), 'gemv' "
-                    "(one-row calls through the Pallas GEMV), 'gemv@N' (up to N rows; slower beyond "
-                    "one), 'gemv[@N]:qkv,o,gate_up,down', '+gemm[@N][:names]' (2..N-row calls "
-                    "through the skinny Pallas GEMM), '+norms' (RMSNorms and residual adds in "
-                    "the GEMV prologues), '+pfN' (the GEMV loads N K-chunks ahead, 0..4), '+stream' "
-                    "(the streaming GEMV kernel), '+mgpu[:names]' (the Mosaic GPU GEMV for "
-                    "those projections' one-row calls; jax >= 0.11, slower so far), '+flow' / "
-                    "'+flow4' / '+flow5' (with norms and stream: o -> gate/up -> down [-> next "
-                    "qkv [-> its attention]] of a one-row layer as one gemv_flow kernel; "
-                    "experimental), '+graph' (with gemv+norms+stream: each one-row loop's "
-                    "layers as one CUDA graph of our own with PDL edges; a GPU and the triton "
-                    "package; experimental)")
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint folder")
-    src.add_argument("--synthetic", default="1.4b", help="preset for random weights on device")
-    p.add_argument("--branch-scale", type=float, default=1.0,
-                   help="post-branch norm scale of synthetic weights (sets draft acceptance)")
-    p.add_argument("--norm-jitter", type=float, default=0.0,
-                   help="spread of synthetic norm weights around 1 (0: HF's init)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--attention", default="auto")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs")
-    p.add_argument("--projections", default="auto", help=PROJECTIONS_HELP)
-    p.add_argument("--unroll-loops", action="store_true",
-                   help="unroll the T loops in the program instead of a fori_loop")
-    p.add_argument("--kv-write", default="fused", choices=["fused", "xla"],
-                   help="decode's RoPE and K/V write: inside the Pallas decode kernel "
-                        "(fused, default) or as XLA kernels (xla: the pre-session-6 path)")
-    p.add_argument("--persistent-layers", action="store_true",
-                   help="batch-1 decode loops as one persistent Mosaic GPU kernel each "
-                        "(ouro_jax.persistent; jax >= 0.11, bf16, --attention pallas)")
-    p.add_argument("--persistent-tiling", default="", metavar="K=V,...",
-                   help="with --persistent-layers: the kernel's tiling for this run, e.g. "
-                        "stages=14,uniform=1,smem_a=1 (keys: block_n, block_k, stages, "
-                        "uniform, smem_a)")
-    p.add_argument("--batch", default="1,8,32,64")
-    p.add_argument("--k", default="0,2,4", help="0 = native decode")
-    p.add_argument("--draft-loops", type=int, default=2)
-    p.add_argument("--temperature", default="0,0.8")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sweep-branch-scale", default=None,
-                   help="synthetic only: try these scales at batch 8, k=4 greedy and keep the "
-                        "one whose acceptance is closest to --target-acceptance")
-    p.add_argument("--target-acceptance", type=float, default=0.8)
-    p.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/ouro_jax/xla"),
-                   help="persistent XLA compilation cache ('' disables); compile time is "
-                        "reported apart either way")
-    p.add_argument("--decode-kernel", default="", metavar="K=V,...",
-                   help="override the Pallas decode kernel's tuning defaults for this run, "
-                        "e.g. block_t=32,num_warps=2 (keys: %s)" % ",".join(DECODE_TUNING_KEYS))
-    p.add_argument("--ragged-kernel", default="", metavar="K=V,...",
-                   help="the same for the ragged (verification/prefill) kernel (keys: %s)"
-                        % ",".join(RAGGED_TUNING_KEYS))
-    p.add_argument("--stream-tiling", default="", metavar="NAME=VARIANT,...",
-                   help="override the streaming GEMV's tiling per projection for this run, e.g. "
-                        "qkv=st1_k512_p1_w4 (VARIANT: a benchmarks.gemv STREAM_VARIANTS key)")
-    p.add_argument("--mgpu-tiling", default="", metavar="NAME=bnN_bkN_ksN_stN[_ov],...",
-                   help="override the Mosaic GPU GEMV's tiling (projections '+mgpu') per "
-                        "projection for this run, e.g. down=bn64_bk64_ks8_st4 (block_n, "
-                        "block_k, k_splits, stages; _ov: prologue overlapped with the first "
-                        "weight tiles)")
-    p.add_argument("--pdl", default="", metavar="NAME,...",
-                   help="streaming projections whose GEMV lets the next kernel launch early "
-                        "(programmatic dependent launch), e.g. qkv,o,gate_up; the decode "
-                        "kernel's is --decode-kernel last_combine=1,pdl=1")
-    p.add_argument("--pdl-at", default="start", choices=["start", "end"],
-                   help="where --pdl's GEMVs trigger: at their start, or once their last "
-                        "weight block has arrived")
-    add_stream_args(p)
-    p.add_argument("--out", help="JSON result path")
-    args = p.parse_args(argv)
-    check_pdl_run(args)
-    check_fuse_o_run(args)
-    check_flow_o_run(args)
-    check_graph_pdl(args)
-    check_mgpu_run(args)
-    persistent_tiling = parse_persistent_tiling(args)
-    if args.mgpu_tiling and "mgpu" not in args.projections:
-        raise SystemExit("--mgpu-tiling sets the Mosaic GPU GEMV's tiling: give --projections "
-                         "with an 'mgpu' part (e.g. gemv+norms+stream+mgpu:down), or leave it "
-                         "out")
+    args = build_parser(__doc__).parse_args(argv)
+    persistent_tiling = check_run(args)
     tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling,
                                  args.pdl, args.pdl_at, args.mgpu_tiling, args.l2_prefetch,
                                  args.l2_next, args.l2_next_at, args.stream_set,
