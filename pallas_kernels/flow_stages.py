@@ -25,11 +25,14 @@ class Stage(NamedTuple):
         return self.norm_w is not None
 
 
-# The engine's one-row tilings (projections.STREAM_TUNING without num_warps, 4 for all).
+# The engine's one-row tilings (projections.STREAM_TUNING without num_warps; the flow
+# kernel runs at projections.FLOW_NUM_WARPS). Since session 31 qkv and gate/up read the
+# whole K = 2048 row as one block; sessions 21-24 measured the flow at block_k 512 for all
+# four (mlp_stages' `tiling` gives it back).
 ENGINE_TILING = dict(o=dict(block_n=2, block_k=512, per_program=2),
-                     gate_up=dict(block_n=2, block_k=512, per_program=8),
+                     gate_up=dict(block_n=2, block_k=2048, per_program=8),
                      down=dict(block_n=1, block_k=512, per_program=4),
-                     qkv=dict(block_n=4, block_k=512, per_program=4))
+                     qkv=dict(block_n=4, block_k=2048, per_program=4))
 
 
 def mlp_stages(w_o, w_post_attn, w_pre_mlp, w_gate_up, w_down, *, next_qkv=None,
