@@ -80,6 +80,40 @@ def test_result_record_pins_the_code(tmp_path):
     assert rec["git_commit"] == "unknown" or len(rec["git_commit"].split("+")[0]) == 40
 
 
+def test_dirty_is_judged_by_content_not_by_the_index(tmp_path, monkeypatch):
+    """A copied tree can carry an index whose stat data still matches edited files (same size,
+    same mtime), so `git diff` calls them clean; code_differs hashes the contents."""
+    import os
+    import shutil
+    import subprocess
+
+    import benchmarks.record as record
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
+                                    cwd=tmp_path, check=True, capture_output=True)
+    (tmp_path / "ouro_jax").mkdir()
+    f = tmp_path / "ouro_jax" / "a.py"
+    f.write_text("x = 1\n")
+    (tmp_path / "notes.txt").write_text("not code\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    monkeypatch.setattr(record, "REPO_ROOT", str(tmp_path))
+    assert not record.code_differs()
+    assert not record.git_commit().endswith("+dirty")
+    st = os.stat(f)
+    f.write_text("x = 2\n")  # same size; the old mtime back
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert record.code_differs() and record.git_commit().endswith("+dirty")
+    f.write_text("x = 1\n")
+    (tmp_path / "notes.txt").write_text("changed, but not code\n")
+    assert not record.code_differs()
+    (tmp_path / "ouro_jax" / "b.py").write_text("y = 1\n")  # a new, untracked module
+    assert record.code_differs()
+
+
 def test_kernel_tuning_overrides_reach_the_traced_kernel():
     """--decode-kernel sets the decode kernel's defaults for the process: the traced kernel's
     grid follows num_splits; explicit arguments still win; bad specs are refused."""
