@@ -7,7 +7,8 @@ runs them (same defaults), then the same request again in that process.
 Phases, wall seconds:
 - import_s: importing jax and ouro_jax;
 - backend_s: the first `jax.devices()` (on a GPU: the CUDA context and XLA's client);
-- load_s: `Ouro.load` (checkpoint to device, tokenizer, KV pool);
+- load_s: `Ouro.load` (checkpoint to device, tokenizer, KV pool), split in load_phases
+  (Ouro.load_phases: read, convert, non-finite check, tokenizer, engine);
 - first: the first `generate` (prompt of --prompt-len ids, --max-tokens new, ignore_eos) with
   its own stats (compile_s, prefill_s, decode_s: decode_s carries the first run of each program,
   e.g. loading its kernels onto the GPU);
@@ -81,7 +82,8 @@ def main(argv=None) -> int:
     record = save_record("benchmarks.start_time", argv, args.out, what=__doc__.split("\n")[0],
                          model=args.model or "embedded demo model", dtype=args.dtype,
                          speculative_k=args.speculative_k, compile_cache=args.compile_cache,
-                         device_kind=device.device_kind, phases=phases, first=first,
+                         device_kind=device.device_kind, phases=phases,
+                         load_phases=llm.load_phases, first=first,
                          again=again, process_s=time.perf_counter() - T0)
     print(json.dumps({k: record[k] for k in ("phases", "first", "again", "process_s")}, indent=1))
     return 0

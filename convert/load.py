@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,11 @@ class LoadedCheckpoint:
     params: OuroParams
     seconds: float
     files: list[str]
+    # seconds per phase: read_s (config, file headers or unpickling, validation),
+    # convert_s (the dtype conversion, layout and transfer to the device, which starts the
+    # JAX backend on a first use), check_finite_s (the non-finite check, its compile
+    # included on a first call)
+    phases: dict = field(default_factory=dict)
 
 
 def _weight_files(folder: str) -> tuple[str, list[str]]:
@@ -173,12 +178,17 @@ def load_checkpoint(folder: str | os.PathLike, dtype="bf16",
     kind, files = _weight_files(folder)
     tensors, meta = (_read_safetensors if kind == "safetensors" else _read_bin)(folder, files)
     validate_tensors(meta, cfg)
+    t1 = time.perf_counter()
     if layout == "stacked":
         params = params_from_hf(tensors, cfg, dtype)
     else:
         params = engine_params_from_hf(tensors, cfg, dtype, fuse=layout == "engine")
+    jax.block_until_ready(params)  # (the transfer's time, not the check's)
+    t2 = time.perf_counter()
     check_finite(params)
-    return LoadedCheckpoint(cfg, params, time.perf_counter() - t0, files)
+    t3 = time.perf_counter()
+    return LoadedCheckpoint(cfg, params, t3 - t0, files,
+                            dict(read_s=t1 - t0, convert_s=t2 - t1, check_finite_s=t3 - t2))
 
 
 @jax.jit

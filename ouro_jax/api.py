@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -210,6 +211,7 @@ class Ouro:
         self.fixed_pool_pages = (None if kv_pool_tokens is None
                                  else 1 + pages_needed(kv_pool_tokens, page_size))
         self.programs = ProgramCache()
+        self.load_phases: dict = {}  # filled by Ouro.load
         self._planes = None
 
     @classmethod
@@ -223,6 +225,7 @@ class Ouro:
         # straight into the engine's per-layer layout: no stacked copy to unstack again
         ck = load_checkpoint(folder, dtype, layout="engine" if kw.get("fuse_projections", True)
                              else "engine_unfused")
+        t0 = time.perf_counter()
         tok = Tokenizer.from_folder(folder, ck.config)
         extra = sorted(set(folder_eos_ids(folder, tok)) - set(ck.config.eos_token_ids))
         if extra and extra[-1] >= ck.config.vocab_size:
@@ -230,7 +233,13 @@ class Ouro:
                              f"or tokenizer_config.json) is not below vocab_size "
                              f"{ck.config.vocab_size}")
         cfg = ck.config.replace(extra_eos_token_ids=ck.config.extra_eos_token_ids + tuple(extra))
-        return cls(cfg, ck.params, tok, **kw)
+        t1 = time.perf_counter()
+        llm = cls(cfg, ck.params, tok, **kw)
+        # where a load's seconds went (load_checkpoint's phases, then the tokenizer and the
+        # engine's construction), for the CLI's --json stats and start-up benchmarks
+        llm.load_phases = dict(ck.phases, tokenizer_s=t1 - t0,
+                               engine_s=time.perf_counter() - t1)
+        return llm
 
     # --- inputs -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

@@ -306,7 +306,8 @@ def main(argv=None) -> int:
     if args.json:
         for out in res.outputs:
             print(json.dumps(out.to_json()))
-        print(json.dumps({"stats": dict(res.stats.to_json(), load_s=load_s)}))
+        print(json.dumps({"stats": dict(res.stats.to_json(), load_s=load_s,
+                                        load_phases=llm.load_phases)}))
     else:
         print()
         for out in res.outputs:

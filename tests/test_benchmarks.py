@@ -405,6 +405,8 @@ def test_start_time_reports_each_phase_and_the_repeated_request(tmp_path, capsys
                        "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert set(rec["phases"]) == {"import_s", "backend_s", "load_s"}
+    assert set(rec["load_phases"]) == {"read_s", "convert_s", "check_finite_s", "tokenizer_s",
+                                       "engine_s"}
     assert all(v >= 0 for v in rec["phases"].values())
     for run in ("first", "again"):
         assert rec[run]["generated_tokens"] == 3 and rec[run]["spec"]["rounds"] >= 1

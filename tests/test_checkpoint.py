@@ -59,6 +59,10 @@ def test_reference_round_trip(tmp_path, dtype):
     assert set(open_tensors(tmp_path / "model.safetensors")) == set(ref.state_dict())
     ck = load_checkpoint(tmp_path, dtype)
     assert ck.config == cfg
+    # its seconds, by phase (read, convert and transfer, the non-finite check)
+    assert set(ck.phases) == {"read_s", "convert_s", "check_finite_s"}
+    assert min(ck.phases.values()) >= 0
+    assert sum(ck.phases.values()) == pytest.approx(ck.seconds, rel=1e-6)
     for name, arr in param_views(ck.params, cfg).items():
         assert_bits_equal(arr, torch_to_numpy(ref.state_dict()[name]), name)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))

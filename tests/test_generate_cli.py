@@ -28,6 +28,12 @@ def test_json_output_per_request_plus_stats(capsys, tmp_path):
     stats = lines[2]["stats"]
     assert stats["generated_tokens"] == 10 and stats["spec"]["rounds"] > 0
     assert stats["compile_s"] >= 0 and stats["decode_tok_s"] > 0
+    # where the load went: the checkpoint's read, conversion and check, the tokenizer and the
+    # engine's construction, which together are the load (within the timer's own overhead)
+    phases = stats["load_phases"]
+    assert set(phases) == {"read_s", "convert_s", "check_finite_s", "tokenizer_s", "engine_s"}
+    assert all(v >= 0 for v in phases.values())
+    assert 0.5 * stats["load_s"] <= sum(phases.values()) <= stats["load_s"]
 
 
 def test_demo_model_streams_text_and_prints_stats(capsys):
