@@ -45,7 +45,7 @@ TIMEFORMAT="wall %R s"
 on 3 && for k in $CLI_K; do rm -rf /tmp/cc_cli; for r in 1 2; do
   [ $SECONDS -lt $((CAP - 25)) ] || break
   echo "cli k=$k bf16 run $r"
-  { time timeout $(left 40) $G --speculative-k $k 2>&1 | tail -1 | cut -c1-400 ; } 2>&1
+  { time timeout $(left 40) $G --speculative-k $k 2>&1 | tail -1 | cut -c1-800 ; } 2>&1
 done; done | tee $OUT/cli_start_bf16${TAG}_$CARD.txt
 on 4 && [ $SECONDS -lt $((CAP - 45)) ] && timeout $(left 120) python3 -m benchmarks.load_time --checkpoint $M --runs 3 \
   --out $OUT/load_time${TAG}_$CARD.json | grep -E "warm_page_cache_s|cold_page_cache_s|_s\": [0-9]" | head -12

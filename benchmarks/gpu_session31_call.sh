@@ -15,14 +15,17 @@
 #      equal), batch 1 and 8.
 #   t. (H200 only) the batch-1 table rows at today's default code, k 0,2,4, T 0 and 0.8.
 #   c. (H200 only) the CLI's first and cached start, native and k=4 (session 19's step 3).
+#   r. (H200 only) the table's cells not rerun in session 31: batch 8, 32, 64 at k=2 and
+#      k=4, greedy and T=0.8 (k=4 greedy again, for the ratio in the same run).
 #   n. (after w8 became the default) ncu on a decode step's six Pallas kernels, as in
 #      session 30's profile (ncu_b1_session30_h100_*), to see what the one-chunk prologue
 #      changed in the stalls.
 #   g. the streaming GEMV's GPU tests (the engine's picks against XLA) and the graph loops'
 #      (which compile the engine's tilings through the triton package).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session31_call.sh; STEPS= a subset
-# of "estcng" (default estc; they run in the order e s n g t c; t and c run on an H200 only
-# unless FORCE_TC=1); CAP= seconds (default 560).
+# of "estcngr" (default estc; they run in the order e s n g t r c; t, r and c run on an H200
+# only unless FORCE_TC=1); CAP= seconds (default 560). Step c's CLI runs print their
+# load_phases (since session 31) in the stats JSON.
 CAP=${CAP:-560}
 . benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-estc}
@@ -78,6 +81,13 @@ if on t && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 90)) ]; then
   timeout -s KILL $(left 150) $D --batch 1 --k 0,2,4 --temperature 0,0.8 \
     --out $OUT/decode_b1_session31_$G.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
   echo "t done at $SECONDS s"
+fi
+if on r && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 120)) ]; then
+  # the table cells session 31's H200 calls did not rerun: k=2 greedy beyond batch 1, and
+  # speculative T=0.8 beyond batch 1
+  timeout -s KILL $(left 300) $D --batch 8,32,64 --k 2,4 --temperature 0,0.8 \
+    --out $OUT/decode_rest_session31_$G.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
+  echo "r done at $SECONDS s"
 fi
 if on c && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 90)) ]; then
   STEPS=3 CLI_K="0 4" TAG=_session31 CAP=$((SECONDS + $(left 150))) OUT=$OUT \
