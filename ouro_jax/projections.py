@@ -327,7 +327,9 @@ class PallasGemv(XLA):
 # One kernel has one warp count: gemv_flow runs at the 4 warps it was measured with
 # (sessions 21-24), whatever the separate GEMVs' STREAM_TUNING gives each projection (since
 # session 31 qkv and gate/up run at 8). Its stages take the block sizes of STREAM_TUNING
-# (flow_tiling), which fix the order of each row's sums.
+# (flow_tiling). On a GPU the warp count also orders a block's partial sums, so the flow's
+# bits equal the separate kernels' only where both run at the same warps (the CPU
+# interpreter's tests do not see warps); against the 8-warp qkv and gate/up not measured.
 FLOW_NUM_WARPS = 4
 
 
