@@ -102,11 +102,12 @@ def check_run(args) -> dict:
     check_flow_o_run(args)
     check_graph_pdl(args)
     check_mgpu_run(args)
+    persistent_tiling = parse_persistent_tiling(args)
     if args.mgpu_tiling and "mgpu" not in args.projections:
         raise SystemExit("--mgpu-tiling sets the Mosaic GPU GEMV's tiling: give --projections "
                          "with an 'mgpu' part (e.g. gemv+norms+stream+mgpu:down), or leave it "
                          "out")
-    return parse_persistent_tiling(args)
+    return persistent_tiling
 
 
 def check_pdl_run(args) -> None:

@@ -44,7 +44,7 @@ if on e; then
   echo "e done at $SECONDS s"
 fi
 if on c && [ $SECONDS -lt $((CAP - 90)) ]; then
-  STEPS=3 CLI_K="0 4" TAG=_session29 CAP=$((SECONDS + $(left 150))) OUT=$OUT \
+  STEPS=3 CLI_K="0 4" TAG=_session29 CAP=$(left 150) OUT=$OUT \
     bash benchmarks/gpu_session19_call.sh 2>&1 | tail -12
   echo "c done at $SECONDS s"
 fi

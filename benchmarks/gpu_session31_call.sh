@@ -20,8 +20,9 @@
 #   n. (after w8 became the default) ncu on a decode step's six Pallas kernels, as in
 #      session 30's profile (ncu_b1_session30_h100_*), to see what the one-chunk prologue
 #      changed in the stalls.
-#   g. the streaming GEMV's GPU tests (the engine's picks against XLA) and the graph loops'
-#      (which compile the engine's tilings through the triton package).
+#   g. the streaming GEMV's GPU tests (the engine's picks against XLA), the graph loops'
+#      (which compile the engine's tilings through the triton package) and gemv_flow's
+#      (whose stages follow the engine's block sizes).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session31_call.sh; STEPS= a subset
 # of "estcngr" (default estc; they run in the order e s n g t r c; t, r and c run on an H200
 # only unless FORCE_TC=1); CAP= seconds (default 560). Step c's CLI runs print their
@@ -46,7 +47,9 @@ if on e; then
     w16) erun w16_p$2 --stream-tiling qkv=st4_k2048_p4_w16,gate_up=st2_k2048_p8_w16 ;;
     w16q8) erun w16q8_p$2 --stream-tiling qkv=st8_k2048_p2_w16,gate_up=st2_k2048_p8_w16 ;;
   esac; }
-  EARMS=${EARMS:-"default w8 w8o w8x2 w8d fold"}
+  # (session 31's second call ran "default w8 w8o w8x2 w8d fold", before w8 became the
+  # default; since then default = w8, and k512 is the old tiling)
+  EARMS=${EARMS:-"default k512"}
   PASSES=${PASSES:-3}
   for p in $(seq 1 $PASSES); do
     [ $((p % 2)) = 0 ] && order=$(echo $EARMS | tr ' ' '\n' | tac) || order=$EARMS
@@ -72,8 +75,9 @@ if on n && [ $SECONDS -lt $((CAP - 90)) ]; then
   echo "n done at $SECONDS s"
 fi
 if on g && [ $SECONDS -lt $((CAP - 60)) ]; then
-  timeout -s KILL $(left 200) python3 -m pytest -q -m gpu tests/test_gemv_stream.py \
-    tests/test_graph_loop.py 2>&1 | grep -E "passed|failed|Error|assert" | tail -8 | cut -c1-400
+  timeout -s KILL $(left 240) python3 -m pytest -q -m gpu tests/test_gemv_stream.py \
+    tests/test_graph_loop.py tests/test_gemv_flow.py 2>&1 \
+    | grep -E "passed|failed|Error|assert" | tail -8 | cut -c1-400
   echo "g done at $SECONDS s"
 fi
 TC=${FORCE_TC:-0}; [ $G = h200 ] && TC=1
@@ -90,7 +94,7 @@ if on r && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 120)) ]; then
   echo "r done at $SECONDS s"
 fi
 if on c && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 90)) ]; then
-  STEPS=3 CLI_K="0 4" TAG=_session31 CAP=$((SECONDS + $(left 150))) OUT=$OUT \
+  STEPS=3 CLI_K="0 4" TAG=_session31 CAP=$(left 150) OUT=$OUT \
     bash benchmarks/gpu_session19_call.sh 2>&1 | tail -12
   echo "c done at $SECONDS s"
 fi

@@ -17,36 +17,44 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def git_commit() -> str:
-    """HEAD of this repository, with "+dirty" when the tracked code (CODE_DIRS' Python files,
-    not result files) differs from it: a device copy of a working tree can sit on an older
-    HEAD than the code it runs; source_digest pins the code itself. The comparison hashes
-    each file's content against HEAD's blob (code_differs), since git's own diff trusts the
-    index's stat data, which a copied tree can carry over unchanged (session 31's device
-    records read a stale HEAD with no "+dirty")."""
+    """HEAD of this repository, with "+dirty" when the code (CODE_DIRS' Python files, tracked
+    or not; not result files) differs from it: a device copy of a working tree can sit on an
+    older HEAD than the code it runs; source_digest pins the code itself. The comparison
+    hashes each file's content against HEAD's blob (code_differs), since git's own diff
+    trusts the index's stat data, which a copied tree can carry over unchanged (session 31's
+    device records read a stale HEAD with no "+dirty")."""
     try:
         head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=REPO_ROOT,
                                        stderr=subprocess.DEVNULL).strip()
-        return head + ("+dirty" if code_differs(head) else "")
     except Exception:
         return "unknown"
+    try:
+        return head + ("+dirty" if code_differs(head) else "")
+    except Exception:  # the HEAD is still worth recording
+        return head + "+unchecked"
 
 
 def _blob_sha1(path: str) -> str:
-    with open(path, "rb") as f:
-        data = f.read()
+    """git's blob id for what `path` holds as a tree entry (a symlink: its target path)."""
+    if os.path.islink(path):
+        data = os.fsencode(os.readlink(path))
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def code_differs(rev: str = "HEAD") -> bool:
     """Whether any Python file under CODE_DIRS differs from `rev`'s: changed, added or
     removed, by content (git's blob ids), not by the index."""
-    out = subprocess.check_output(["git", "ls-tree", "-r", rev, "--", *CODE_DIRS], text=True,
+    out = subprocess.check_output(["git", "ls-tree", "-r", "-z", rev, "--", *CODE_DIRS],
                                   cwd=REPO_ROOT, stderr=subprocess.DEVNULL)
     committed = {}
-    for line in out.splitlines():
-        meta, path = line.split("\t", 1)
+    for entry in filter(None, out.split(b"\0")):
+        meta, path = entry.split(b"\t", 1)
+        path = os.fsdecode(path)
         if path.endswith(".py"):
-            committed[path] = meta.split()[2]
+            committed[path] = meta.split()[2].decode()
     present = {}
     for d in CODE_DIRS:
         for dirpath, _, files in os.walk(os.path.join(REPO_ROOT, d)):

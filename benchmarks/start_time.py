@@ -8,7 +8,7 @@ Phases, wall seconds:
 - import_s: importing jax and ouro_jax;
 - backend_s: the first `jax.devices()` (on a GPU: the CUDA context and XLA's client);
 - load_s: `Ouro.load` (checkpoint to device, tokenizer, KV pool), split in load_phases
-  (Ouro.load_phases: read, convert, non-finite check, tokenizer, engine);
+  (Ouro.load_phases: convert.load.LoadedCheckpoint's phases, then tokenizer and engine);
 - first: the first `generate` (prompt of --prompt-len ids, --max-tokens new, ignore_eos) with
   its own stats (compile_s, prefill_s, decode_s: decode_s carries the first run of each program,
   e.g. loading its kernels onto the GPU);

@@ -55,10 +55,12 @@ class LoadedCheckpoint:
     params: OuroParams
     seconds: float
     files: list[str]
-    # seconds per phase: read_s (config, file headers or unpickling, validation),
-    # convert_s (the dtype conversion, layout and transfer to the device, which starts the
-    # JAX backend on a first use), check_finite_s (the non-finite check, its compile
-    # included on a first call)
+    # seconds per phase (load_checkpoint): open_s (config, file headers or unpickling,
+    # validation; safetensors are memory-mapped, not read), convert_s (the dtype conversion
+    # and layout on the host, which reads the mapped bytes, so a cold page cache shows here,
+    # and the transfers' dispatch, which starts the JAX backend on a first use),
+    # check_compile_s (the non-finite check's compile, while the transfers run),
+    # transfer_wait_s (what is left of the transfers), check_finite_s (the check itself)
     phases: dict = field(default_factory=dict)
 
 
@@ -178,17 +180,21 @@ def load_checkpoint(folder: str | os.PathLike, dtype="bf16",
     kind, files = _weight_files(folder)
     tensors, meta = (_read_safetensors if kind == "safetensors" else _read_bin)(folder, files)
     validate_tensors(meta, cfg)
-    t1 = time.perf_counter()
+    t = [t0, time.perf_counter()]
     if layout == "stacked":
         params = params_from_hf(tensors, cfg, dtype)
     else:
         params = engine_params_from_hf(tensors, cfg, dtype, fuse=layout == "engine")
-    jax.block_until_ready(params)  # (the transfer's time, not the check's)
-    t2 = time.perf_counter()
-    check_finite(params)
-    t3 = time.perf_counter()
-    return LoadedCheckpoint(cfg, params, t3 - t0, files,
-                            dict(read_s=t1 - t0, convert_s=t2 - t1, check_finite_s=t3 - t2))
+    t.append(time.perf_counter())
+    check = _compiled_check(params)  # while the transfers run
+    t.append(time.perf_counter())
+    jax.block_until_ready(params)
+    t.append(time.perf_counter())
+    check_finite(params, check)
+    t.append(time.perf_counter())
+    names = ("open_s", "convert_s", "check_compile_s", "transfer_wait_s", "check_finite_s")
+    return LoadedCheckpoint(cfg, params, t[-1] - t0, files,
+                            {n: b - a for n, a, b in zip(names, t, t[1:])})
 
 
 @jax.jit
@@ -196,11 +202,26 @@ def _finite_leaves(params):
     return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), params)
 
 
-def check_finite(params) -> None:
+_CHECKS: dict = {}
+
+
+def _compiled_check(params):
+    """_finite_leaves compiled ahead for params' structure, shapes, dtypes and shardings (a
+    load compiles it while its transfers run, which a jitted call, made after them, would
+    not), kept per process like the jit's own cache."""
+    leaves, tree = jax.tree.flatten(params)
+    key = (tree, tuple((x.shape, str(x.dtype), str(getattr(x, "sharding", ""))) for x in leaves))
+    if key not in _CHECKS:
+        _CHECKS[key] = _finite_leaves.lower(params).compile()
+    return _CHECKS[key]
+
+
+def check_finite(params, compiled=None) -> None:
     """CheckpointError naming the weights that hold NaN or inf (after the dtype conversion):
     they would run, and give NaN logits whose argmax, token 0, reads as an end of sequence.
-    One small program over every weight, one fetch."""
-    ok = jax.device_get(_finite_leaves(params))
+    One small program over every weight, one fetch. compiled: that program compiled ahead
+    for these params (`_finite_leaves.lower(params).compile()`), else it is jitted here."""
+    ok = jax.device_get((compiled or _finite_leaves)(params))
     bad = [jax.tree_util.keystr(path) for path, fine in
            jax.tree_util.tree_flatten_with_path(ok)[0] if not fine]
     if bad:

@@ -82,7 +82,8 @@ def test_result_record_pins_the_code(tmp_path):
 
 def test_dirty_is_judged_by_content_not_by_the_index(tmp_path, monkeypatch):
     """A copied tree can carry an index whose stat data still matches edited files (same size,
-    same mtime), so `git diff` calls them clean; code_differs hashes the contents."""
+    same mtime), so `git diff` calls them clean; code_differs hashes the contents. Committed
+    symlinks and names git quotes (non-ASCII) read clean when unchanged."""
     import os
     import shutil
     import subprocess
@@ -91,22 +92,27 @@ def test_dirty_is_judged_by_content_not_by_the_index(tmp_path, monkeypatch):
 
     if shutil.which("git") is None:
         pytest.skip("no git")
-    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
-                                    cwd=tmp_path, check=True, capture_output=True)
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t",
+                                     "-c", "core.checkStat=minimal", *a], cwd=tmp_path,
+                                    capture_output=True)
     (tmp_path / "ouro_jax").mkdir()
     f = tmp_path / "ouro_jax" / "a.py"
     f.write_text("x = 1\n")
+    (tmp_path / "ouro_jax" / "\u00e9t\u00e9.py").write_text("z = 1\n")  # ls-tree quotes it
+    os.symlink("a.py", tmp_path / "ouro_jax" / "link.py")
     (tmp_path / "notes.txt").write_text("not code\n")
+    old = 1_000_000_000  # (2001: well before the index is written, so not racily clean)
+    os.utime(f, (old, old))
     git("init", "-q")
     git("add", ".")
     git("commit", "-q", "-m", "c")
     monkeypatch.setattr(record, "REPO_ROOT", str(tmp_path))
     assert not record.code_differs()
     assert not record.git_commit().endswith("+dirty")
-    st = os.stat(f)
-    f.write_text("x = 2\n")  # same size; the old mtime back
-    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert record.code_differs() and record.git_commit().endswith("+dirty")
+    f.write_text("x = 2\n")  # same size, and the old mtime back: a stale index's view
+    os.utime(f, (old, old))
+    assert git("diff", "--quiet", "HEAD").returncode == 0  # git sees no change ...
+    assert record.code_differs() and record.git_commit().endswith("+dirty")  # ... we do
     f.write_text("x = 1\n")
     (tmp_path / "notes.txt").write_text("changed, but not code\n")
     assert not record.code_differs()
@@ -405,7 +411,8 @@ def test_start_time_reports_each_phase_and_the_repeated_request(tmp_path, capsys
                        "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert set(rec["phases"]) == {"import_s", "backend_s", "load_s"}
-    assert set(rec["load_phases"]) == {"read_s", "convert_s", "check_finite_s", "tokenizer_s",
+    assert set(rec["load_phases"]) == {"open_s", "convert_s", "check_compile_s",
+                                       "transfer_wait_s", "check_finite_s", "tokenizer_s",
                                        "engine_s"}
     assert all(v >= 0 for v in rec["phases"].values())
     for run in ("first", "again"):

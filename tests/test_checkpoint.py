@@ -60,7 +60,8 @@ def test_reference_round_trip(tmp_path, dtype):
     ck = load_checkpoint(tmp_path, dtype)
     assert ck.config == cfg
     # its seconds, by phase (read, convert and transfer, the non-finite check)
-    assert set(ck.phases) == {"read_s", "convert_s", "check_finite_s"}
+    assert set(ck.phases) == {"open_s", "convert_s", "check_compile_s", "transfer_wait_s",
+                             "check_finite_s"}
     assert min(ck.phases.values()) >= 0
     assert sum(ck.phases.values()) == pytest.approx(ck.seconds, rel=1e-6)
     for name, arr in param_views(ck.params, cfg).items():
