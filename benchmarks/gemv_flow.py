@@ -7,7 +7,9 @@ one row (batch-1 decode).
 Each variant runs `layers` layer-sized steps in one jit, every layer with its own weights (so
 its ~102 MB stream from HBM, not L2) and its input being the previous layer's output, as in
 decode; the figure is microseconds per layer. `separate` is the engine's four kernels with
-its tilings (projections.STREAM_TUNING); a variant that changes a tiling is also timed as four
+its block sizes (projections.STREAM_TUNING) at the flow kernel's 4 warps (since session 31
+the engine runs qkv and gate/up at 8: this baseline isolates the handover, not the engine's
+speed); a variant that changes a tiling is also timed as four
 separate kernels with that tiling (`separate_us_per_layer`), so the difference it reports is
 the handover alone. Errors are against those separate kernels (the same math and register
 layout: expected 0), and `give_ups` must be 0 (else the results are wrong; such a variant
@@ -45,7 +47,8 @@ VARIANTS = {
     "flow4_pf2": dict(stages=4, l2_prefetch=2),
     "flow4_sleep": dict(stages=4, backoff=100),
     # gate/up at 8 blocks per program sets the kernel's registers (146 per thread offline,
-    # against o's 68 and down's 95 alone): fewer blocks, more programs resident per SM
+    # against o's 68 and down's 95 alone, at session 23's block_k 512): fewer blocks, more
+    # programs resident per SM
     "flow4_gu2": dict(stages=4, tiling=dict(gate_up=dict(per_program=2))),
     "flow4_gu4": dict(stages=4, tiling=dict(gate_up=dict(per_program=4))),
     "flow4_gu2_pf1": dict(stages=4, l2_prefetch=1, tiling=dict(gate_up=dict(per_program=2))),
@@ -102,8 +105,8 @@ def _qkv(lw, x1, d, t, interpret):
 
 
 def separate(ws, attn, h, tiling, interpret: bool = False):
-    """The engine's four kernels per layer (tiling: _freeze'd, a static jit argument);
-    returns the last layer's qkv output and x'."""
+    """The engine's four kernels per layer at 4 warps, the flow kernel's (tiling: _freeze'd,
+    a static jit argument); returns the last layer's qkv output and x'."""
     from pallas_kernels.gemv_stream import gemv_stream
     t, k = _thaw(tiling), attn.shape[1]
     for lw in ws:

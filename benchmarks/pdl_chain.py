@@ -43,8 +43,9 @@ from pallas_kernels._common import next_pow2
 # qkv, o, gate/up (gated: 2 x 5632 rows), down at the 1.4B shape: (n_out, K, gated)
 SHAPES = {"qkv": (6144, 2048, False), "o": (2048, 2048, False),
           "gate_up": (5632, 2048, True), "down": (2048, 5632, False)}
-# The engine's one-row streaming tilings (ouro_jax/projection_tuning.STREAM_TUNING):
-# (block_n, per_program, num_warps)
+# The engine's one-row streaming tilings up to session 30 (ouro_jax/projection_tuning.
+# STREAM_TUNING then; since session 31 qkv and gate/up read K in one 2048-wide block at 8
+# warps): (block_n, per_program, num_warps)
 TILING = {"qkv": (4, 4, 4), "o": (2, 2, 4), "gate_up": (2, 8, 4), "down": (1, 4, 4)}
 # arm: (MODE: 0 no wait, 1 wait at the start, 2 wait after the first weight block;
 #       LATE: 0 trigger at the start, 1 once the last block is requested, 2 no trigger)

@@ -203,20 +203,25 @@ def check_stream():
 
 def check_prologue():
     """The engine's qkv and gate/up streaming GEMVs with the add_norm prologue (the 1.4B
-    shapes, one row) as shipped, with fold_sums, row2d and both, and with the whole K = 2048
-    row as one chunk at 4 and 8 warps (benchmarks.gemv's fifth round): registers, and the
+    shapes, one row): at 512-wide chunks and 4 warps (shipped until session 30), with
+    fold_sums, row2d and both, and with the whole K = 2048 row as one chunk at 4 and 8 warps
+    (benchmarks.gemv's fifth round; 8 warps shipped since session 31): registers, and the
     barriers, shuffles and shared-memory traffic in their SASS (sass_counts)."""
     from benchmarks.gemv import SHAPES
     from ouro_jax.projections import STREAM_TUNING
-    variants = ({}, {"fold_sums": True}, {"row2d": True}, {"fold_sums": True, "row2d": True},
-                {"block_k": 2048}, {"block_k": 2048, "num_warps": 8})
+    k512 = {"block_k": 512, "num_warps": 4}  # spelled out: not whatever ships today
+    variants = (k512, dict(k512, fold_sums=True), dict(k512, row2d=True),
+                dict(k512, fold_sums=True, row2d=True), {"block_k": 2048, "num_warps": 4},
+                {"block_k": 2048, "num_warps": 8})
     for name in ("qkv", "gate_up"):
         n, k, gated = SHAPES[name]
         for var in variants:
             kw = dict(STREAM_TUNING[name], **var)
             _lower_stream(n, k, gated, kw, "add_norm")
             tag = "+".join(f"{key}={v}" if key in ("block_k", "num_warps") else key
-                           for key, v in var.items()) or "shipped"
+                           for key, v in var.items())
+            tag += " (shipped)" if all(kw[key] == STREAM_TUNING[name].get(key, False)
+                                       for key in kw) else ""
             compile_captured(f"prologue {name} {tag}", num_warps=kw["num_warps"],
                              num_stages=1, counts=True)
 
@@ -240,6 +245,7 @@ def check_gemm():
 def check_flow():
     """Every benchmarks/gemv_flow.py variant of the ticket-ordered chain (gemv_flow) on the
     1.4B shapes at one row: one kernel, whose registers are the largest stage's."""
+    from ouro_jax.projections import FLOW_NUM_WARPS
     from benchmarks.gemv_flow import INTER, K, VARIANTS, tilings
     from pallas_kernels.gemv_flow import gemv_flow, mlp_stages, state_size
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
@@ -254,13 +260,14 @@ def check_flow():
                          S((K, INTER), bf), S((3 * K, K), bf), vec,
                          S((state_size(v["stages"]),), jnp.int32)).lower(
             lowering_platforms=("cuda",))
-        compile_captured(f"flow {vname}", num_warps=4, num_stages=1)
+        compile_captured(f"flow {vname}", num_warps=FLOW_NUM_WARPS, num_stages=1)
     check_flow_layer()
 
 
 def check_flow_layer():
     """benchmarks.flow_layer's whole-layer kernel (the attention as a fifth stage) at the 1.4B
     shapes and one row, at num_stages 1 and 2."""
+    from ouro_jax.projections import FLOW_NUM_WARPS
     from benchmarks.flow_layer import CTX, HD, KVH, PAGE
     from benchmarks.gemv_flow import INTER, K
     from pallas_kernels.flow_attention import AttnStage
@@ -281,7 +288,7 @@ def check_flow_layer():
                          S((1, pages), i32), S((1,), i32), S((1,), i32), S((1,), i32),
                          S((1, KVH), i32), S((1, HD), bf), S((1, HD), bf),
                          S((state_size(5),), i32)).lower(lowering_platforms=("cuda",))
-        compile_captured(f"flow_layer flow5 ns{ns}", num_warps=4, num_stages=ns)
+        compile_captured(f"flow_layer flow5 ns{ns}", num_warps=FLOW_NUM_WARPS, num_stages=ns)
 
 
 def check_flow_o():
