@@ -11,6 +11,12 @@
 #      old 512-wide tiling: st4_k512_p4_w4, st2_k512_p8_w4), w16 (qkv st4_k2048_p4_w16,
 #      gate_up st2_k2048_p8_w16), w16q8 (qkv st8_k2048_p2_w16, gate_up as w16). PASSES
 #      (default 3) and AB_NAME (default k2048w8) name the passes and the result file.
+#      Decode attention arms (prepared in session 31, not yet run): one program per KV head
+#      reading the whole context in one tile, no splits and no combine kernel: a256w8
+#      (num_splits=1, block_t=256, 8 warps, 1 stage; offline 216 registers, 76 KB shared;
+#      at 4 warps it spills), a128w8 / a128w4 (block_t=128, two tiles at 192 keys, 2 stages).
+#      Session 9's one-split kernel read 32-key blocks in series (-4%); these read one or
+#      two. E.g. EARMS="default a256w8 a128w8 a128w4" AB_NAME=attn1.
 #   s. with w8, greedy native against k=4 d=2 speculative tokens (a default must keep them
 #      equal), batch 1 and 8.
 #   t. (H200 only) the batch-1 table rows at today's default code, k 0,2,4, T 0 and 0.8.
@@ -46,6 +52,9 @@ if on e; then
     k512) erun k512_p$2 --stream-tiling qkv=st4_k512_p4_w4,gate_up=st2_k512_p8_w4 ;;
     w16) erun w16_p$2 --stream-tiling qkv=st4_k2048_p4_w16,gate_up=st2_k2048_p8_w16 ;;
     w16q8) erun w16q8_p$2 --stream-tiling qkv=st8_k2048_p2_w16,gate_up=st2_k2048_p8_w16 ;;
+    a256w8) erun a256w8_p$2 --decode-kernel num_splits=1,block_t=256,num_warps=8,num_stages=1 ;;
+    a128w8) erun a128w8_p$2 --decode-kernel num_splits=1,block_t=128,num_warps=8,num_stages=2 ;;
+    a128w4) erun a128w4_p$2 --decode-kernel num_splits=1,block_t=128,num_warps=4,num_stages=2 ;;
   esac; }
   # (session 31's second call ran "default w8 w8o w8x2 w8d fold", before w8 became the
   # default; since then default = w8, and k512 is the old tiling)

@@ -1,7 +1,7 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --stream | --flow | --flow-o | --prologue]
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --stream | --flow | --flow-o | --prologue | --decode-b1]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints
@@ -323,7 +323,40 @@ def main():
         return _main()
 
 
+# Batch-1 decode attention tilings for the engine's fused-write kernel (--decode-b1): the
+# default (32-key blocks, the splits choose_num_splits picks, an XLA combine after), and one
+# program per KV head reading the whole context in one or two tiles (no splits, no combine;
+# session 31's lead: a one-split kernel with 32-key blocks read its keys in series).
+DECODE_B1_TILINGS = (dict(), dict(num_splits=1, block_t=256, num_warps=4, num_stages=1),
+                     dict(num_splits=1, block_t=256, num_warps=8, num_stages=1),
+                     dict(num_splits=1, block_t=128, num_warps=4, num_stages=2),
+                     dict(num_splits=1, block_t=128, num_warps=8, num_stages=2))
+
+
+def check_decode_b1():
+    """paged_decode_attention_qkv at batch 1 and the 1.4B shapes (16 KV heads of 128, bf16,
+    RoPE, the fused K/V write), 208 keys of capacity (the benchmark's 128 + 64 + a page),
+    per DECODE_B1_TILINGS: registers and shared memory."""
+    from pallas_kernels import paged_decode_attention_qkv
+    from pallas_kernels.decode import key_tiling
+    S, i32, bf = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    kc = S((8, 64, 16, 16, 128), bf)
+    for kw in DECODE_B1_TILINGS:
+        def fq(qkv, kc_, vc_, e, bt, ln, pg, sl, cs, sn, kw=kw):
+            return paged_decode_attention_qkv(qkv, kc_, vc_, e, bt, ln, pg, sl,
+                                              rope=(cs, sn), **kw)
+        jax.jit(fq).trace(S((1, 48, 128), bf), kc, kc, S((), i32), S((1, 13), i32),
+                          S((1,), i32), S((1,), i32), S((1,), i32), S((1, 128), bf),
+                          S((1, 128), bf)).lower(lowering_platforms=("cuda",))
+        bt, ns, _ = key_tiling(1, 16, 1, bf, 13 * 16, True, block_t=kw.get("block_t"),
+                               num_splits=kw.get("num_splits"))
+        compile_captured(f"decode b1 block_t {bt} splits {ns} warps {kw.get('num_warps', 4)}",
+                         num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 2))
+
+
 def _main():
+    if "--decode-b1" in sys.argv:
+        return check_decode_b1()
     if "--gemv" in sys.argv:
         return check_gemv()
     if "--gemm" in sys.argv:

@@ -16,6 +16,10 @@ from pallas_kernels import paged_decode_attention_qkv, paged_decode_attention_re
     (jnp.float32, 2, 1, dict(block_t=4, num_splits=3)),
     (jnp.bfloat16, 2, 4, dict(block_t=4, num_splits=2)),
     (jnp.bfloat16, 2, 1, dict(block_t=4, num_splits=1)),
+    # one split reading the whole context in one tile wider than it (the longest row has 23
+    # keys), or in two: session 31's prepared batch-1 arms (block_t 256 / 128 at 192 keys)
+    (jnp.bfloat16, 2, 1, dict(block_t=32, num_splits=1)),
+    (jnp.float32, 2, 1, dict(block_t=16, num_splits=1)),
 ])
 def test_decode_kernel_with_fused_kv_write(dtype, kvh, group, kw):
     """paged_decode_attention_qkv writes the new token's K/V into the cache (the slot held
