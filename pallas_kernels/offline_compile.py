@@ -335,7 +335,8 @@ DECODE_B1_TILINGS = (dict(), dict(num_splits=1, block_t=256, num_warps=4, num_st
 
 def check_decode_b1():
     """paged_decode_attention_qkv at batch 1 and the 1.4B shapes (16 KV heads of 128, bf16,
-    RoPE, the fused K/V write), 208 keys of capacity (the benchmark's 128 + 64 + a page),
+    RoPE, the fused K/V write), a block table of 13 pages of 16 keys (about the benchmark's
+    128 + 64; the engine's own grid had 5 splits in session 30's profile, 16 x 5 programs),
     per DECODE_B1_TILINGS: registers and shared memory."""
     from pallas_kernels import paged_decode_attention_qkv
     from pallas_kernels.decode import key_tiling

@@ -140,7 +140,7 @@ def test_offline_compile_lowers_the_batch1_tilings(monkeypatch):
     """`python -m pallas_kernels.offline_compile --decode-b1` (the sm_90 pre-flight of the
     batch-1 attention tilings the next GPU call times): each lowers to one Triton kernel at
     the 1.4B shapes, and the tag names the split and block it resolved to (the default
-    splits 208 keys of capacity six ways at 32 keys; the others run unsplit)."""
+    splits a 13-page table six ways at 32 keys; the others run unsplit)."""
     from jax._src.pallas.triton import pallas_call_registration as reg
     from pallas_kernels import offline_compile as oc
     tags = []
