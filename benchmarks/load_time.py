@@ -58,25 +58,9 @@ def timed_load(folder: str, dtype: str, layout: str = "stacked", unstack: bool =
 
 
 def phases(folder: str, dtype: str) -> dict[str, float]:
-    """One load split into its steps (same calls as load_checkpoint)."""
-    out = {}
-    t = time.perf_counter()
-    cfg = L.OuroConfig.from_json(folder)
-    kind, files = L._weight_files(folder)
-    reader = L._read_safetensors if kind == "safetensors" else L._read_bin
-    tensors, meta = reader(folder, files)
-    out["open_and_headers_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    L.validate_tensors(meta, cfg)
-    out["validate_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    params = L.params_from_hf(tensors, cfg, L.resolve_dtype(dtype))
-    jax.block_until_ready(params)
-    out["stack_and_transfer_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    L.check_finite(params)  # (load_checkpoint's last step since session 29)
-    out["check_finite_s"] = time.perf_counter() - t
-    return out
+    """One load (stacked layout) split into its steps: load_checkpoint's own phases (open,
+    convert, check_compile, transfer_wait, check_finite; convert.load.LoadedCheckpoint)."""
+    return dict(L.load_checkpoint(folder, dtype).phases)
 
 
 def main(argv=None) -> int:
