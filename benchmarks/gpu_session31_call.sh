@@ -32,8 +32,10 @@
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session31_call.sh; STEPS= a subset
 # of "estcngr" (default estc; they run in the order e s n g t r c; t, r and c run on an H200
 # only unless FORCE_TC=1); CAP= seconds (default 560). Step c's CLI runs print their
-# load_phases (since session 31) in the stats JSON.
+# load_phases (since session 31) in the stats JSON. SESSION (default session31) tags the
+# result files: sessions after 31 reuse this script with SESSION=sessionNN.
 CAP=${CAP:-560}
+S=${SESSION:-session31}
 . benchmarks/gpu_call_setup.sh
 STEPS=${STEPS:-estc}
 on() { [[ $STEPS == *$1* ]]; }
@@ -64,23 +66,23 @@ if on e; then
     [ $((p % 2)) = 0 ] && order=$(echo $EARMS | tr ' ' '\n' | tac) || order=$EARMS
     for a in $order; do arm $a $p; done
   done
-  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_${AB_NAME:-k2048w8}_session31_$G.json
+  ls $A/*.json >/dev/null 2>&1 && python3 -m benchmarks.ab_arms $A $OUT/ab_b1_${AB_NAME:-k2048w8}_${S}_$G.json
   echo "e done at $SECONDS s"
 fi
 if on s && [ $SECONDS -lt $((CAP - 60)) ]; then
   timeout -s KILL $(left 120) $D --batch 1,8 --temperature 0 --k 0,4 --repeats 1 \
-    --stream-tiling $W8 --out $OUT/decode_w8_spec_session31_$G.json 2>&1 \
+    --stream-tiling $W8 --out $OUT/decode_w8_spec_${S}_$G.json 2>&1 \
     | grep -E "^ *[0-9]+ +(native|spec)|rror" | cut -c1-300
   python3 -c "import json,sys; print('greedy_token_match', json.load(open(sys.argv[1]))['greedy_token_match'])" \
-    $OUT/decode_w8_spec_session31_$G.json 2>&1 | cut -c1-400
+    $OUT/decode_w8_spec_${S}_$G.json 2>&1 | cut -c1-400
   echo "s done at $SECONDS s"
 fi
 if on n && [ $SECONDS -lt $((CAP - 90)) ]; then
   . benchmarks/gpu_ncu.sh
-  NCU_TAG=_session31
+  NCU_TAG=_$S
   ncu_run b1_w8 90 'gemv_stream|paged_decode_attention' 300 6 $D --batch 1 --temperature 0 \
     --k 0 --repeats 1 --warmup 0 --new-tokens 8 --compile-cache /tmp/cc_ncu
-  mv $OUT/ncu_b1_w8_log.txt $OUT/ncu_b1_w8_session31_${G}_log.txt 2>/dev/null
+  mv $OUT/ncu_b1_w8_log.txt $OUT/ncu_b1_w8_${S}_${G}_log.txt 2>/dev/null
   echo "n done at $SECONDS s"
 fi
 if on g && [ $SECONDS -lt $((CAP - 60)) ]; then
@@ -92,18 +94,18 @@ fi
 TC=${FORCE_TC:-0}; [ $G = h200 ] && TC=1
 if on t && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 90)) ]; then
   timeout -s KILL $(left 150) $D --batch 1 --k 0,2,4 --temperature 0,0.8 \
-    --out $OUT/decode_b1_session31_$G.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
+    --out $OUT/decode_b1_${S}_$G.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
   echo "t done at $SECONDS s"
 fi
 if on r && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 120)) ]; then
   # the table cells session 31's H200 calls did not rerun: k=2 greedy beyond batch 1, and
   # speculative T=0.8 beyond batch 1
   timeout -s KILL $(left 300) $D --batch 8,32,64 --k 2,4 --temperature 0,0.8 \
-    --out $OUT/decode_rest_session31_$G.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
+    --out $OUT/decode_rest_${S}_$G.json 2>&1 | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
   echo "r done at $SECONDS s"
 fi
 if on c && [ $TC = 1 ] && [ $SECONDS -lt $((CAP - 90)) ]; then
-  STEPS=3 CLI_K="0 4" TAG=_session31 CAP=$(left 150) OUT=$OUT \
+  STEPS=3 CLI_K="0 4" TAG=_$S CAP=$(left 150) OUT=$OUT \
     bash benchmarks/gpu_session19_call.sh 2>&1 | tail -12
   echo "c done at $SECONDS s"
 fi
