@@ -56,11 +56,13 @@ class LoadedCheckpoint:
     seconds: float
     files: list[str]
     # seconds per phase (load_checkpoint): open_s (config, file headers or unpickling,
-    # validation; safetensors are memory-mapped, not read), convert_s (the dtype conversion
-    # and layout on the host, which reads the mapped bytes, so a cold page cache shows here,
-    # and the transfers' dispatch, which starts the JAX backend on a first use),
+    # validation; safetensors are memory-mapped, not read), backend_s (the JAX backend's
+    # start on a process's first use, else ~0), convert_s (the dtype conversion and layout
+    # on the host, which reads the mapped bytes, so a cold page cache shows here), put_s
+    # (the jax.device_put calls: on a GPU the host-side staging of every byte),
     # check_compile_s (the non-finite check's compile, while the transfers run),
-    # transfer_wait_s (what is left of the transfers), check_finite_s (the check itself)
+    # transfer_wait_s (what is left of the transfers), check_finite_s (the check itself);
+    # they add up to `seconds`
     phases: dict = field(default_factory=dict)
 
 
@@ -181,10 +183,14 @@ def load_checkpoint(folder: str | os.PathLike, dtype="bf16",
     tensors, meta = (_read_safetensors if kind == "safetensors" else _read_bin)(folder, files)
     validate_tensors(meta, cfg)
     t = [t0, time.perf_counter()]
+    jax.devices()  # the backend's start (CUDA context, XLA client) on a process's first use
+    t.append(time.perf_counter())
+    times = {}
     if layout == "stacked":
-        params = params_from_hf(tensors, cfg, dtype)
+        params = params_from_hf(tensors, cfg, dtype, times=times)
     else:
-        params = engine_params_from_hf(tensors, cfg, dtype, fuse=layout == "engine")
+        params = engine_params_from_hf(tensors, cfg, dtype, fuse=layout == "engine",
+                                       times=times)
     t.append(time.perf_counter())
     check = _compiled_check(params)  # while the transfers run
     t.append(time.perf_counter())
@@ -192,9 +198,15 @@ def load_checkpoint(folder: str | os.PathLike, dtype="bf16",
     t.append(time.perf_counter())
     check_finite(params, check)
     t.append(time.perf_counter())
-    names = ("open_s", "convert_s", "check_compile_s", "transfer_wait_s", "check_finite_s")
-    return LoadedCheckpoint(cfg, params, t[-1] - t0, files,
-                            {n: b - a for n, a, b in zip(names, t, t[1:])})
+    names = ("open_s", "backend_s", "convert_s", "check_compile_s", "transfer_wait_s",
+             "check_finite_s")
+    phases = {n: b - a for n, a, b in zip(names, t, t[1:])}
+    # the convert step's seconds hold the host work and the device_put calls: split them
+    put = min(times["put_s"], phases["convert_s"])
+    phases = {n: v for name, s in phases.items()
+              for n, v in ([(name, s - put), ("put_s", put)] if name == "convert_s"
+                           else [(name, s)])}
+    return LoadedCheckpoint(cfg, params, t[-1] - t0, files, phases)
 
 
 @jax.jit

@@ -9,6 +9,7 @@ axis so one `lax.scan` body serves every layer (small programs, fast compiles).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional
 
 import jax
@@ -144,54 +145,83 @@ def random_params_numpy(cfg: OuroConfig, seed: int = 0, dtype=np.float32,
     return out
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], cfg: OuroConfig, dtype) -> OuroParams:
-    """Stacks already-validated HF tensors (numpy) into an OuroParams on the default device."""
+def params_from_hf(tensors: dict[str, np.ndarray], cfg: OuroConfig, dtype,
+                   times: Optional[dict] = None) -> OuroParams:
+    """Stacks already-validated HF tensors (numpy) into an OuroParams on the default device.
+    times: if given, times["put_s"] gets the seconds spent handing arrays to the device."""
     dtype = jnp.dtype(dtype)
+    put = _Put(times)
     layers = {}
     for suffix, field in LAYER_TENSORS.items():
         stacked = np.stack([np.asarray(tensors[f"model.layers.{i}.{suffix}"])
                             for i in range(cfg.num_hidden_layers)])
-        layers[field] = jnp.asarray(stacked.astype(dtype, copy=False))
-    glob = {field: jnp.asarray(np.asarray(tensors[name]).astype(dtype, copy=False))
-            for name, field in GLOBAL_TENSORS.items()}
+        layers[field] = put(stacked.astype(dtype, copy=False), True)
+    glob = {field: put(*_cast(tensors[name], dtype)) for name, field in GLOBAL_TENSORS.items()}
     return OuroParams(layers=LayerParams(**layers), **glob)
 
 
-def _to_device(x: np.ndarray, made_here: bool) -> jax.Array:
-    """A host array on the default device that shares no memory with its source: on a CPU
-    jax.device_put may keep a view of an aligned input, which for a memory-mapped tensor
-    would make the weights change (or fault) when the file is rewritten, and for a caller's
-    array when the caller changes it. Arrays made here (casts, concatenations) are handed
-    over as they are; anything else is copied first, explicitly."""
-    return jax.device_put(x if made_here else np.array(x))
+def _cast(a, dtype) -> tuple[np.ndarray, bool]:
+    """(the tensor in `dtype`, whether that is a new array): a memmap stays a view."""
+    src = np.asarray(a)
+    out = src.astype(dtype, copy=False)
+    return out, out is not src
+
+
+def _default_platform() -> str:
+    """The platform jax.device_put (no device given) puts on."""
+    d = jax.config.jax_default_device
+    if d is None:
+        return jax.devices()[0].platform  # (starts the backend if it is new)
+    return d if isinstance(d, str) else d.platform
+
+
+class _Put:
+    """Hands host arrays to the default device so that the result shares no memory with its
+    source: on a CPU jax.device_put may keep a view of an aligned input, which for a
+    memory-mapped tensor would make the weights change (or fault) when the file is
+    rewritten, and for a caller's array when the caller changes it. There, arrays made here
+    (casts, concatenations) are handed over as they are and anything else is copied first,
+    explicitly. On a GPU the transfer copies into device memory, so that host copy (1.15 GB
+    for the 1.4B model in bf16: o, down, the embeddings) would be a second pass over the
+    mapped bytes for nothing, and is skipped. Seconds spent go to times["put_s"]."""
+
+    def __init__(self, times: Optional[dict] = None):
+        self.times = times
+        self.copy_views = _default_platform() == "cpu"
+        if times is not None:
+            times.setdefault("put_s", 0.0)
+
+    def __call__(self, x: np.ndarray, made_here: bool) -> jax.Array:
+        t = time.perf_counter()
+        out = jax.device_put(x if made_here or not self.copy_views else np.array(x))
+        if self.times is not None:
+            self.times["put_s"] += time.perf_counter() - t
+        return out
 
 
 def engine_params_from_hf(tensors: dict[str, np.ndarray], cfg: OuroConfig, dtype,
-                          fuse: bool = True) -> OuroParams:
+                          fuse: bool = True, times: Optional[dict] = None) -> OuroParams:
     """The engine's layout straight from validated HF tensors: one LayerParams per layer
     (what model.unstack_layers makes of stacked weights), with q/k/v and gate/up
     concatenated on the host when `fuse`. Same values as params_from_hf followed by
     unstack_layers, without the stacked copy and the device-side slicing and concatenation
     (1.4B bf16 on a 2-core CPU: 3.80 s -> 0.76 s, benchmarks.load_time; load_checkpoint's
-    non-finite check, since session 29, adds 0.9-1.2 s there, load_check_session30_cpu.json)."""
+    non-finite check, since session 29, adds 0.9-1.2 s there, load_check_session30_cpu.json).
+    times: as params_from_hf's."""
     dtype = jnp.dtype(dtype)
-
-    def host(a):  # (the tensor in `dtype`, whether that is a new array): a memmap stays a view
-        src = np.asarray(a)
-        out = src.astype(dtype, copy=False)
-        return out, out is not src
+    put = _Put(times)
 
     layers = []
     for i in range(cfg.num_hidden_layers):
-        t = {field: host(tensors[f"model.layers.{i}.{suffix}"])
+        t = {field: _cast(tensors[f"model.layers.{i}.{suffix}"], dtype)
              for suffix, field in LAYER_TENSORS.items()}
         if fuse:
             for name, parts in FUSED.items():
                 t[name] = (np.concatenate([t.pop(n)[0] for n in parts]), True)
         # the fused-away fields stay None, as unstack_layers(fuse=True) leaves them
         layers.append(LayerParams(**(dict.fromkeys(LAYER_TENSORS.values()) |
-                                     {k: _to_device(*v) for k, v in t.items()})))
-    glob = {field: _to_device(*host(tensors[name])) for name, field in GLOBAL_TENSORS.items()}
+                                     {k: put(*v) for k, v in t.items()})))
+    glob = {field: put(*_cast(tensors[name], dtype)) for name, field in GLOBAL_TENSORS.items()}
     return OuroParams(layers=tuple(layers), **glob)
 
 

@@ -411,9 +411,9 @@ def test_start_time_reports_each_phase_and_the_repeated_request(tmp_path, capsys
                        "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert set(rec["phases"]) == {"import_s", "backend_s", "load_s"}
-    assert set(rec["load_phases"]) == {"open_s", "convert_s", "check_compile_s",
-                                       "transfer_wait_s", "check_finite_s", "tokenizer_s",
-                                       "engine_s"}
+    assert set(rec["load_phases"]) == {"open_s", "backend_s", "convert_s", "put_s",
+                                       "check_compile_s", "transfer_wait_s",
+                                       "check_finite_s", "tokenizer_s", "engine_s"}
     assert all(v >= 0 for v in rec["phases"].values())
     for run in ("first", "again"):
         assert rec[run]["generated_tokens"] == 3 and rec[run]["spec"]["rounds"] >= 1
@@ -440,6 +440,6 @@ def test_load_time_phases_follow_load_checkpoint_including_the_finite_check():
     from benchmarks.load_time import phases
     from ouro_jax.api import DEMO_MODEL_DIR
     got = phases(DEMO_MODEL_DIR, "bf16")
-    assert list(got) == ["open_s", "convert_s", "check_compile_s", "transfer_wait_s",
-                         "check_finite_s"]
+    assert list(got) == ["open_s", "backend_s", "convert_s", "put_s", "check_compile_s",
+                         "transfer_wait_s", "check_finite_s"]
     assert all(v >= 0 for v in got.values())

@@ -5,6 +5,7 @@ nothing loads half-way), and `.bin` pickles that try to run code."""
 from __future__ import annotations
 
 import builtins
+import functools
 import json
 import os
 
@@ -60,8 +61,8 @@ def test_reference_round_trip(tmp_path, dtype):
     ck = load_checkpoint(tmp_path, dtype)
     assert ck.config == cfg
     # its seconds, by phase (read, convert and transfer, the non-finite check)
-    assert set(ck.phases) == {"open_s", "convert_s", "check_compile_s", "transfer_wait_s",
-                             "check_finite_s"}
+    assert set(ck.phases) == {"open_s", "backend_s", "convert_s", "put_s", "check_compile_s",
+                             "transfer_wait_s", "check_finite_s"}
     assert min(ck.phases.values()) >= 0
     assert sum(ck.phases.values()) == pytest.approx(ck.seconds, rel=1e-6)
     for name, arr in param_views(ck.params, cfg).items():
@@ -191,6 +192,32 @@ def test_engine_weights_do_not_alias_a_memory_mapped_file(tmp_path, fuse):
         assert_bits_equal(np.asarray(a), b)
 
 
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_host_copies_only_where_device_put_may_alias(platform, stacked, monkeypatch):
+    """On a CPU the tensors handed in (same dtype, so not cast) go to jax.device_put as
+    copies; on a GPU device_put itself copies into device memory, so they go as they are (a
+    second host pass over 1.15 GB of the 1.4B model's mapped bytes, skipped). Either way
+    the seconds spent in device_put are counted in times["put_s"]."""
+    from ouro_jax import params as params_mod
+    cfg = TINY_MQA_ODD
+    tensors = tensors_for(cfg, BF16)
+    seen, real = [], jax.device_put
+    monkeypatch.setattr(params_mod, "_default_platform", lambda: platform)
+    monkeypatch.setattr(params_mod.jax, "device_put", lambda x, *a, **k: (
+        seen.append(x), real(x, *a, **k))[1])
+    times = {}
+    build = (params_mod.params_from_hf if stacked else
+             functools.partial(params_mod.engine_params_from_hf, fuse=False))
+    build(tensors, cfg, jnp.bfloat16, times=times)
+    views = [x for x in seen if any(x is t for t in tensors.values())]
+    shared = [x for x in seen if any(np.shares_memory(x, t) for t in tensors.values())]
+    # stacked: only the global tensors go as they are; per layer: every tensor
+    assert len(views) == len(shared) == (0 if platform == "cpu" else
+                                         len(GLOBAL_TENSORS) if stacked else len(tensors))
+    assert times["put_s"] > 0
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_bf16_loads_as_bf16_without_fp32(tmp_path, fmt, monkeypatch):
     cfg = TINY_MQA_ODD
@@ -199,9 +226,9 @@ def test_bf16_loads_as_bf16_without_fp32(tmp_path, fmt, monkeypatch):
     seen = []
     real = load_mod.params_from_hf
 
-    def spy(ts, cfg_, dtype):  # what the loader hands to the stacking step
+    def spy(ts, cfg_, dtype, **kw):  # what the loader hands to the stacking step
         seen.extend(np.asarray(v).dtype for v in ts.values())
-        return real(ts, cfg_, dtype)
+        return real(ts, cfg_, dtype, **kw)
 
     monkeypatch.setattr(load_mod, "params_from_hf", spy)
     ck = load_checkpoint(tmp_path, "bf16")

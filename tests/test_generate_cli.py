@@ -31,8 +31,8 @@ def test_json_output_per_request_plus_stats(capsys, tmp_path):
     # where the load went: the checkpoint's read, conversion and check, the tokenizer and the
     # engine's construction, which together are the load (within the timer's own overhead)
     phases = stats["load_phases"]
-    assert set(phases) == {"open_s", "convert_s", "check_compile_s", "transfer_wait_s",
-                           "check_finite_s", "tokenizer_s", "engine_s"}
+    assert set(phases) == {"open_s", "backend_s", "convert_s", "put_s", "check_compile_s",
+                           "transfer_wait_s", "check_finite_s", "tokenizer_s", "engine_s"}
     assert all(v >= 0 for v in phases.values())
     assert 0.5 * stats["load_s"] <= sum(phases.values()) <= stats["load_s"]
 
