@@ -23,6 +23,8 @@
 #   c. (H200 only) the CLI's first and cached start, native and k=4 (session 19's step 3).
 #   r. (H200 only) the table's cells not rerun in session 31: batch 8, 32, 64 at k=2 and
 #      k=4, greedy and T=0.8 (k=4 greedy again, for the ratio in the same run).
+#   m. (session 32) o_merge: tests/test_gemv_merge.py's GPU test, and greedy native against
+#      k=4 d=2 speculative tokens with o_merge at batch 1.
 #   n. (after w8 became the default) ncu on a decode step's six Pallas kernels, as in
 #      session 30's profile (ncu_b1_session30_h100_*), to see what the one-chunk prologue
 #      changed in the stalls.
@@ -30,7 +32,7 @@
 #      (which compile the engine's tilings through the triton package) and gemv_flow's
 #      (whose stages follow the engine's block sizes).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session31_call.sh; STEPS= a subset
-# of "estcngr" (default estc; they run in the order e s n g t r c; t, r and c run on an H200
+# of "estcngrm" (default estc; they run in the order e s m n g t r c; t, r and c run on an H200
 # only unless FORCE_TC=1); CAP= seconds (default 560). Step c's CLI runs print their
 # load_phases (since session 31) in the stats JSON. SESSION (default session31) tags the
 # result files: sessions after 31 reuse this script with SESSION=sessionNN.
@@ -57,6 +59,11 @@ if on e; then
     a256w8) erun a256w8_p$2 --decode-kernel num_splits=1,block_t=256,num_warps=8,num_stages=1 ;;
     a128w8) erun a128w8_p$2 --decode-kernel num_splits=1,block_t=128,num_warps=8,num_stages=2 ;;
     a128w4) erun a128w4_p$2 --decode-kernel num_splits=1,block_t=128,num_warps=4,num_stages=2 ;;
+    om) erun om_p$2 --decode-kernel o_merge=1 ;;
+    om4) erun om4_p$2 --decode-kernel o_merge=1 --stream-tiling o=st4_k512_p2_w4 ;;
+    om44) erun om44_p$2 --decode-kernel o_merge=1 --stream-tiling o=st4_k512_p4_w4 ;;
+    omk) erun omk_p$2 --decode-kernel o_merge=1 --stream-tiling o=st2_k2048_p2_w8 ;;
+    o4) erun o4_p$2 --stream-tiling o=st4_k512_p2_w4 ;;
   esac; }
   # (session 31's second call ran "default w8 w8o w8x2 w8d fold", before w8 became the
   # default; since then default = w8, and k512 is the old tiling)
@@ -76,6 +83,18 @@ if on s && [ $SECONDS -lt $((CAP - 60)) ]; then
   python3 -c "import json,sys; print('greedy_token_match', json.load(open(sys.argv[1]))['greedy_token_match'])" \
     $OUT/decode_w8_spec_${S}_$G.json 2>&1 | cut -c1-400
   echo "s done at $SECONDS s"
+fi
+if on m && [ $SECONDS -lt $((CAP - 60)) ]; then
+  # session 32: o_merge (the o GEMV merges the decode splits): its GPU test, then greedy
+  # native against k=4 d=2 speculative tokens with it, batch 1
+  timeout -s KILL $(left 120) python3 -m pytest -q -s -m gpu tests/test_gemv_merge.py 2>&1 \
+    | grep -E "passed|failed|bit-equal|Error|assert" | tail -8 | cut -c1-300
+  timeout -s KILL $(left 120) $D --batch 1 --temperature 0 --k 0,4 --repeats 1 \
+    --decode-kernel o_merge=1 --out $OUT/decode_o_merge_spec_${S}_$G.json 2>&1 \
+    | grep -E "^ *[0-9]+ +(native|spec)|rror" | cut -c1-300
+  python3 -c "import json,sys; print('greedy_token_match', json.load(open(sys.argv[1]))['greedy_token_match'])" \
+    $OUT/decode_o_merge_spec_${S}_$G.json 2>&1 | cut -c1-400
+  echo "m done at $SECONDS s"
 fi
 if on n && [ $SECONDS -lt $((CAP - 90)) ]; then
   . benchmarks/gpu_ncu.sh

@@ -11,13 +11,15 @@ from __future__ import annotations
 # o_w_early / o_split (its split_keys) as its tuning; other batch sizes are unchanged
 # mgpu=1: decode runs pallas_kernels.decode_mgpu_paged (Mosaic GPU, no splits; ouro_jax.
 # attention.MGPU_DECODE), tiled by mgpu_block (positions per K/V block) and mgpu_stages
+# o_merge=1: one-row decode leaves its split partials to the o projection's streaming GEMV,
+# which merges them in its prologue (ouro_jax.attention.O_MERGE, pallas_kernels.gemv_merge)
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine", "pdl",
                       "fuse_o", "o_block_n", "o_w_early", "o_split", "flow_o",
                       "flow_o_block_n", "flow_o_per_program", "mgpu", "mgpu_block",
-                      "mgpu_stages")
+                      "mgpu_stages", "o_merge")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages")
 BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early", "o_split", "flow_o",
-                    "mgpu")
+                    "mgpu", "o_merge")
 # tile sizes, Triton warps
 POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps", "o_block_n", "flow_o_block_n",
                     "mgpu_block")

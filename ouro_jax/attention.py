@@ -23,6 +23,7 @@ from ouro_jax import trace_once
 from ouro_jax.config import OuroConfig
 from ouro_jax.kv_cache import TRASH_PAGE, gather_kv, slot_indices, write_kv
 from ouro_jax.model import attention_core
+from ouro_jax.split_attn import SplitAttn
 
 BACKENDS = ("auto", "xla", "pallas")
 # Pallas decode (fused K/V write): merge the flash-decoding splits inside the decode kernel
@@ -60,6 +61,12 @@ FUSE_O = False
 # mgpu=1[,mgpu_block=B,mgpu_stages=S]`
 # turns it on for a run. Read when an engine compiles its programs.
 MGPU_DECODE = False
+# Pallas decode at one row (fused K/V write): the decode kernel's split partials go to the o
+# projection unmerged (ouro_jax.split_attn.SplitAttn), whose streaming GEMV merges them in
+# its prologue (pallas_kernels.gemv_merge) while its first weight blocks are in flight: no
+# XLA combine kernel. Off until measured on a GPU; `benchmarks.decode --decode-kernel
+# o_merge=1` turns it on for a run. Read when an engine compiles its programs.
+O_MERGE = False
 
 
 def _fused_o_tuning() -> dict:
@@ -181,6 +188,11 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
         cfg, b, block_tables.shape[1] * page_size, merge_splits)
     if b == 1:  # the persistent decode kernel's inputs (ouro_jax.persistent)
         attend.chain_attention = _chain_attention(block_tables, kv_lens, page, slot)
+    o_merge = bool(pk.decode.TUNING.get("o_merge", O_MERGE))
+    if o_merge and (last_combine or fuse_o or flow_o or pk.decode.TUNING.get("mgpu")):
+        raise ValueError("decode kernel tuning: o_merge (the o projection merges the splits) "
+                         "takes none of last_combine, fuse_o, flow_o, mgpu (or '+flow5')")
+    o_merge = o_merge and b == 1
     if _mgpu_decode(last_combine, fuse_o, flow_o):
         attend.qkv = _mgpu_attend_qkv(num_layers, block_tables, kv_lens, page, slot,
                                       interpret)
@@ -193,8 +205,11 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
         out, kc, vc, *cnt = trace_once.call(
             pk.paged_decode_attention_qkv, qkv[:, 0], planes[0], planes[1],
             _entry(loop, layer), block_tables, kv_lens, page[:, 0], slot[:, 0],
-            **dict(new_token, rope=(cos[:, 0], sin[:, 0])), **counters)
-        return out[:, None], (kc, vc, *cnt, *planes[3 if last_combine else 2:])
+            **dict(new_token, rope=(cos[:, 0], sin[:, 0])), **counters,
+            **(dict(defer_merge=True) if o_merge else {}))
+        # o_merge: (partials, log-sum-exps) when there are splits to merge
+        out = SplitAttn(*out, (b, 1), qkv.dtype) if isinstance(out, tuple) else out[:, None]
+        return out, (kc, vc, *cnt, *planes[3 if last_combine else 2:])
 
     if last_combine or fuse_o:
         # The decode kernel merges its splits itself (or the fused kernel sums its heads'

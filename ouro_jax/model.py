@@ -30,6 +30,7 @@ from ouro_jax.exit import (ExitSpec, exit_cdf, exit_probabilities,  # noqa: F401
 from ouro_jax.params import FUSED, LayerParams, OuroParams
 from ouro_jax.projections import XLA as _XLAProjections
 from ouro_jax.projections import Prepared, Residual
+from ouro_jax.split_attn import SplitAttn
 
 XLA_PROJECTIONS = _XLAProjections()
 
@@ -166,8 +167,10 @@ def decoder_layer(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendF
                                            proj)
     lead = x.shape[:-1]
     if not projected:
-        attn = attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim)
+        if not isinstance(attn, SplitAttn):  # (o_merge: the o projection merges the splits)
+            attn = attn.reshape(*lead, cfg.num_attention_heads * cfg.head_dim)
         if hasattr(proj, "flows") and proj.flows(attn, lp):
+            attn = attn.merged() if isinstance(attn, SplitAttn) else attn
             return _mlp_flow(proj, attn, x, lp, eps, flow, next_lp, attend, cos, sin, state,
                              loop, layer)
         attn = proj.project("o", attn, lp.o_proj, next_weight=None if lp.gate_up_proj is None

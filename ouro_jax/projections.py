@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 
 from ouro_jax import trace_once
+from ouro_jax.split_attn import SplitAttn, project_o
 
 # The tables and fits live in projection_tuning; re-exported here, where callers and
 # benchmarks.tuning have always found them (the same dict objects).
@@ -92,8 +93,9 @@ class XLA:
 
     def project(self, name: str, x: jax.Array, w: jax.Array, next_weight=None) -> jax.Array:
         """x @ w^T. next_weight: (weight, segments) a later projection reads; only the
-        streaming GEMV uses it (an L2 prefetch, STREAM_TUNING's next_rows), never the result."""
-        return _linear(x, w)
+        streaming GEMV uses it (an L2 prefetch, STREAM_TUNING's next_rows), never the result.
+        x may be a split_attn.SplitAttn (o_merge), merged here first."""
+        return _linear(x.merged() if isinstance(x, SplitAttn) else x, w)
 
     def gated(self, x: jax.Array, w: jax.Array, next_weight=None) -> jax.Array:
         from ouro_jax.model import silu
@@ -312,6 +314,14 @@ class PallasGemv(XLA):
 
     def project(self, name, x, w, next_weight=None):
         route = self._route(name, x)
+        if isinstance(x, SplitAttn):  # o_merge: the streaming o GEMV merges it, else XLA
+            y = None
+            if name == "o" and route == "gemv" and self._streams(x) and not self._mgpus(name, x):
+                y = project_o(x, w, jax.default_backend() != "gpu",
+                              _next_operand(name, next_weight))
+            if y is not None:
+                return y
+            x = x.merged()
         if route == "gemv":
             return self._gemv(name, x, w, next_weight=next_weight)
         return self._gemm(name, x, w) if route == "gemm" else _linear(x, w)

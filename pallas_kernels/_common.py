@@ -222,7 +222,8 @@ def combine_splits(o, lse, axis: int):
 
 def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int, hd: int,
                         name: str, num_warps: int, num_stages: int, interpret: bool,
-                        out_dtype=jnp.float32, updated=(), counters_index=None):
+                        out_dtype=jnp.float32, updated=(), counters_index=None,
+                        defer_merge=False):
     """pallas_call over grid (rows, KVH, splits) whose kernel writes a normalised partial
     output [.., m, hd] and its log-sum-exp per (row, KV head, split); returns a function of
     the kernel's inputs giving the merged [rows, KVH, m, hd] output. With one split there is
@@ -233,7 +234,10 @@ def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int,
     int32 [rows, KVH] array of zeros; the kernel merges the partials itself (the last split
     program of each row and head, see split_merge.merge_if_last), writing the output [rows, KVH,
     m, hd] and leaving the counters at zero again (aliased, updated in place); the function
-    then returns (output, *updated arrays, counters)."""
+    then returns (output, *updated arrays, counters). defer_merge (no counters): with
+    several splits the function returns ((partials, log-sum-exps), *updated arrays) as the
+    kernel wrote them, [rows, KVH, S, m, hd] and [rows, KVH, S, m], for a later kernel to
+    merge (pallas_kernels.gemv_merge)."""
     o_dtype = out_dtype if num_splits == 1 else jnp.float32
     aliases = {i: 2 + j for j, (i, _) in enumerate(updated)}
     merged = ()
@@ -258,7 +262,7 @@ def split_partials_call(kernel, *, rows: int, kvh: int, num_splits: int, m: int,
         if counters_index is not None:
             *rest, out, counters = rest
             return (out, *rest, counters)
-        out = combine_splits(o, lse, axis=2)
+        out = (o, lse) if defer_merge and num_splits > 1 else combine_splits(o, lse, axis=2)
         return (out, *rest) if updated else out
     return run
 

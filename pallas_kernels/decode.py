@@ -233,7 +233,8 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
 
 def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_lens, page, slot,
                                *, rope=None, trash_page=None, interpret: bool = False,
-                               entry_stride: int = 1, counters=None, **tuning):
+                               entry_stride: int = 1, counters=None, defer_merge=False,
+                               **tuning):
     """Decode attention for a new token that is not in the cache yet, which the kernel writes.
 
     qkv [B, H + 2 KVH, hd]: the token's q heads, then its k and v heads (the fused projection,
@@ -250,6 +251,10 @@ def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_le
     merges the splits itself (the last split program of each row and KV head to finish,
     _merge_if_last) instead of an XLA combine after it, and the call returns (out, k_cache,
     v_cache, counters), the counters back at zero.
+
+    defer_merge (no counters): with more than one split, `out` is the kernel's unmerged
+    (partials [B, KVH, S, G, hd] fp32, log-sum-exps [B, KVH, S, G]) for the o projection to
+    merge (pallas_kernels.gemv_merge); with one split it is the output as usual.
     """
     bsz, rows, hd = qkv.shape
     _, _, _, kvh, hd_c = k_cache.shape
@@ -277,10 +282,16 @@ def paged_decode_attention_qkv(qkv, k_cache, v_cache, entry, block_tables, kv_le
     if counters is not None and (counters.shape != (bsz, kvh) or counters.dtype != jnp.int32):
         raise ValueError(f"paged_decode_attention_qkv: counters must be int32 [{bsz}, {kvh}], "
                          f"got {counters.dtype} {counters.shape}")
+    if defer_merge and counters is not None:
+        raise ValueError("paged_decode_attention_qkv: defer_merge leaves the splits to a later "
+                         "kernel; counters make this one merge them: pass one")
     out, kc, vc, *cnt = _call(qkv, h, k_cache, v_cache, entry, block_tables, kv_lens, extra,
                               interpret=interpret, entry_stride=entry_stride,
                               rope=rope is not None, counters=counters,
-                              trash_page=-1 if trash_page is None else int(trash_page), **tuning)
+                              trash_page=-1 if trash_page is None else int(trash_page),
+                              defer_merge=defer_merge, **tuning)
+    if isinstance(out, tuple):  # defer_merge, several splits
+        return out, kc, vc
     out = out.reshape(bsz, h, hd).astype(qkv.dtype)
     return (out, kc, vc) if counters is None else (out, kc, vc, cnt[0] if cnt else counters)
 
@@ -306,7 +317,8 @@ def key_tiling(bsz: int, kvh: int, group: int, cache_dtype, max_tokens: int, use
 
 def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, interpret,
           block_t=None, num_splits=None, num_warps=None, num_stages=None, use_dot=True,
-          rowwise=False, entry_stride=1, rope=False, trash_page=0, counters=None):
+          rowwise=False, entry_stride=1, rope=False, trash_page=0, counters=None,
+          defer_merge=False):
     """The pallas_call for q [B, H (+ 2 KVH with write_args), hd]; write_args non-empty:
     the fused-write mode's extra inputs ([cos, sin,] page, slot); counters (fused-write mode):
     merge the splits in the kernel when there are several (then also returned)."""
@@ -347,7 +359,7 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
     call = split_partials_call(kernel, rows=bsz, kvh=kvh, num_splits=num_splits, m=group,
                                hd=hd, name="paged_decode_attention", num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret, out_dtype=q.dtype,
-                               updated=updated,
+                               updated=updated, defer_merge=defer_merge,
                                counters_index=7 + len(write_args) - 1 if last_combine else None)
     return call(*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
                 kv_lens.astype(jnp.int32), q, k_cache, v_cache, *write_args)  # [B, KVH, G, hd]

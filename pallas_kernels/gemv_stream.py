@@ -169,11 +169,13 @@ def row_inputs(refs, *, m, nk, block_k, k, dt, prologue, eps, first_program, row
 def split_refs(refs, prologue: str, n_weights: int):
     """(x, branch, branch norm weight, norm weight, the n_weights weight refs, y, x') from a
     kernel's refs, ordered x[, branch, branch_w][, norm_w], weights..., y[, x'] by
-    prologue ("add_norm", "norm" or ""); None for what the prologue does not take."""
+    prologue ("add_norm", "norm" or ""); None for what the prologue does not take. "merge"
+    (gemv_merge): x is the split partials and `branch` their log-sum-exps."""
     refs = list(refs)
     x_ref = refs.pop(0)
-    b_ref, wb_ref = (refs.pop(0), refs.pop(0)) if prologue == "add_norm" else (None, None)
-    wx_ref = refs.pop(0) if prologue else None
+    b_ref, wb_ref = ((refs.pop(0), refs.pop(0)) if prologue == "add_norm" else
+                     (refs.pop(0), None) if prologue == "merge" else (None, None))
+    wx_ref = refs.pop(0) if prologue in ("norm", "add_norm") else None
     ws = tuple(refs[:n_weights])
     y_ref, *rest = refs[n_weights:]
     return x_ref, b_ref, wb_ref, wx_ref, ws, y_ref, (rest[0] if rest else None)
@@ -206,9 +208,13 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
         ahead = ahead + nxt()
     after = (after0 if x_first else pdl_wait(token)) + ahead
     defer = defer_norm and bool(prologue)
-    xs = row_inputs((x_ref, b_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=block_k, k=k,
-                    dt=y_ref.dtype, prologue=prologue, eps=eps, first_program=p == 0,
-                    row2d=row2d, after=after, raw=raw, defer=defer, fold=fold_sums)
+    if prologue == "merge":  # x_ref / b_ref: the attention's split partials / log-sum-exps
+        from pallas_kernels.gemv_merge import merged_rows
+        xs = merged_rows(x_ref, b_ref, m=m, nk=nk, block_k=block_k, dt=y_ref.dtype)
+    else:
+        xs = row_inputs((x_ref, b_ref, wb_ref, wx_ref, xo_ref), m=m, nk=nk, block_k=block_k,
+                        k=k, dt=y_ref.dtype, prologue=prologue, eps=eps, first_program=p == 0,
+                        row2d=row2d, after=after, raw=raw, defer=defer, fold=fold_sums)
     xs, scales = xs if defer else (xs, None)
     late = [nxt] if nxt is not None and next_at == "end" else []
     if x_first:  # the reads of x no longer take `after`: keep the prefetches alive here
@@ -274,7 +280,7 @@ def _config(tuning: dict, k: int) -> dict:
 
 
 def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_out=(),
-          next_w=None, next_split=1):
+          next_w=None, next_split=1, out_dtype=None):
     check_supported(m, k, n_out, block_n=cfg["block_n"], block_k=cfg["block_k"],
                     per_program=cfg["per_program"], num_warps=cfg["num_warps"],
                     row2d=cfg["row2d"])
@@ -293,8 +299,7 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
                                fold_sums=cfg["fold_sums"])
     if cfg["row2d"]:  # the norm weights as [1, K] rows
         operands = tuple(o.reshape(1, -1) if o.ndim == 1 else o for o in operands)
-    dt = operands[0].dtype
-    y = jax.ShapeDtypeStruct((m, n_out), dt)
+    y = jax.ShapeDtypeStruct((m, n_out), out_dtype or operands[0].dtype)
     return pl.pallas_call(
         kernel, out_shape=(y, *extra_out) if extra_out else y,
         grid=(programs,),

@@ -284,7 +284,31 @@ def check_decode_b1():
                          num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 2))
 
 
+# The o projection with the decode attention's split merge as its prologue (--merge,
+# gemv_merge): the engine's o tiling, then fewer programs (each merges the whole row from
+# L2: S x K fp32 partials per program) and the one-chunk row.
+MERGE_TILINGS = (dict(block_n=2, block_k=512, per_program=2, num_warps=4),
+                 dict(block_n=4, block_k=512, per_program=2, num_warps=4),
+                 dict(block_n=4, block_k=512, per_program=4, num_warps=4),
+                 dict(block_n=2, block_k=2048, per_program=2, num_warps=8))
+
+
+def check_merge():
+    """gemv_merge.gemv_stream_merged at one row on the 1.4B o shape (16 KV heads of 128, 5
+    splits as the engine's batch-1 decode runs them), per MERGE_TILINGS."""
+    from pallas_kernels.gemv_merge import gemv_stream_merged
+    S = jax.ShapeDtypeStruct
+    for kw in MERGE_TILINGS:
+        jax.jit(lambda p, l, w, kw=kw: gemv_stream_merged(p, l, w, dtype=jnp.bfloat16, **kw)
+                ).trace(S((1, 16, 5, 1, 128), jnp.float32), S((1, 16, 5, 1), jnp.float32),
+                        S((2048, 2048), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+        compile_captured("merge o " + "_".join(f"{k}{v}" for k, v in kw.items()),
+                         num_warps=kw["num_warps"], num_stages=1)
+
+
 def _main():
+    if "--merge" in sys.argv:
+        return check_merge()
     if "--decode-b1" in sys.argv:
         return check_decode_b1()
     if "--gemv" in sys.argv:
