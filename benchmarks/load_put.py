@@ -10,7 +10,8 @@ Ways (each on the engine layout's tensors of a bf16 checkpoint, page cache warm)
 - copy: np.array of every tensor (a host memcpy from the map);
 - put_each: jax.device_put per tensor, from the map, then block_until_ready;
 - put_list: one jax.device_put of the list of every tensor (the client may overlap them);
-- put_copied: np.array first (timed apart), then put_each on the copies.
+- put_copied: np.array first (timed apart), then put_each on the copies;
+- put_threadsN: put_each from N Python threads (device_put releases the GIL).
 The backend is started before each way and not counted.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ import subprocess
 import sys
 import time
 
-WAYS = ("engine", "touch", "copy", "put_each", "put_list", "put_copied")
+WAYS = ("engine", "touch", "copy", "put_each", "put_list", "put_copied", "put_threads4",
+        "put_threads8")
 
 
 def _tensors(folder: str) -> list:
@@ -61,6 +63,10 @@ def one(folder: str, way: str) -> dict:
             out["copied"] = len(copies)
         elif way == "put_each":
             jax.block_until_ready([jax.device_put(a) for a in arrays])
+        elif way.startswith("put_threads"):
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(int(way[len("put_threads"):])) as pool:
+                jax.block_until_ready(list(pool.map(jax.device_put, arrays)))
         elif way == "put_list":
             jax.block_until_ready(jax.device_put(arrays))
         elif way == "put_copied":
