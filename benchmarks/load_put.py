@@ -5,6 +5,8 @@ handed to the device in different ways, in one fresh process per way.
 
 Ways (each on the engine layout's tensors of a bf16 checkpoint, page cache warm):
 - engine: convert.load.load_checkpoint(layout="engine"), as Ouro.load runs it (phases);
+- engine_copy: the same with the host copy of every mapped tensor that the loader makes
+  before a CPU transfer (params._Put; before session 32 it made it for a GPU too);
 - touch: only reading the mapped bytes on the host (a sum over every tensor as uint16 words
   in 64 MB slices): the page-fault and page-cache share;
 - copy: np.array of every tensor (a host memcpy from the map);
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import time
 
-WAYS = ("engine", "touch", "copy", "put_each", "put_list", "put_copied", "put_threads4",
+WAYS = ("engine", "engine_copy", "touch", "copy", "put_each", "put_list", "put_copied", "put_threads4",
         "put_threads8")
 
 
@@ -43,8 +45,11 @@ def one(folder: str, way: str) -> dict:
     jax.devices()
     t = time.perf_counter()
     out: dict = {}
-    if way == "engine":
+    if way in ("engine", "engine_copy"):
         from convert.load import load_checkpoint
+        if way == "engine_copy":
+            from ouro_jax import params
+            params._default_platform = lambda: "cpu"
         ck = load_checkpoint(folder, "bf16", layout="engine")
         out["phases"] = ck.phases
     else:
