@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -108,14 +107,9 @@ def main(argv=None) -> int:
                                  text=True, check=True)
             runs.setdefault(way, []).append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(way, r, runs[way][-1], flush=True)
-    import jax
-    record = {"what": __doc__.split("\n")[0], "checkpoint": args.checkpoint, "runs": runs,
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "jax": jax.__version__, "device": str(jax.devices()[0])}}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
-            f.write("\n")
+    from benchmarks.record import save_record
+    save_record("benchmarks.load_put", argv, args.out, what=__doc__.split("\n")[0],
+                checkpoint=args.checkpoint, runs=runs, cpus=os.cpu_count())
     return 0
 
 

@@ -443,3 +443,29 @@ def test_load_time_phases_follow_load_checkpoint_including_the_finite_check():
     assert list(got) == ["open_s", "backend_s", "convert_s", "put_s", "check_compile_s",
                          "transfer_wait_s", "check_finite_s"]
     assert all(v >= 0 for v in got.values())
+
+
+def test_load_put_times_each_way_in_its_own_process(tmp_path):
+    """benchmarks.load_put on a tiny checkpoint: one fresh process per way and repeat, the
+    engine way with load_checkpoint's phases, the others with the weights' byte count; an
+    unknown way is an error before anything runs."""
+    import json
+    import os
+
+    from benchmarks.load_put import main
+    from engine_helpers import tiny_checkpoint
+    folder = tiny_checkpoint("tiny-mha")
+    out = tmp_path / "lp.json"
+    assert main(["--checkpoint", folder, "--ways", "engine,engine_copy,touch,put_each",
+                 "--repeats", "1", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert set(rec["runs"]) == {"engine", "engine_copy", "touch", "put_each"}
+    size = os.path.getsize(os.path.join(folder, "model.safetensors"))
+    for way in ("touch", "put_each"):
+        (run,) = rec["runs"][way]
+        assert 0 < run["bytes"] < size and run["seconds"] > 0
+    for way in ("engine", "engine_copy"):
+        assert {"backend_s", "convert_s", "put_s"} <= set(rec["runs"][way][0]["phases"])
+    assert rec["command"].startswith("python -m benchmarks.load_put")
+    with pytest.raises(SystemExit, match="unknown ways"):
+        main(["--checkpoint", folder, "--ways", "engine,nope"])
