@@ -13,7 +13,9 @@ Ways (each on the engine layout's tensors of a bf16 checkpoint, page cache warm)
 - put_each: jax.device_put per tensor, from the map, then block_until_ready;
 - put_list: one jax.device_put of the list of every tensor (the client may overlap them);
 - put_copied: np.array first (timed apart), then put_each on the copies;
-- put_threadsN: put_each from N Python threads (device_put releases the GIL).
+- put_threadsN: put_each from N Python threads (device_put releases the GIL);
+- put_pinned: each tensor to the device's pinned host memory first (memory_kind
+  "pinned_host"), then to the device; put_pinned_list: the same as two list puts.
 The backend is started before each way and not counted.
 """
 from __future__ import annotations
@@ -25,8 +27,8 @@ import subprocess
 import sys
 import time
 
-WAYS = ("engine", "engine_copy", "touch", "copy", "put_each", "put_list", "put_copied", "put_threads4",
-        "put_threads8")
+WAYS = ("engine", "engine_copy", "touch", "copy", "put_each", "put_list", "put_copied",
+        "put_threads4", "put_threads8", "put_pinned", "put_pinned_list")
 
 
 def _tensors(folder: str) -> list:
@@ -71,6 +73,17 @@ def one(folder: str, way: str) -> dict:
             from concurrent.futures import ThreadPoolExecutor
             with ThreadPoolExecutor(int(way[len("put_threads"):])) as pool:
                 jax.block_until_ready(list(pool.map(jax.device_put, arrays)))
+        elif way.startswith("put_pinned"):
+            dev = jax.devices()[0]
+            pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+            on_dev = jax.sharding.SingleDeviceSharding(dev)
+            if way == "put_pinned":
+                jax.block_until_ready([jax.device_put(jax.device_put(a, pinned), on_dev)
+                                       for a in arrays])
+            else:
+                staged = jax.block_until_ready(jax.device_put(arrays, pinned))
+                out["stage_s"] = time.perf_counter() - t
+                jax.block_until_ready(jax.device_put(staged, on_dev))
         elif way == "put_list":
             jax.block_until_ready(jax.device_put(arrays))
         elif way == "put_copied":
