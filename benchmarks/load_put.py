@@ -7,6 +7,8 @@ Ways (each on the engine layout's tensors of a bf16 checkpoint, page cache warm)
 - engine: convert.load.load_checkpoint(layout="engine"), as Ouro.load runs it (phases);
 - engine_copy: the same with the host copy of every mapped tensor that the loader makes
   before a CPU transfer (params._Put; before session 32 it made it for a GPU too);
+- engine_pageable: the same without the pinned staging (params.PINNED_STAGING off), i.e.
+  device_put's pageable path, as the loader ran between the two session-32 changes;
 - touch: only reading the mapped bytes on the host (a sum over every tensor as uint16 words
   in 64 MB slices): the page-fault and page-cache share;
 - copy: np.array of every tensor (a host memcpy from the map);
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import time
 
-WAYS = ("engine", "engine_copy", "touch", "copy", "put_each", "put_list", "put_copied",
+WAYS = ("engine", "engine_copy", "engine_pageable", "touch", "copy", "put_each", "put_list", "put_copied",
         "put_threads4", "put_threads8", "put_pinned", "put_pinned_list")
 
 
@@ -46,11 +48,13 @@ def one(folder: str, way: str) -> dict:
     jax.devices()
     t = time.perf_counter()
     out: dict = {}
-    if way in ("engine", "engine_copy"):
+    if way in ("engine", "engine_copy", "engine_pageable"):
         from convert.load import load_checkpoint
-        if way == "engine_copy":
-            from ouro_jax import params
+        from ouro_jax import params
+        if way == "engine_copy":  # (the CPU's path: copies, then the pageable put)
             params._default_platform = lambda: "cpu"
+        if way == "engine_pageable":
+            params.PINNED_STAGING = False
         ck = load_checkpoint(folder, "bf16", layout="engine")
         out["phases"] = ck.phases
     else:

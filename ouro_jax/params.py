@@ -175,6 +175,33 @@ def _default_platform() -> str:
     return d if isinstance(d, str) else d.platform
 
 
+# Off a CPU, weights go to the device through its pinned host memory, one tensor at a time
+# (a copy into a pinned buffer, then a DMA), instead of jax.device_put's pageable path: the
+# 1.4B model's 2.87 GB in 0.95-1.11 s against 1.46-1.53 s on an H100 (session 32,
+# `benchmarks.load_put --ways put_each,put_pinned`, load_put_pinned_session32_h100.json).
+# The same bytes either way; False: the pageable path.
+PINNED_STAGING = True
+
+
+def _pinned_shardings():
+    """(pinned host, device) shardings for the default device, or None where it has no
+    pinned host memory (a CPU, a backend without memory kinds) or the default device is set
+    by platform name only."""
+    d = jax.config.jax_default_device
+    dev = d if d is not None and not isinstance(d, str) else None if d is not None \
+        else jax.devices()[0]
+    if dev is None or dev.platform == "cpu":
+        return None
+    try:
+        kinds = {m.kind for m in dev.addressable_memories()}
+    except Exception:  # noqa: BLE001 - a backend without the memories API
+        return None
+    if "pinned_host" not in kinds:
+        return None
+    S = jax.sharding.SingleDeviceSharding
+    return S(dev, memory_kind="pinned_host"), S(dev)
+
+
 class _Put:
     """Hands host arrays to the default device so that the result shares no memory with its
     source: on a CPU jax.device_put may keep a view of an aligned input, which for a
@@ -183,17 +210,23 @@ class _Put:
     (casts, concatenations) are handed over as they are and anything else is copied first,
     explicitly. On a GPU the transfer copies into device memory, so that host copy (1.15 GB
     for the 1.4B model in bf16: o, down, the embeddings) would be a second pass over the
-    mapped bytes for nothing, and is skipped. Seconds spent go to times["put_s"]."""
+    mapped bytes for nothing, and is skipped; with PINNED_STAGING the bytes go through
+    pinned host memory. Seconds spent go to times["put_s"]."""
 
     def __init__(self, times: Optional[dict] = None):
         self.times = times
         self.copy_views = _default_platform() == "cpu"
+        self.staging = None if self.copy_views or not PINNED_STAGING else _pinned_shardings()
         if times is not None:
             times.setdefault("put_s", 0.0)
 
     def __call__(self, x: np.ndarray, made_here: bool) -> jax.Array:
         t = time.perf_counter()
-        out = jax.device_put(x if made_here or not self.copy_views else np.array(x))
+        if self.staging is not None:
+            pinned, device = self.staging
+            out = jax.device_put(jax.device_put(x, pinned), device)
+        else:
+            out = jax.device_put(x if made_here or not self.copy_views else np.array(x))
         if self.times is not None:
             self.times["put_s"] += time.perf_counter() - t
         return out

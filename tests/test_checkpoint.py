@@ -218,6 +218,34 @@ def test_host_copies_only_where_device_put_may_alias(platform, stacked, monkeypa
     assert times["put_s"] > 0
 
 
+def test_pinned_staging_gives_the_same_weights_in_device_memory(monkeypatch):
+    """With PINNED_STAGING each tensor goes to the device's pinned host memory, then to the
+    device: the same bits as the plain path, every weight in device memory. (The CPU has a
+    pinned_host memory too, so the route runs here with the platform check faked.)"""
+    from ouro_jax import params as params_mod
+    cfg = TINY_MQA_ODD
+    tensors = tensors_for(cfg, BF16)
+    plain = params_mod.engine_params_from_hf(tensors, cfg, jnp.bfloat16)
+    dev = jax.devices()[0]
+    S = jax.sharding.SingleDeviceSharding
+    monkeypatch.setattr(params_mod, "_default_platform", lambda: "gpu")
+    monkeypatch.setattr(params_mod, "_pinned_shardings", lambda: (
+        S(dev, memory_kind="pinned_host"), S(dev)))
+    kinds, real = [], jax.device_put
+    monkeypatch.setattr(params_mod.jax, "device_put", lambda x, s=None, **k: (
+        kinds.append(getattr(s, "memory_kind", None)), real(x, s, **k))[1])
+    staged = params_mod.engine_params_from_hf(tensors, cfg, jnp.bfloat16)
+    leaves = jax.tree_util.tree_leaves(staged)
+    assert kinds.count("pinned_host") == len(leaves)  # every weight staged once
+    for a, b in zip(leaves, jax.tree_util.tree_leaves(plain)):
+        assert a.sharding.memory_kind in (None, "device")
+        assert_bits_equal(np.asarray(a), np.asarray(b))
+    monkeypatch.setattr(params_mod, "PINNED_STAGING", False)  # the switch turns it off
+    kinds.clear()
+    params_mod.engine_params_from_hf(tensors, cfg, jnp.bfloat16)
+    assert "pinned_host" not in kinds
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_bf16_loads_as_bf16_without_fp32(tmp_path, fmt, monkeypatch):
     cfg = TINY_MQA_ODD
