@@ -72,8 +72,10 @@ def test_reference_round_trip(tmp_path, dtype):
     # Every loop's logits (exit_at_step): a bf16 threshold exit may pick a different loop for
     # a near-tie token, which test_model_vs_reference covers; here the weights are the point.
     tol = 1e-5 if dtype == "fp32" else 5e-2
-    hidden = jax_forward(ck.params, jnp.asarray(ids), cfg).hidden_states
-    per_loop = M.loop_logits(ck.params, hidden)
+    # (full fp32 dots: on a GPU XLA's default fp32 precision is TF32-class, ~5e-3 here)
+    with jax.default_matmul_precision("highest"):
+        hidden = jax_forward(ck.params, jnp.asarray(ids), cfg).hidden_states
+        per_loop = M.loop_logits(ck.params, hidden)
     for step in range(cfg.total_ut_steps):
         ours = per_loop[step]
         theirs = ref(torch.as_tensor(ids), exit_at_step=step).logits.float()
