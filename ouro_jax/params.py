@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Optional
 
 import jax
@@ -222,10 +223,18 @@ class _Put:
 
     def __call__(self, x: np.ndarray, made_here: bool) -> jax.Array:
         t = time.perf_counter()
+        out = None
         if self.staging is not None:
             pinned, device = self.staging
-            out = jax.device_put(jax.device_put(x, pinned), device)
-        else:
+            try:
+                out = jax.device_put(jax.device_put(x, pinned), device)
+            except Exception as e:  # noqa: BLE001 - e.g. pinned memory exhausted
+                # the pageable path for this and later tensors (if the fault was not the
+                # pinned memory's, it raises there again, as itself)
+                warnings.warn(f"loading weights through pinned host memory failed ({e}); "
+                              f"using jax.device_put's pageable path", RuntimeWarning)
+                self.staging = None
+        if out is None:
             out = jax.device_put(x if made_here or not self.copy_views else np.array(x))
         if self.times is not None:
             self.times["put_s"] += time.perf_counter() - t

@@ -246,6 +246,18 @@ def test_pinned_staging_gives_the_same_weights_in_device_memory(monkeypatch):
     kinds.clear()
     params_mod.engine_params_from_hf(tensors, cfg, jnp.bfloat16)
     assert "pinned_host" not in kinds
+    monkeypatch.setattr(params_mod, "PINNED_STAGING", True)
+
+    def no_pinned(x, s=None, **k):  # pinned memory refused: one warning, the pageable path
+        if getattr(s, "memory_kind", None) == "pinned_host":
+            raise RuntimeError("RESOURCE_EXHAUSTED: pinned host memory")
+        return real(x, s, **k)
+    monkeypatch.setattr(params_mod.jax, "device_put", no_pinned)
+    with pytest.warns(RuntimeWarning, match="pinned host memory failed") as seen:
+        fallback = params_mod.engine_params_from_hf(tensors, cfg, jnp.bfloat16)
+    assert len(seen) == 1
+    for a, b in zip(jax.tree_util.tree_leaves(fallback), jax.tree_util.tree_leaves(plain)):
+        assert_bits_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
