@@ -178,9 +178,12 @@ def _default_platform() -> str:
 
 # Off a CPU, weights go to the device through its pinned host memory, one tensor at a time
 # (a copy into a pinned buffer, then a DMA), instead of jax.device_put's pageable path: the
-# 1.4B model's 2.87 GB in 0.95-1.11 s against 1.46-1.53 s on an H100 (session 32,
-# `benchmarks.load_put --ways put_each,put_pinned`, load_put_pinned_session32_h100.json).
-# The same bytes either way; False: the pageable path.
+# 1.4B model's 2.87 GB in 0.95-1.11 s against 1.46-1.53 s on one H100 (session 32,
+# `benchmarks.load_put --ways put_each,put_pinned`, load_put_pinned_session32_h100.json);
+# level on a second H100, whose pageable path was already that fast
+# (load_put_pinned_engine_session32_h100.json). The same bytes either way; False: the
+# pageable path. A pinned put that fails (e.g. pinned memory exhausted) warns once and the
+# load goes on through the pageable path.
 PINNED_STAGING = True
 
 
@@ -188,10 +191,11 @@ def _pinned_shardings():
     """(pinned host, device) shardings for the default device, or None where it has no
     pinned host memory (a CPU, a backend without memory kinds) or the default device is set
     by platform name only."""
-    d = jax.config.jax_default_device
-    dev = d if d is not None and not isinstance(d, str) else None if d is not None \
-        else jax.devices()[0]
-    if dev is None or dev.platform == "cpu":
+    dev = jax.config.jax_default_device
+    if isinstance(dev, str):
+        return None
+    dev = dev if dev is not None else jax.devices()[0]
+    if dev.platform == "cpu":
         return None
     try:
         kinds = {m.kind for m in dev.addressable_memories()}
