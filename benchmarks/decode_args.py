@@ -102,6 +102,7 @@ def check_run(args) -> dict:
     check_flow_o_run(args)
     check_graph_pdl(args)
     check_mgpu_run(args)
+    check_o_merge_run(args)
     persistent_tiling = parse_persistent_tiling(args)
     if args.mgpu_tiling and "mgpu" not in args.projections:
         raise SystemExit("--mgpu-tiling sets the Mosaic GPU GEMV's tiling: give --projections "
@@ -164,6 +165,27 @@ def check_flow_o_run(args) -> None:
     if set(args.projections.split("+")) & set(FLOW_PARTS):
         raise SystemExit("--decode-kernel flow_o=1 runs o with the attention: the '+flow' "
                          "projections (which start with o) would never run; use one")
+
+
+def check_o_merge_run(args) -> None:
+    """--decode-kernel o_merge=1 changes only one-row decode steps whose o projection is the
+    streaming GEMV after the fused-write decode kernel; with '+graph', '+flow' parts or
+    --persistent-layers those steps run other kernels, and it would measure them under its
+    name."""
+    if "o_merge=1" not in args.decode_kernel.replace(" ", ""):
+        return
+    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
+        raise SystemExit("--decode-kernel o_merge=1 needs --attention pallas, --kv-write fused "
+                         "and fused projections (it changes the fused-write decode kernel)")
+    if "1" not in [b.strip() for b in args.batch.split(",")]:
+        raise SystemExit("--decode-kernel o_merge=1 changes one-row decode only: give --batch 1")
+    from ouro_jax.projection_spec import FLOW_PARTS
+    parts = set(args.projections.split("+"))
+    if args.projections not in ("auto",) and "stream" not in parts or parts & (
+            set(FLOW_PARTS) | {"graph"}) or args.persistent_layers:
+        raise SystemExit("--decode-kernel o_merge=1 merges in the streaming o GEMV: it needs "
+                         "--projections auto (or one with 'stream') without '+graph' or "
+                         "'+flow' parts, and no --persistent-layers")
 
 
 def check_mgpu_run(args) -> None:

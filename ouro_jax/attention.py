@@ -189,7 +189,9 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
     if b == 1:  # the persistent decode kernel's inputs (ouro_jax.persistent)
         attend.chain_attention = _chain_attention(block_tables, kv_lens, page, slot)
     o_merge = bool(pk.decode.TUNING.get("o_merge", O_MERGE))
-    if o_merge and (last_combine or fuse_o or flow_o or pk.decode.TUNING.get("mgpu")):
+    tuned = lambda key, default: bool(pk.decode.TUNING.get(key, default))  # as asked
+    if o_merge and (last_combine or tuned("fuse_o", FUSE_O) or tuned("flow_o", FLOW_O)
+                    or tuned("mgpu", MGPU_DECODE)):
         raise ValueError("decode kernel tuning: o_merge (the o projection merges the splits) "
                          "takes none of last_combine, fuse_o, flow_o, mgpu (or '+flow5')")
     o_merge = o_merge and b == 1

@@ -182,8 +182,10 @@ def _default_platform() -> str:
 # `benchmarks.load_put --ways put_each,put_pinned`, load_put_pinned_session32_h100.json);
 # level on a second H100, whose pageable path was already that fast
 # (load_put_pinned_engine_session32_h100.json). The same bytes either way; False: the
-# pageable path. A pinned put that fails (e.g. pinned memory exhausted) warns once and the
-# load goes on through the pageable path.
+# pageable path. A pinned put that fails as it is issued (e.g. pinned memory exhausted)
+# warns once and the load goes on through the pageable path (a failure reported later, at
+# the load's block_until_ready, is raised). The staged weights are committed to the device
+# (device_put with a sharding), the pageable ones not: the same for a one-device engine.
 PINNED_STAGING = True
 
 
@@ -232,7 +234,7 @@ class _Put:
             pinned, device = self.staging
             try:
                 out = jax.device_put(jax.device_put(x, pinned), device)
-            except Exception as e:  # noqa: BLE001 - e.g. pinned memory exhausted
+            except (RuntimeError, ValueError) as e:  # e.g. pinned memory exhausted
                 # the pageable path for this and later tensors (if the fault was not the
                 # pinned memory's, it raises there again, as itself)
                 warnings.warn(f"loading weights through pinned host memory failed ({e}); "

@@ -20,7 +20,9 @@ from ouro_jax.projection_tuning import STREAM_TUNING, fit_stream_tuning
 
 class SplitAttn(NamedTuple):
     """parts [B, KVH, S, G, hd] fp32 normalised partials and lse [B, KVH, S, G] their
-    log-sum-exps, for an attention output of shape lead + (KVH * G * hd,) in out_dtype."""
+    log-sum-exps, for an attention output of shape lead + (KVH * G * hd,) in out_dtype.
+    Made and consumed inside one layer's trace; as a NamedTuple its lead and out_dtype
+    would be pytree leaves, so it must not cross a jit, scan or cond boundary."""
     parts: jax.Array
     lse: jax.Array
     lead: tuple
@@ -42,15 +44,19 @@ class SplitAttn(NamedTuple):
         return out.astype(self.out_dtype).reshape(self.shape)
 
 
+# gemv_stream options gemv_stream_merged does not take (the norm prologue's and PDL's)
+MERGE_EXCLUDES = ("row2d", "pdl", "x_first", "defer_norm", "fold_sums")
+
+
 def merge_tuning(split: SplitAttn, n_out: int) -> dict | None:
     """The o projection's streaming tiling (STREAM_TUNING["o"], fitted to the shape) with
     block_k holding whole KV heads, as gemv_merge needs; None where no such block_k is a
-    power of two (then the caller merges first)."""
+    power of two, or the tiling sets one of MERGE_EXCLUDES (then the caller merges first)."""
     _, kvh, _, g, hd = split.parts.shape
     k = kvh * g * hd
     t = fit_stream_tuning(STREAM_TUNING["o"], n_out, k)
     unit = g * hd
-    if unit & (unit - 1):
+    if unit & (unit - 1) or any(t.get(key) for key in MERGE_EXCLUDES):
         return None
     heads = max(1, t["block_k"] // unit)
     while kvh % heads:

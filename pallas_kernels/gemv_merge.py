@@ -80,7 +80,8 @@ def gemv_stream_merged(parts: jax.Array, lse: jax.Array, w: jax.Array, *, dtype,
     k = kvh * g * hd
     cfg = _config(tuning, k)
     check_merge_operands(parts, lse, w, cfg["block_k"])
-    for key in ("row2d", "pdl", "x_first", "defer_norm", "fold_sums"):
+    from ouro_jax.split_attn import MERGE_EXCLUDES
+    for key in MERGE_EXCLUDES:
         if cfg[key]:
             raise ValueError(f"gemv_stream_merged takes no {key} (the merge is its prologue)")
     return _call((parts, lse, w.astype(dtype)), m=m, k=k, n_out=w.shape[0], gated=False,

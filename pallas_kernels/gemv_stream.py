@@ -217,7 +217,7 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
                         row2d=row2d, after=after, raw=raw, defer=defer, fold=fold_sums)
     xs, scales = xs if defer else (xs, None)
     late = [nxt] if nxt is not None and next_at == "end" else []
-    if x_first:  # the reads of x no longer take `after`: keep the prefetches alive here
+    if x_first or prologue == "merge":  # no x read takes `after`: keep the prefetches alive
         late.append(lambda: ahead)
     tail = (lambda: sum(f() for f in late)) if late else None
     hook = None
@@ -286,7 +286,7 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
                     row2d=cfg["row2d"])
     programs = n_out // cfg["block_n"] // cfg["per_program"]
     next_rows = next_rows_for(next_w, next_split, cfg["next_rows"], programs,
-                              operands[0].dtype)
+                              out_dtype or operands[0].dtype)  # (merge: operand 0 is fp32)
     if next_rows:
         operands = (*operands, next_w)
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],

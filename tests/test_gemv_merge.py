@@ -93,6 +93,39 @@ def test_o_merge_matches_end_to_end(monkeypatch, preset, in_gemv):
     assert bool(merges) == in_gemv
 
 
+def test_merge_tuning_fits_whole_heads_and_declines_what_the_merge_cannot_take(monkeypatch):
+    """split_attn.merge_tuning: block_k in whole KV heads (a power of two of them), None for
+    a head group that is no power of two or an o tiling with a norm-prologue or PDL option
+    (the caller then merges through XLA, as the engine test's tiny-gqa does)."""
+    from ouro_jax import split_attn
+    from ouro_jax.split_attn import SplitAttn, merge_tuning
+
+    def split(kvh, g, hd):
+        return SplitAttn(jnp.zeros((1, kvh, 3, g, hd), jnp.float32),
+                         jnp.zeros((1, kvh, 3, g), jnp.float32), (1, 1), jnp.bfloat16)
+    assert merge_tuning(split(16, 1, 128), 2048)["block_k"] == 512  # the engine's o tiling
+    assert merge_tuning(split(4, 2, 8), 32)["block_k"] % 16 == 0
+    assert merge_tuning(split(2, 3, 8), 48) is None
+    monkeypatch.setitem(split_attn.STREAM_TUNING, "o",
+                        dict(split_attn.STREAM_TUNING["o"], x_first=True))
+    assert merge_tuning(split(16, 1, 128), 2048) is None
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--decode-kernel", "o_merge=1", "--attention", "xla"], "o_merge=1 needs --attention"),
+    (["--decode-kernel", "o_merge=1", "--attention", "pallas", "--batch", "8"],
+     "one-row decode only"),
+    (["--decode-kernel", "o_merge=1", "--attention", "pallas", "--batch", "1",
+      "--projections", "gemv+norms+stream+graph"], "merges in the streaming o GEMV"),
+    (["--decode-kernel", "o_merge=1", "--attention", "pallas", "--batch", "1",
+      "--projections", "gemv+norms"], "merges in the streaming o GEMV"),
+])
+def test_the_decode_benchmark_refuses_o_merge_where_it_would_change_nothing(argv, msg):
+    from benchmarks.decode import main
+    with pytest.raises(SystemExit, match=msg):
+        main(argv)
+
+
 def test_o_merge_is_an_alternative_to_the_kernels_own_merge(monkeypatch):
     import pallas_kernels.decode as decode
     from ouro_jax.attention import make_paged_attend

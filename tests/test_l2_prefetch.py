@@ -325,3 +325,17 @@ def test_next_weight_reaches_the_kernels_without_the_norms_part():
         projections.STREAM_TUNING["gate_up"] = shipped
         jax.clear_caches()
     assert [v.aval.shape for v in eqn.invars][-1] == nxt.shape
+
+
+def test_merged_o_prefetches_the_next_weight_too():
+    """gemv_merge's kernel (fp32 partials as its first operand) still emits next_w's
+    prefetch, sized by the activation dtype, and its own later blocks' (l2_prefetch)."""
+    from pallas_kernels.gemv_merge import gemv_stream_merged
+
+    def f(parts, lse, w, nxt):
+        return gemv_stream_merged(parts, lse, w, dtype=BF, block_n=2, block_k=128,
+                                  per_program=4, l2_prefetch=1, next_w=nxt, next_rows=1,
+                                  next_at="start")
+    [ir] = triton_ir(f, S((1, 4, 3, 1, 32), jnp.float32), S((1, 4, 3, 1), jnp.float32),
+                     S((64, 128), BF), S((2 * 64, 128), BF))
+    assert prefetch_sizes(ir) == [2 * 128 * 2] + [128 * 2]
