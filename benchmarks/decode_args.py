@@ -128,20 +128,34 @@ def check_pdl_run(args) -> None:
                          "projection after the decode kernel is an XLA GEMM")
 
 
+def _asks(args, switch: str) -> bool:
+    return switch in args.decode_kernel.replace(" ", "")
+
+
+def _needs_fused_write(args, switch: str, why: str) -> None:
+    """The decode kernel switches below change the fused-write decode kernel (Pallas
+    attention, fused K/V write, fused qkv): elsewhere they would measure the default."""
+    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
+        raise SystemExit(f"--decode-kernel {switch} needs --attention pallas, --kv-write fused "
+                         f"and fused projections ({why})")
+
+
+def _needs_batch_1(args, switch: str) -> None:
+    if "1" not in [b.strip() for b in args.batch.split(",")]:
+        raise SystemExit(f"--decode-kernel {switch} changes one-row decode only: give --batch 1 "
+                         f"(other batch sizes run the default kernels)")
+
+
 def check_fuse_o_run(args) -> None:
     """--decode-kernel fuse_o=1 changes only one-row decode steps on the Pallas attention with
     the fused K/V write and the fused qkv weight; anywhere else it would silently measure the
     default, so say so instead."""
-    if "fuse_o=1" not in args.decode_kernel.replace(" ", ""):
+    if not _asks(args, "fuse_o=1"):
         return
-    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
-        raise SystemExit("--decode-kernel fuse_o=1 needs --attention pallas, --kv-write fused "
-                         "and fused projections (it replaces the fused-write decode kernel)")
-    if "1" not in [b.strip() for b in args.batch.split(",")]:
-        raise SystemExit("--decode-kernel fuse_o=1 changes one-row decode only: give --batch 1 "
-                         "(other batch sizes run the default kernels)")
+    _needs_fused_write(args, "fuse_o=1", "it replaces the fused-write decode kernel")
+    _needs_batch_1(args, "fuse_o=1")
     from ouro_jax.attention import FUSE_O_MAX_KEYS
-    if ("o_split=1" not in args.decode_kernel.replace(" ", "")
+    if (not _asks(args, "o_split=1")
             and args.prompt_len + args.new_tokens + 16 > FUSE_O_MAX_KEYS):
         raise SystemExit(f"--decode-kernel fuse_o=1 runs unsplit only up to {FUSE_O_MAX_KEYS} "
                          f"keys (ouro_jax.attention.FUSE_O_MAX_KEYS); give o_split=1 or a "
@@ -152,15 +166,11 @@ def check_flow_o_run(args) -> None:
     """--decode-kernel flow_o=1 changes only one-row decode steps on the Pallas attention with
     the fused K/V write and the fused qkv weight (as fuse_o=1): say so rather than measure
     the default under its name."""
-    if "flow_o=1" not in args.decode_kernel.replace(" ", ""):
+    if not _asks(args, "flow_o=1"):
         return
-    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
-        raise SystemExit("--decode-kernel flow_o=1 needs --attention pallas, --kv-write fused "
-                         "and fused projections (its first stage is the fused-write decode "
-                         "kernel's body)")
-    if "1" not in [b.strip() for b in args.batch.split(",")]:
-        raise SystemExit("--decode-kernel flow_o=1 changes one-row decode only: give --batch 1 "
-                         "(other batch sizes run the default kernels)")
+    _needs_fused_write(args, "flow_o=1", "its first stage is the fused-write decode kernel's "
+                       "body")
+    _needs_batch_1(args, "flow_o=1")
     from ouro_jax.projection_spec import FLOW_PARTS
     if set(args.projections.split("+")) & set(FLOW_PARTS):
         raise SystemExit("--decode-kernel flow_o=1 runs o with the attention: the '+flow' "
@@ -172,17 +182,14 @@ def check_o_merge_run(args) -> None:
     streaming GEMV after the fused-write decode kernel; with '+graph', '+flow' parts or
     --persistent-layers those steps run other kernels, and it would measure them under its
     name."""
-    if "o_merge=1" not in args.decode_kernel.replace(" ", ""):
+    if not _asks(args, "o_merge=1"):
         return
-    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
-        raise SystemExit("--decode-kernel o_merge=1 needs --attention pallas, --kv-write fused "
-                         "and fused projections (it changes the fused-write decode kernel)")
-    if "1" not in [b.strip() for b in args.batch.split(",")]:
-        raise SystemExit("--decode-kernel o_merge=1 changes one-row decode only: give --batch 1")
+    _needs_fused_write(args, "o_merge=1", "it changes the fused-write decode kernel")
+    _needs_batch_1(args, "o_merge=1")
     from ouro_jax.projection_spec import FLOW_PARTS
     parts = set(args.projections.split("+"))
-    if args.projections not in ("auto",) and "stream" not in parts or parts & (
-            set(FLOW_PARTS) | {"graph"}) or args.persistent_layers:
+    streams = args.projections == "auto" or "stream" in parts
+    if not streams or parts & (set(FLOW_PARTS) | {"graph"}) or args.persistent_layers:
         raise SystemExit("--decode-kernel o_merge=1 merges in the streaming o GEMV: it needs "
                          "--projections auto (or one with 'stream') without '+graph' or "
                          "'+flow' parts, and no --persistent-layers")
@@ -191,11 +198,9 @@ def check_o_merge_run(args) -> None:
 def check_mgpu_run(args) -> None:
     """--decode-kernel mgpu=1 replaces the fused-write decode kernel (Pallas attention, fused
     K/V write, fused qkv); anywhere else it would silently measure the default."""
-    if "mgpu=1" not in args.decode_kernel.replace(" ", ""):
+    if not _asks(args, "mgpu=1"):
         return
-    if args.attention != "pallas" or args.kv_write != "fused" or args.no_fuse:
-        raise SystemExit("--decode-kernel mgpu=1 needs --attention pallas, --kv-write fused "
-                         "and fused projections (it replaces the fused-write decode kernel)")
+    _needs_fused_write(args, "mgpu=1", "it replaces the fused-write decode kernel")
     if "flow5" in args.projections.split("+"):
         raise SystemExit("--decode-kernel mgpu=1 has no gemv_flow attention stage, which "
                          "'+flow5' projections run: drop one of them")

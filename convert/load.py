@@ -198,14 +198,10 @@ def load_checkpoint(folder: str | os.PathLike, dtype="bf16",
     t.append(time.perf_counter())
     check_finite(params, check)
     t.append(time.perf_counter())
-    names = ("open_s", "backend_s", "convert_s", "check_compile_s", "transfer_wait_s",
-             "check_finite_s")
-    phases = {n: b - a for n, a, b in zip(names, t, t[1:])}
-    # the convert step's seconds hold the host work and the device_put calls: split them
-    put = min(times["put_s"], phases["convert_s"])
-    phases = {n: v for name, s in phases.items()
-              for n, v in ([(name, s - put), ("put_s", put)] if name == "convert_s"
-                           else [(name, s)])}
+    step = [b - a for a, b in zip(t, t[1:])]
+    put = min(times["put_s"], step[2])  # the convert step's device_put calls
+    phases = dict(open_s=step[0], backend_s=step[1], convert_s=step[2] - put, put_s=put,
+                  check_compile_s=step[3], transfer_wait_s=step[4], check_finite_s=step[5])
     return LoadedCheckpoint(cfg, params, t[-1] - t0, files, phases)
 
 

@@ -208,7 +208,7 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
             pk.paged_decode_attention_qkv, qkv[:, 0], planes[0], planes[1],
             _entry(loop, layer), block_tables, kv_lens, page[:, 0], slot[:, 0],
             **dict(new_token, rope=(cos[:, 0], sin[:, 0])), **counters,
-            **(dict(defer_merge=True) if o_merge else {}))
+            defer_merge=o_merge)
         # o_merge: (partials, log-sum-exps) when there are splits to merge
         out = SplitAttn(*out, (b, 1), qkv.dtype) if isinstance(out, tuple) else out[:, None]
         return out, (kc, vc, *cnt, *planes[3 if last_combine else 2:])

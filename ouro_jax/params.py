@@ -168,11 +168,16 @@ def _cast(a, dtype) -> tuple[np.ndarray, bool]:
     return out, out is not src
 
 
+def _default_device():
+    """Where jax.device_put (no device given) puts: a Device, or a platform name when the
+    default device is set by name. (Starts the backend if it is new.)"""
+    d = jax.config.jax_default_device
+    return jax.devices()[0] if d is None else d
+
+
 def _default_platform() -> str:
     """The platform jax.device_put (no device given) puts on."""
-    d = jax.config.jax_default_device
-    if d is None:
-        return jax.devices()[0].platform  # (starts the backend if it is new)
+    d = _default_device()
     return d if isinstance(d, str) else d.platform
 
 
@@ -193,11 +198,8 @@ def _pinned_shardings():
     """(pinned host, device) shardings for the default device, or None where it has no
     pinned host memory (a CPU, a backend without memory kinds) or the default device is set
     by platform name only."""
-    dev = jax.config.jax_default_device
-    if isinstance(dev, str):
-        return None
-    dev = dev if dev is not None else jax.devices()[0]
-    if dev.platform == "cpu":
+    dev = _default_device()
+    if isinstance(dev, str) or dev.platform == "cpu":
         return None
     try:
         kinds = {m.kind for m in dev.addressable_memories()}

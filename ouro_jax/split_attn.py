@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from ouro_jax import trace_once
 from ouro_jax.projection_tuning import STREAM_TUNING, fit_stream_tuning
 
 
@@ -44,14 +45,12 @@ class SplitAttn(NamedTuple):
         return out.astype(self.out_dtype).reshape(self.shape)
 
 
-# gemv_stream options gemv_stream_merged does not take (the norm prologue's and PDL's)
-MERGE_EXCLUDES = ("row2d", "pdl", "x_first", "defer_norm", "fold_sums")
-
-
 def merge_tuning(split: SplitAttn, n_out: int) -> dict | None:
     """The o projection's streaming tiling (STREAM_TUNING["o"], fitted to the shape) with
     block_k holding whole KV heads, as gemv_merge needs; None where no such block_k is a
-    power of two, or the tiling sets one of MERGE_EXCLUDES (then the caller merges first)."""
+    power of two, or the tiling sets one of gemv_merge.MERGE_EXCLUDES (then the caller
+    merges first)."""
+    from pallas_kernels.gemv_merge import MERGE_EXCLUDES
     _, kvh, _, g, hd = split.parts.shape
     k = kvh * g * hd
     t = fit_stream_tuning(STREAM_TUNING["o"], n_out, k)
@@ -68,7 +67,6 @@ def merge_tuning(split: SplitAttn, n_out: int) -> dict | None:
 def project_o(split: SplitAttn, w: jax.Array, interpret: bool, next_operand: dict):
     """split's merged output @ w^T through gemv_merge (the merge as the GEMV's prologue), in
     the projection's leading shape; None where merge_tuning finds no tiling."""
-    from ouro_jax import trace_once
     from pallas_kernels.gemv_merge import gemv_stream_merged
     tuning = merge_tuning(split, w.shape[0])
     if tuning is None:

@@ -51,8 +51,13 @@ def merged_rows(parts_ref, lse_ref, *, m: int, nk: int, block_k: int, dt):
     return rows
 
 
-def check_merge_operands(parts: jax.Array, lse: jax.Array, w: jax.Array, block_k: int):
-    """ValueError naming what gemv_stream_merged cannot take."""
+# gemv_stream options the merged GEMV does not take (the norm prologue's and PDL's)
+MERGE_EXCLUDES = ("row2d", "pdl", "x_first", "defer_norm", "fold_sums")
+
+
+def check_merge_operands(parts: jax.Array, lse: jax.Array, w: jax.Array) -> int:
+    """K = KVH * G * hd of the merged row; ValueError naming an operand gemv_stream_merged
+    cannot take."""
     if parts.ndim != 5 or lse.shape != parts.shape[:4]:
         raise ValueError(f"gemv_stream_merged: parts must be [M, KVH, S, G, hd] and lse [M, "
                          f"KVH, S, G]; got {parts.shape} and {lse.shape}")
@@ -64,9 +69,7 @@ def check_merge_operands(parts: jax.Array, lse: jax.Array, w: jax.Array, block_k
     if w.ndim != 2 or w.shape[1] != k:
         raise ValueError(f"gemv_stream_merged: w must be [N, {k}] (K = KVH * G * hd), got "
                          f"{w.shape}")
-    if block_k % (g * hd) or kvh % (block_k // (g * hd)):
-        raise ValueError(f"gemv_stream_merged: block_k={block_k} must hold whole KV heads "
-                         f"(a multiple of G * hd = {g * hd} dividing K = {k})")
+    return k
 
 
 def gemv_stream_merged(parts: jax.Array, lse: jax.Array, w: jax.Array, *, dtype,
@@ -76,11 +79,12 @@ def gemv_stream_merged(parts: jax.Array, lse: jax.Array, w: jax.Array, *, dtype,
     axis=2) reshaped to [M, KVH * G * hd]) rounded to `dtype`; y in `dtype`. tuning:
     gemv_stream's DEFAULTS keys, except row2d, pdl, x_first, defer_norm and fold_sums (the
     norm prologue's and PDL's options); next_w / next_split as in gemv_stream."""
-    m, kvh, _, g, hd = parts.shape if parts.ndim == 5 else (0,) * 5
-    k = kvh * g * hd
+    k = check_merge_operands(parts, lse, w)
+    m, kvh, _, g, hd = parts.shape
     cfg = _config(tuning, k)
-    check_merge_operands(parts, lse, w, cfg["block_k"])
-    from ouro_jax.split_attn import MERGE_EXCLUDES
+    if cfg["block_k"] % (g * hd) or kvh % (cfg["block_k"] // (g * hd)):
+        raise ValueError(f"gemv_stream_merged: block_k={cfg['block_k']} must hold whole KV "
+                         f"heads (a multiple of G * hd = {g * hd} dividing K = {k})")
     for key in MERGE_EXCLUDES:
         if cfg[key]:
             raise ValueError(f"gemv_stream_merged takes no {key} (the merge is its prologue)")
