@@ -25,6 +25,10 @@
 #      k=4, greedy and T=0.8 (k=4 greedy again, for the ratio in the same run).
 #   m. (session 32) o_merge: tests/test_gemv_merge.py's GPU test, and greedy native against
 #      k=4 d=2 speculative tokens with o_merge at batch 1.
+#   p. (session 33) benchmarks.l2_side_stream: the one-row GEMV chain (PyTorch + Triton)
+#      with and without a weight prefetcher on a stream of its own; PARMS picks its arms.
+#      Arms of step e from session 33: ev (every streaming GEMV's weight loads evict_first),
+#      lc (the decode kernel merges its own splits), lcpdl (lc with its PDL trigger).
 #   n. (after w8 became the default) ncu on a decode step's six Pallas kernels, as in
 #      session 30's profile (ncu_b1_session30_h100_*), to see what the one-chunk prologue
 #      changed in the stalls.
@@ -32,7 +36,7 @@
 #      (which compile the engine's tilings through the triton package) and gemv_flow's
 #      (whose stages follow the engine's block sizes).
 # Usage on the GPU machine: OUT=dir bash benchmarks/gpu_session31_call.sh; STEPS= a subset
-# of "estcngrm" (default estc; they run in the order e s m n g t r c; t, r and c run on an H200
+# of "pestcngrm" (default estc; they run in the order p e s m n g t r c; t, r and c run on an H200
 # only unless FORCE_TC=1); CAP= seconds (default 560). Step c's CLI runs print their
 # load_phases (since session 31) in the stats JSON. SESSION (default session31) tags the
 # result files: sessions after 31 reuse this script with SESSION=sessionNN.
@@ -43,6 +47,12 @@ STEPS=${STEPS:-estc}
 on() { [[ $STEPS == *$1* ]]; }
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
 W8="qkv=st4_k2048_p4_w8,gate_up=st2_k2048_p8_w8"
+if on p; then
+  timeout -s KILL $(left 200) python3 -m benchmarks.l2_side_stream --tiling qkv=4:4:8,gate_up=2:8:8 \
+    --arms ${PARMS:-base,pf:8:16,pf:16:16,pf:24:16,pf:32:16,pf:16:4,pf:16:64,pf:16:16:256,base} \
+    --repeats 20 --out $OUT/l2_side_stream_${S}_$G.json 2>&1 | cut -c1-300
+  echo "p done at $SECONDS s"
+fi
 if on e; then
   A=/tmp/ab31; rm -rf $A; mkdir -p $A
   erun() { [ $SECONDS -lt $((CAP - 45)) ] && timeout -s KILL $(left 100) $D --batch 1 \
@@ -64,6 +74,9 @@ if on e; then
     om44) erun om44_p$2 --decode-kernel o_merge=1 --stream-tiling o=st4_k512_p4_w4 ;;
     omk) erun omk_p$2 --decode-kernel o_merge=1 --stream-tiling o=st2_k2048_p2_w8 ;;
     o4) erun o4_p$2 --stream-tiling o=st4_k512_p2_w4 ;;
+    ev) erun ev_p$2 --stream-set qkv.evict_first=1,o.evict_first=1,gate_up.evict_first=1,down.evict_first=1 ;;
+    lcpdl) erun lcpdl_p$2 --decode-kernel last_combine=1,pdl=1 ;;
+    lc) erun lc_p$2 --decode-kernel last_combine=1 ;;
   esac; }
   # (session 31's second call ran "default w8 w8o w8x2 w8d fold", before w8 became the
   # default; since then default = w8, and k512 is the old tiling)

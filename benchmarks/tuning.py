@@ -193,7 +193,7 @@ def check_graph_pdl(args) -> None:
                          "with a 'graph' part (e.g. gemv+norms+stream+graph), or leave it out")
 
 
-STREAM_SWITCHES = ("x_first", "defer_norm", "row2d", "fold_sums")  # gemv_stream bool keys
+STREAM_SWITCHES = ("x_first", "defer_norm", "row2d", "fold_sums", "evict_first")  # gemv_stream bool keys
 
 
 def parse_stream_set(spec: str) -> dict:

@@ -14,14 +14,20 @@ from pallas_kernels.gemv import _silu_mul
 
 
 def block_loader(w_ref, *, block_n: int, block_k: int, nk: int, gated: bool, up_offset: int,
-                 nblocks=None):
+                 nblocks=None, evict_first: bool = False):
     """load(j): block j's raw weight slab, nk gate chunks (then nk up chunks when gated).
     nblocks (gemv_queue): j may run past the last block; those loads are masked off (no
-    memory traffic) and read as zeros."""
+    memory traffic) and read as zeros. evict_first (GPU only; the interpreter has no cache):
+    the weight loads carry Triton's evict_first policy, so the streamed weights, read once per
+    loop, are the first lines L2 gives up and the small data read every layer (the K/V block
+    tables, the activations) can stay."""
     cols = [pl.ds(c * block_k, block_k) for c in range(nk)]
 
     def load(j):
-        if nblocks is None:
+        if nblocks is None and evict_first:
+            from jax.experimental.pallas import triton as plt
+            read = lambda rows, c: plt.load(w_ref.at[rows, c], eviction_policy="evict_first")
+        elif nblocks is None:
             read = lambda rows, c: w_ref[rows, c]
         else:
             from jax.experimental.pallas import triton as plt

@@ -75,10 +75,14 @@ PDL_MODES = (False, "start", "end")
 # Opt-in until measured on a GPU (session 30: ncu found the norm-prologue kernels stalled on
 # shared memory and barriers more than on DRAM; the engine's qkv and gate/up take 8
 # reductions per call at K = 2048, block_k = 512).
+# evict_first: the weight loads carry L2's evict-first policy (gemv_blocks.block_loader), so
+# a decode step's 10 GB of weights, each byte read once per loop, stop pushing out of L2 what
+# every layer reads again (block tables, activations). Same math, same bits. Opt-in until
+# measured (session 33).
 NEXT_AT = ("start", "end")
 DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False,
                 l2_prefetch=0, next_rows=0, next_at="end", x_first=False, defer_norm=False,
-                fold_sums=False)
+                fold_sums=False, evict_first=False)
 
 
 def raw_rows(refs, rows, nk, block_k, prologue, row2d, after, f32=False):
@@ -183,7 +187,7 @@ def split_refs(refs, prologue: str, n_weights: int):
 
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
             row2d, interpret, pdl, l2_prefetch, next_rows, next_split, next_at, x_first,
-            defer_norm=False, fold_sums=False):
+            defer_norm=False, fold_sums=False, evict_first=False):
     refs = list(refs)
     next_ref = refs.pop(-3 if prologue == "add_norm" else -2) if next_rows else None
     x_ref, b_ref, wb_ref, wx_ref, (w_ref,), y_ref, xo_ref = split_refs(refs, prologue, 1)
@@ -192,7 +196,7 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
                             interpret=interpret) if next_rows else None
     nk = k // block_k
     load = block_loader(w_ref, block_n=block_n, block_k=block_k, nk=nk, gated=gated,
-                        up_offset=up_offset)
+                        up_offset=up_offset, evict_first=evict_first and not interpret)
     pdl_off = interpret or not pdl
     token = (pdl_trigger(p, interpret=pdl_off) if pdl == "start"
              else pdl_token(interpret=pdl_off))
@@ -257,7 +261,7 @@ def _config(tuning: dict, k: int) -> dict:
         raise ValueError(f"unknown gemv_stream tuning keys {sorted(unknown)}; valid: "
                          f"{sorted(DEFAULTS)}")
     cfg = dict(DEFAULTS, **tuning)
-    for key in ("x_first", "defer_norm", "fold_sums"):
+    for key in ("x_first", "defer_norm", "fold_sums", "evict_first"):
         if not isinstance(cfg[key], bool):
             raise ValueError(f"gemv_stream {key} must be a bool, got {cfg[key]!r}")
     if cfg["x_first"] and cfg.get("pdl"):
@@ -296,7 +300,7 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
                                l2_prefetch=cfg["l2_prefetch"], next_rows=next_rows,
                                next_split=next_split, next_at=cfg["next_at"],
                                x_first=cfg["x_first"], defer_norm=cfg["defer_norm"],
-                               fold_sums=cfg["fold_sums"])
+                               fold_sums=cfg["fold_sums"], evict_first=cfg["evict_first"])
     if cfg["row2d"]:  # the norm weights as [1, K] rows
         operands = tuple(o.reshape(1, -1) if o.ndim == 1 else o for o in operands)
     y = jax.ShapeDtypeStruct((m, n_out), out_dtype or operands[0].dtype)

@@ -1,0 +1,40 @@
+"""benchmarks.l2_side_stream's host side (the GPU run needs the device's PyTorch + Triton):
+the prefetcher's work list and the arm syntax."""
+import pytest
+
+from benchmarks.l2_side_stream import parse_arm, schedule
+
+
+def test_schedule_needs_follow_the_lead():
+    # three kernels of 4, 4 and 8 bytes read in order, 2-byte chunks
+    work = schedule([4, 4, 8], lead=4, chunk=2)
+    assert [(i, off) for i, off, _ in work] == [(0, 0), (0, 2), (1, 0), (1, 2), (2, 0), (2, 2),
+                                                (2, 4), (2, 6)]
+    # a lead of one kernel: a chunk may go once its own kernel has started
+    assert [need for *_, need in work] == [0, 0, 1, 1, 2, 2, 2, 2]
+    # a lead of 8 bytes: up to 8 bytes past the running kernel's first byte
+    assert [need for *_, need in schedule([4, 4, 8], lead=8, chunk=2)] == [0, 0, 0, 0, 1, 1,
+                                                                          2, 2]
+    # a lead past everything: all chunks at the first kernel's start
+    assert {need for *_, need in schedule([4, 4, 8], lead=100, chunk=2)} == {0}
+
+
+def test_schedule_never_waits_past_its_own_kernel_and_never_goes_back():
+    sizes = [6144 * 2048 * 2, 2048 * 2048 * 2, 11264 * 2048 * 2, 2048 * 5632 * 2] * 3
+    for lead in (1 << 20, 16 << 20, 48 << 20):
+        work = schedule(sizes, lead=lead, chunk=64 << 10)
+        needs = [need for *_, need in work]
+        assert all(need <= i for i, _, need in work)
+        assert needs == sorted(needs)
+        assert len(work) == sum(sizes) // (64 << 10)
+
+
+def test_schedule_and_arm_errors():
+    with pytest.raises(ValueError, match="multiple of the chunk"):
+        schedule([5], lead=4, chunk=2)
+    assert parse_arm("base") is None
+    assert parse_arm("pf:16:32") == (16 << 20, 32, 64 << 10)
+    assert parse_arm("pf:0.5:8:128") == (1 << 19, 8, 128 << 10)
+    for bad in ("pf", "pf:16", "pf:x:3", "pf:-1:8", "pre:16:8", "pf:16:0"):
+        with pytest.raises(SystemExit, match="arm"):
+            parse_arm(bad)
