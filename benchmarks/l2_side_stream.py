@@ -25,11 +25,10 @@ median of `--repeats` replays) and writes them with the machine and command to -
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 
-from benchmarks.pdl_chain import SHAPES, chain_parser, parse_tiling
+from benchmarks.pdl_chain import SHAPES, chain_parser, parse_tiling, save_chain_record
 
 ORDER = ("qkv", "o", "gate_up", "down")
 BIG = 1 << 30  # the progress word once the chain has ended: every chunk may go
@@ -222,7 +221,6 @@ def main(argv=None):
         parse_arm(a)
     tiling = parse_tiling(args.tiling)
     import torch
-    import triton
 
     from benchmarks.pdl_chain import make_layers
     fns = build_kernels()
@@ -235,15 +233,8 @@ def main(argv=None):
         row["bit_equal_to_first_arm"] = bool(torch.equal(result, ref))
         print(json.dumps(row), flush=True)
         rows.append(row)
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from benchmarks.record import save_record
-    save_record("benchmarks.l2_side_stream", argv, args.out, torch=torch.__version__,
-                torch_device=torch.cuda.get_device_name(), triton=triton.__version__,
-                layers=args.layers, loops=args.loops, mb_per_layer=mb,
-                tiling={k: dict(zip(("block_n", "per_program", "num_warps"), v))
-                        for k, v in tiling.items()}, rows=rows)
-    if not all(r["bit_equal_to_first_arm"] and r["finite"] and r["result_rms"] > 0
-               for r in rows):
+    if not save_chain_record("benchmarks.l2_side_stream", argv, args, torch, mb, tiling,
+                             rows):
         print("ERROR: an arm's result differs from the first arm's, or is not finite",
               file=sys.stderr)
         raise SystemExit(1)

@@ -215,7 +215,6 @@ def main(argv=None):
     arms = parse_arms(args.arms, MODES)
     tiling = parse_tiling(args.tiling)
     import torch  # the GPU machine's PyTorch and Triton (not the project's dependencies)
-    import triton
     gemv = build_kernel()
     layers = make_layers(torch, args.layers)
     mb = sum(w.numel() * 2 for lw in layers for w in lw.values()) / args.layers / 1e6
@@ -230,18 +229,24 @@ def main(argv=None):
         rows.append(row)
         if not same:
             print(f"ERROR: arm {arm} differs from arm {arms[0]}", file=sys.stderr)
-    # the project's record (command, machine, commit, code digest); JAX only reads the device
-    # name here, so it must not take the GPU's memory from PyTorch
+    if not save_chain_record("benchmarks.pdl_chain", argv, args, torch, mb, tiling, rows):
+        raise SystemExit(1)
+
+
+def save_chain_record(module, argv, args, torch, mb, tiling, rows) -> bool:
+    """Writes a chain benchmark's record (command, machine, commit, code digest, rows) to
+    args.out; True when every arm gave the first arm's bits, finite and nonzero."""
+    import triton
+    # JAX only reads the device name here, so it must not take the GPU's memory from PyTorch
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from benchmarks.record import save_record
-    save_record("benchmarks.pdl_chain", argv, args.out, torch=torch.__version__,
+    save_record(module, argv, args.out, torch=torch.__version__,
                 torch_device=torch.cuda.get_device_name(), triton=triton.__version__,
                 layers=args.layers, loops=args.loops, mb_per_layer=mb,
                 tiling={k: dict(zip(("block_n", "per_program", "num_warps"), v))
                         for k, v in tiling.items()}, rows=rows)
-    if not all(r["bit_equal_to_first_arm"] and r["finite"] and r["result_rms"] > 0
-               for r in rows):
-        raise SystemExit(1)
+    return all(r["bit_equal_to_first_arm"] and r["finite"] and r["result_rms"] > 0
+               for r in rows)
 
 
 def time_arm(torch, gemv, layers, arm, tiling, args, mb):
