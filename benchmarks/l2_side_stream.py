@@ -52,24 +52,31 @@ def parse_arm(spec: str):
     return int(lead * 2 ** 20), ctas, chunk * 1024
 
 
-def schedule(kernel_bytes, lead: int, chunk: int):
-    """The prefetcher's work list for kernels reading kernel_bytes[i] contiguous bytes each, in
-    order: per chunk (kernel index, byte offset in that kernel, need), where `need` is the
-    first kernel index at whose start the chunk's end lies within `lead` bytes of that
-    kernel's first byte (chunks of the first `lead` bytes need kernel 0 to have started)."""
+def schedule(kernel_bytes, lead: int, chunk: int, segments=None):
+    """The prefetcher's work list for kernels reading kernel_bytes[i] bytes each, in order:
+    per chunk (kernel index, byte offset in that kernel, need), where `need` is the first
+    kernel index at whose start the chunk's end (counted in the order of the list) lies
+    within `lead` bytes of that kernel's first byte (chunks of the first `lead` bytes need
+    kernel 0 to have started). segments[i] (default 1): kernel i reads that many equal parts
+    side by side (gate/up: the gate and up rows of a block together), so its chunks are
+    listed part by part in turn, as it reads them."""
+    segments = segments or [1] * len(kernel_bytes)
     starts, total = [], 0
-    for n in kernel_bytes:
-        if n % chunk:
-            raise ValueError(f"kernel bytes {n} are not a multiple of the chunk {chunk}")
+    for n, seg in zip(kernel_bytes, segments):
+        if n % (chunk * seg):
+            raise ValueError(f"kernel bytes {n} are not a multiple of the chunk {chunk} "
+                             f"times {seg} part(s)")
         starts.append(total)
         total += n
-    out, k = [], 0
-    for i, n in enumerate(kernel_bytes):
-        for off in range(0, n, chunk):
-            end = starts[i] + off + chunk
-            while k < len(starts) - 1 and starts[k] + lead < end:
-                k += 1
-            out.append((i, off, min(k, i)))
+    out, k, pos = [], 0, 0
+    for i, (n, seg) in enumerate(zip(kernel_bytes, segments)):
+        part = n // seg
+        for c in range(0, part, chunk):
+            for s in range(seg):
+                pos += chunk
+                while k < len(starts) - 1 and starts[k] + lead < pos:
+                    k += 1
+                out.append((i, s * part + c, min(k, i)))
     return out
 
 
@@ -149,7 +156,7 @@ def run_chain(gemv, kernels, bufs, prog, tiling):
 
 def prefetch_tables(torch, kernels, lead, chunk):
     sizes = [lw[name].numel() * lw[name].element_size() for name, lw in kernels]
-    work = schedule(sizes, lead, chunk)
+    work = schedule(sizes, lead, chunk, [2 if SHAPES[name][2] else 1 for name, _ in kernels])
     base = [lw[name].data_ptr() for name, lw in kernels]
     pad = -len(work) % LANES  # whole groups: the last chunk again, needing nothing new
     work = work + [work[-1]] * pad

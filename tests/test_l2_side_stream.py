@@ -19,10 +19,19 @@ def test_schedule_needs_follow_the_lead():
     assert {need for *_, need in schedule([4, 4, 8], lead=100, chunk=2)} == {0}
 
 
+def test_gated_kernels_are_listed_part_by_part():
+    # kernel 1 reads its two halves side by side (gate and up rows): chunks alternate
+    work = schedule([4, 8], lead=4, chunk=2, segments=[1, 2])
+    assert [(i, off) for i, off, _ in work] == [(0, 0), (0, 2), (1, 0), (1, 4), (1, 2), (1, 6)]
+    assert [need for *_, need in work] == [0, 0, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="2 part"):
+        schedule([6], lead=4, chunk=2, segments=[2])
+
+
 def test_schedule_never_waits_past_its_own_kernel_and_never_goes_back():
     sizes = [6144 * 2048 * 2, 2048 * 2048 * 2, 11264 * 2048 * 2, 2048 * 5632 * 2] * 3
     for lead in (1 << 20, 16 << 20, 48 << 20):
-        work = schedule(sizes, lead=lead, chunk=64 << 10)
+        work = schedule(sizes, lead=lead, chunk=64 << 10, segments=[1, 1, 2, 1] * 3)
         needs = [need for *_, need in work]
         assert all(need <= i for i, _, need in work)
         assert needs == sorted(needs)
