@@ -24,12 +24,12 @@ from jax.experimental import pallas as pl
 from benchmarks.timing import median_time
 
 
-def spin(x, n: int):
+def spin(x, n: int, interpret: bool = False):
     """One program: n dependent multiply-adds on a 128-lane fp32 vector (~1 SM)."""
     def kernel(x_ref, o_ref):
         o_ref[...] = lax.fori_loop(0, n, lambda i, v: v * 0.999999 + 1e-6, x_ref[...])
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          grid=(1,))(x)
+                          grid=(1,), interpret=interpret)(x)
 
 
 def on_stream(stream: int):
@@ -40,26 +40,27 @@ def on_stream(stream: int):
     return wrap(compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
 
 
-def arms(n: int):
+def arms(n: int, interpret: bool = False):
     side = on_stream(1)
+    run = lambda v: spin(v, n, interpret)  # noqa: E731
 
     def one(x, y):
-        return spin(x, n), y
+        return run(x), y
 
     def serial(x, y):
-        return spin(x, n), spin(y, n)
+        return run(x), run(y)
 
     def streams(x, y):
-        return spin(x, n), side(lambda v: spin(v, n))(y)
+        return run(x), side(run)(y)
 
     def streams_loop(x, y):  # four rounds inside a fori_loop, as in the decode loop
         def body(i, c):
             a, b = c
-            return spin(a, n), side(lambda v: spin(v, n))(b)
+            return run(a), side(run)(b)
         return lax.fori_loop(0, 4, body, (x, y))
 
     def serial_loop(x, y):
-        return lax.fori_loop(0, 4, lambda i, c: (spin(c[0], n), spin(c[1], n)), (x, y))
+        return lax.fori_loop(0, 4, lambda i, c: (run(c[0]), run(c[1])), (x, y))
     return dict(one=one, serial=serial, streams=streams, serial_loop=serial_loop,
                 streams_loop=streams_loop)
 
