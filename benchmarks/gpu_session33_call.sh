@@ -3,7 +3,9 @@
 #   1. benchmarks.l2_side_stream: the one-row GEMV chain with and without a weight
 #      prefetcher on a stream of its own (PyTorch + Triton; any card);
 #   2. benchmarks.stream_probe: whether XLA overlaps a compute_on("gpu_stream:1") call with
-#      the main stream, plainly and inside a fori_loop;
+#      the main stream, plainly and inside a fori_loop; then benchmarks.side_prefetch_jax:
+#      the engine's GEMV chain (24 layers, one loop) in JAX with the progress stores and
+#      pallas_kernels/side_prefetch.py on stream 1 (arms base, stores, pf:...);
 #   3. batch-1 native greedy, two passes: default, ev (evict_first weight loads), lcpdl
 #      (the decode kernel merging its own splits, with its PDL trigger), lc (without);
 #   4. on an H200 only: session 32's omk arms (o_merge at block_k 2048, 8 warps) with the
@@ -15,6 +17,9 @@ CAP=${CAP:-560}
 . benchmarks/gpu_call_setup.sh
 SESSION=$S STEPS=p CAP=$(left 150) OUT=$OUT bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
 timeout -s KILL $(left 60) python3 -m benchmarks.stream_probe --out $OUT/stream_probe_${S}_$G.json 2>&1 | tail -6
+timeout -s KILL $(left 200) python3 -m benchmarks.side_prefetch_jax --loops 1 --repeats 10 \
+  --arms ${JARMS:-base,stores,pf:16:16,pf:32:32,base} --out $OUT/side_prefetch_jax_${S}_$G.json \
+  2>&1 | grep -E "^\{|rror" | cut -c1-300
 SESSION=$S STEPS=e PASSES=2 EARMS="default ev lcpdl lc" AB_NAME=evict_lc CAP=$(left 200) OUT=$OUT \
   bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
 if [ $G = h200 ]; then

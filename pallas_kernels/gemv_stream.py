@@ -187,8 +187,11 @@ def split_refs(refs, prologue: str, n_weights: int):
 
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
             row2d, interpret, pdl, l2_prefetch, next_rows, next_split, next_at, x_first,
-            defer_norm=False, fold_sums=False, evict_first=False):
+            defer_norm=False, fold_sums=False, evict_first=False, progress=None):
     refs = list(refs)
+    if progress is not None:  # the last two inputs, before the outputs (y[, x'])
+        at = len(refs) - (2 if prologue == "add_norm" else 1) - 2
+        word_ref, seq_ref = refs.pop(at), refs.pop(at)
     next_ref = refs.pop(-3 if prologue == "add_norm" else -2) if next_rows else None
     x_ref, b_ref, wb_ref, wx_ref, (w_ref,), y_ref, xo_ref = split_refs(refs, prologue, 1)
     p = pl.program_id(0)
@@ -211,6 +214,10 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
     if nxt is not None and next_at == "start":
         ahead = ahead + nxt()
     after = (after0 if x_first else pdl_wait(token)) + ahead
+    if progress is not None:  # program 0 tells the side-stream prefetcher it has started
+        from pallas_kernels.side_prefetch import store_progress
+        stored = store_progress(word_ref, seq_ref, p, offset=progress)
+        after, ahead = after + stored, ahead + stored
     defer = defer_norm and bool(prologue)
     if prologue == "merge":  # x_ref / b_ref: the attention's split partials / log-sum-exps
         from pallas_kernels.gemv_merge import merged_rows
@@ -284,7 +291,7 @@ def _config(tuning: dict, k: int) -> dict:
 
 
 def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_out=(),
-          next_w=None, next_split=1, out_dtype=None):
+          next_w=None, next_split=1, out_dtype=None, progress=None):
     check_supported(m, k, n_out, block_n=cfg["block_n"], block_k=cfg["block_k"],
                     per_program=cfg["per_program"], num_warps=cfg["num_warps"],
                     row2d=cfg["row2d"])
@@ -293,6 +300,10 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
                               out_dtype or operands[0].dtype)  # (merge: operand 0 is fp32)
     if next_rows:
         operands = (*operands, next_w)
+    progress_offset = None
+    if progress is not None:
+        refs, progress_offset = check_progress(progress, interpret)
+        operands = (*operands, *refs)
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
                                block_k=cfg["block_k"], per_program=cfg["per_program"],
                                gated=gated, up_offset=n_out, prologue=prologue, eps=eps,
@@ -300,7 +311,8 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
                                l2_prefetch=cfg["l2_prefetch"], next_rows=next_rows,
                                next_split=next_split, next_at=cfg["next_at"],
                                x_first=cfg["x_first"], defer_norm=cfg["defer_norm"],
-                               fold_sums=cfg["fold_sums"], evict_first=cfg["evict_first"])
+                               fold_sums=cfg["fold_sums"], evict_first=cfg["evict_first"],
+                               progress=progress_offset)
     if cfg["row2d"]:  # the norm weights as [1, K] rows
         operands = tuple(o.reshape(1, -1) if o.ndim == 1 else o for o in operands)
     y = jax.ShapeDtypeStruct((m, n_out), out_dtype or operands[0].dtype)
@@ -318,33 +330,56 @@ def _check_xw(x, w, gated):
     return check_operands(x, w, gated)
 
 
+def check_progress(progress, interpret: bool):
+    """progress = (word, seq[, offset]): the raw address of the side-stream prefetcher's
+    progress word (int32 [2], its halves; pallas_kernels/side_prefetch.py), an int32 [1] and
+    a static int (default 0); program 0 stores seq[0] + offset there as the kernel starts.
+    Returns ((word, seq), offset). GPU only."""
+    if interpret:
+        raise ValueError("gemv_stream progress= stores to a raw device address: GPU only")
+    if not (isinstance(progress, tuple) and len(progress) in (2, 3)):
+        raise ValueError("gemv_stream progress must be (word int32 [2], seq int32 [1][, "
+                         "offset int])")
+    word, seq, offset = (*progress, 0) if len(progress) == 2 else progress
+    if word.shape != (2,) or seq.shape != (1,) or word.dtype != jnp.int32 \
+            or seq.dtype != jnp.int32 or type(offset) is not int:
+        raise ValueError(f"gemv_stream progress must be (word int32 [2], seq int32 [1][, "
+                         f"offset int]), got {word.dtype} {word.shape}, {seq.dtype} "
+                         f"{seq.shape}, {offset!r}")
+    return (word, seq), offset
+
+
 def gemv_stream(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = False,
-                next_w: jax.Array | None = None, next_split: int = 1, **tuning) -> jax.Array:
+                next_w: jax.Array | None = None, next_split: int = 1, progress=None,
+                **tuning) -> jax.Array:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation); gated: w = [gate; up]
     [2I, K] -> silu(x @ gate^T) * (x @ up^T) [M, I], rounded as the model rounds it.
     tuning: DEFAULTS' keys. next_w: a weight a later kernel reads, prefetched into L2 per
-    next_rows / next_split / next_at (DEFAULTS); it does not change the result."""
+    next_rows / next_split / next_at (DEFAULTS); it does not change the result. progress:
+    see check_progress (does not change the result either)."""
     n_out = _check_xw(x, w, gated)
     m, k = x.shape
     cfg = _config(tuning, k)
     return _call((x, w.astype(x.dtype)), m=m, k=k, n_out=n_out, gated=gated, prologue="",
-                 eps=0.0, interpret=interpret, cfg=cfg, next_w=next_w, next_split=next_split)
+                 eps=0.0, interpret=interpret, cfg=cfg, next_w=next_w, next_split=next_split,
+                 progress=progress)
 
 
 def gemv_stream_normed(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: float,
                        branch: jax.Array | None = None, branch_w: jax.Array | None = None,
                        gated: bool = False, interpret: bool = False,
-                       next_w: jax.Array | None = None, next_split: int = 1, **tuning):
+                       next_w: jax.Array | None = None, next_split: int = 1,
+                       progress=None, **tuning):
     """gemv.gemv_normed's contract (the projection of rms_norm(x', norm_w), x' = x or
-    x + rms_norm(branch, branch_w); returns (y, x')) with the streaming kernel; next_w and
-    next_split as in gemv_stream."""
+    x + rms_norm(branch, branch_w); returns (y, x')) with the streaming kernel; next_w,
+    next_split and progress as in gemv_stream."""
     n_out = _check_xw(x, w, gated)
     m, k = x.shape
     cfg = _config(tuning, k)
     check_norm_operands("gemv_stream_normed", x, norm_w, branch, branch_w)
     dt = x.dtype
     common = dict(m=m, k=k, n_out=n_out, gated=gated, eps=float(eps), interpret=interpret,
-                  cfg=cfg, next_w=next_w, next_split=next_split)
+                  cfg=cfg, next_w=next_w, next_split=next_split, progress=progress)
     if branch is None:
         y = _call((x, norm_w.astype(dt), w.astype(dt)), prologue="norm", **common)
         return y, x

@@ -124,3 +124,47 @@ def _relaxed_lower(ctx, ptr, offset, value):
     value = _lowering._ensure_ir_value(value, ctx.avals_in[2])
     return _lowering._atomic_rmw(tt_dialect.RMWOp.ADD, _lowering._add(ptr, offset), value,
                                  semantic=tt_dialect.MemSemantic.RELAXED)
+
+
+# Impure inline PTX on values (Pallas's own elementwise_inline_asm is pure: MLIR may hoist it
+# out of a loop or merge two equal ones, which a spin read or a prefetch must not be). For raw
+# 64-bit addresses that no XLA buffer of the kernel names (session 33's side-stream
+# prefetcher and the progress word its consumers write: pallas_kernels/side_prefetch.py).
+value_asm_p = jax_core.Primitive("ouro_value_asm")
+
+
+def value_asm(asm: str, *args, constraints: str):
+    """Runs `asm` elementwise over `args` (arrays of one shape, or scalars; `$0` is an int32
+    result, `$1`... the args in order, per `constraints`, e.g. "=r,l,r" for an int64 and an
+    int32), impure, in every thread that holds an element; returns the int32 results. The
+    caller must use them (JAX drops an unused primitive): add them into a value it keeps."""
+    if not constraints.startswith("=r") or len(constraints.split(",")) != len(args) + 1:
+        raise ValueError(f"value_asm constraints {constraints!r} must be '=r' and one entry "
+                         f"per argument ({len(args)})")
+    args = [jnp.asarray(a) for a in args]
+    shapes = {a.shape for a in args if a.ndim}
+    if len(shapes) > 1:
+        raise ValueError(f"value_asm arguments must share one shape, got {sorted(shapes)}")
+    return value_asm_p.bind(*args, asm=asm, constraints=constraints)
+
+
+@value_asm_p.def_abstract_eval
+def _value_abstract_eval(*avals, asm, constraints):
+    del asm, constraints
+    shape = next((a.shape for a in avals if a.shape), ())
+    return jax_core.ShapedArray(shape, jnp.int32)
+
+
+@_lowering.register_lowering(value_asm_p)
+def _value_lower(ctx, *args, asm, constraints):
+    shape = ctx.avals_out[0].shape
+    vals = []
+    for a, aval in zip(args, ctx.avals_in):
+        v = _lowering._ensure_ir_value(a, aval)
+        if shape and not aval.shape:
+            v = _lowering._bcast_to(v, shape)
+        vals.append(v)
+    i32 = ir.IntegerType.get_signless(32)
+    out = ir.RankedTensorType.get(shape, i32) if shape else i32
+    return tt_dialect.elementwise_inline_asm([out], asm, constraints=constraints, pure=False,
+                                             packed_element=1, args=vals)

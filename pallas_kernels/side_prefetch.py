@@ -1,0 +1,119 @@
+"""A weight prefetcher for a stream of its own, and the progress word that paces it (session 33,
+an experiment: benchmarks.side_prefetch_jax; docs/performance.md, "Not yet done").
+
+Why: at batch 1 DRAM idles through every kernel's gap, ramp, tail and prologue (~18 of the
+43 us of a layer application on the H200 are not weight bytes), and every overlap tried from
+inside the chain's own kernels paid what it saved. This kernel runs beside the chain, on
+another XLA stream (`compute_on("gpu_stream:1")`), and the chain never waits for it: it walks
+a table of 64 KB chunks of the weights in the order the GEMVs read them and asks L2 for each
+(`cp.async.bulk.prefetch.L2`, one per thread), at most a lead ahead of the chain: a group of
+32 chunks goes once the progress word has reached the group's `need`, the index of the GEMV
+at whose start the group's last byte lies within the lead. Program 0 of each GEMV writes its
+index there as it starts (`store_progress`, gemv_stream's `progress=`). Values never change:
+a prefetch moves bytes into L2, not into any kernel.
+
+The progress word and the chunks are raw device addresses (two int32 halves each; JAX's
+default int is 32-bit): no XLA buffer of either kernel names the word, so XLA orders nothing
+on it and inserts no copy between the writer and the reader. The spin is bounded
+(`max_spins` reads per group): a schedule that ran the streams one after the other would
+otherwise hang the GPU; the kernel then returns how many groups gave up waiting.
+
+GPU only (no interpret-mode semantics for a prefetch or a spin on another kernel's store).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels._common import compiler_params, pl
+from pallas_kernels.ref_ptx import value_asm
+
+LANES = 32  # chunks per group: one per thread of the prefetcher's one warp
+
+_ADDR = "{\n.reg .b64 %a_pf;\nmov.b64 %a_pf, {$1, $2};\n"
+LOAD_ASM = _ADDR + "ld.relaxed.gpu.global.b32 $0, [%a_pf];\n}"
+PREFETCH_ASM = _ADDR + "cp.async.bulk.prefetch.L2.global [%a_pf], $3;\n}\nmov.u32 $0, 0;"
+STORE_ASM = (_ADDR + ".reg .pred %p_pf;\nsetp.eq.s32 %p_pf, $4, 0;\n"
+             "@%p_pf st.relaxed.gpu.global.b32 [%a_pf], $3;\n}\nmov.u32 $0, 0;")
+
+
+def split_address(addr: int) -> tuple[int, int]:
+    """A 64-bit device address as (low, high) int32 bit patterns."""
+    lo, hi = np.array([addr & 0xFFFFFFFF, addr >> 32], np.uint32).view(np.int32)
+    return int(lo), int(hi)
+
+
+def store_progress(addr_ref, seq_ref, program, offset: int = 0):
+    """In a kernel: program 0 stores seq_ref[0] + offset (int32) at the raw address
+    addr_ref[0:2] (its halves); returns an int32 zero for the caller to add into a value it
+    keeps."""
+    return value_asm(STORE_ASM, addr_ref[0], addr_ref[1], seq_ref[0] + offset, program,
+                     constraints="=r,r,r,r,r")
+
+
+def _kernel(lo_ref, hi_ref, need_ref, word_ref, base_ref, acc_ref, gave_ref, *, groups: int,
+            chunk: int, max_spins: int):
+    p = pl.program_id(0)
+    programs = pl.num_programs(0)
+    w_lo, w_hi, base = word_ref[0], word_ref[1], base_ref[0]
+    read = lambda: value_asm(LOAD_ASM, w_lo, w_hi, constraints="=r,r,r")  # noqa: E731
+
+    def group(i, carry):
+        seen, acc, gave = carry
+        g = p + i * programs
+        need = jnp.max(need_ref[g, :]) + base
+
+        def spin(c):
+            return read(), c[1] + 1
+        seen, spins = lax.while_loop(lambda c: (c[0] < need) & (c[1] < max_spins), spin,
+                                     (seen, jnp.int32(0)))
+        acc = acc + value_asm(PREFETCH_ASM, lo_ref[g, :], hi_ref[g, :], jnp.int32(chunk),
+                              constraints="=r,r,r,r")
+        return seen, acc, gave + (seen < need).astype(jnp.int32)
+    n = (groups - p + programs - 1) // programs
+    _, acc, gave = lax.fori_loop(0, n, group, (read(), jnp.zeros((LANES,), jnp.int32),
+                                               jnp.int32(0)))
+    acc_ref[p, :] = acc
+    gave_ref[p] = gave
+
+
+def side_prefetch(addr_lo, addr_hi, need, word, base, *, chunk: int, programs: int,
+                  max_spins: int = 1 << 16):
+    """Prefetches the chunks (addr_lo / addr_hi: int32 [G, LANES], the halves of each chunk's
+    address; `chunk` bytes each) into L2, group g once the int32 at the raw address `word`
+    (int32 [2], its halves) has reached need[g].max() + base[0] (need int32 [G, LANES], base
+    int32 [1]). Returns (zeros int32 [programs, LANES], the groups per program that gave up
+    waiting after max_spins reads: int32 [programs])."""
+    g = addr_lo.shape[0]
+    for name, a in (("addr_lo", addr_lo), ("addr_hi", addr_hi), ("need", need)):
+        if a.shape != (g, LANES) or a.dtype != jnp.int32:
+            raise ValueError(f"side_prefetch {name} must be int32 [groups, {LANES}], got "
+                             f"{a.dtype} {a.shape}")
+    if word.shape != (2,) or base.shape != (1,):
+        raise ValueError(f"side_prefetch word must be int32 [2] and base int32 [1], got "
+                         f"{word.shape} and {base.shape}")
+    if chunk <= 0 or chunk % 16 or programs < 1 or max_spins < 1:
+        raise ValueError(f"side_prefetch: chunk {chunk} must be a positive multiple of 16 "
+                         f"bytes, programs {programs} and max_spins {max_spins} positive")
+    kernel = lambda *r: _kernel(*r, groups=g, chunk=chunk, max_spins=max_spins)  # noqa: E731
+    return pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((programs, LANES), jnp.int32),
+                           jax.ShapeDtypeStruct((programs,), jnp.int32)),
+        grid=(programs,), compiler_params=compiler_params(1, 1), name="side_prefetch",
+    )(addr_lo, addr_hi, need, word, base)
+
+
+def chunk_tables(arrays, need_of_chunk):
+    """Host side: (addr_lo, addr_hi, need) int32 [G, LANES] for chunks listed as (array index,
+    byte offset, need) by benchmarks.l2_side_stream.schedule, over device arrays `arrays`
+    (their raw addresses); padded to whole groups with the last chunk again."""
+    bases = [a.unsafe_buffer_pointer() for a in arrays]
+    work = list(need_of_chunk)
+    work += [work[-1]] * (-len(work) % LANES)
+    addrs = np.array([bases[i] + off for i, off, _ in work], np.uint64)
+    lo = (addrs & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+    hi = (addrs >> np.uint64(32)).astype(np.uint32).view(np.int32)
+    need = np.array([n for *_, n in work], np.int32)
+    return tuple(jnp.asarray(v.reshape(-1, LANES)) for v in (lo, hi, need))

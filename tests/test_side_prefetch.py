@@ -1,0 +1,149 @@
+"""The side-stream weight prefetcher's kernels (pallas_kernels/side_prefetch.py) and the
+progress word gemv_stream stores for it, lowered for 'cuda' on the CPU (no GPU needed; what
+they buy is benchmarks.side_prefetch_jax's question, on a GPU): the PTX each holds, the
+operands they check, and the host tables."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import side_prefetch as sp
+from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+from test_pdl import triton_ir
+
+S = jax.ShapeDtypeStruct
+I32 = jnp.int32
+BF = jnp.bfloat16
+
+
+def prefetcher_ir(groups=10, **kw):
+    t = S((groups, sp.LANES), I32)
+    [ir] = triton_ir(lambda lo, hi, need, word, base: sp.side_prefetch(
+        lo, hi, need, word, base, chunk=65536, programs=4, **kw), t, t, t, S((2,), I32),
+        S((1,), I32))
+    return ir
+
+
+def test_prefetcher_spins_on_the_word_and_prefetches_each_lane():
+    ir = prefetcher_ir()
+    assert ir.count("ld.relaxed.gpu.global.b32") == 2  # once before the loop, once in the spin
+    assert ir.count("cp.async.bulk.prefetch.L2.global") == 1
+    assert "scf.while" in ir  # the bounded spin
+    assert ir.count("pure = false") == 3  # none of the asm may be hoisted or merged
+    # the prefetch is elementwise over a group's 32 chunk addresses
+    pf = next(line for line in ir.splitlines() if "cp.async.bulk.prefetch" in line)
+    assert "tensor<32xi32>" in pf
+
+
+def test_prefetcher_checks_its_operands():
+    t = jnp.zeros((3, sp.LANES), I32)
+    w, b = jnp.zeros((2,), I32), jnp.zeros((1,), I32)
+    with pytest.raises(ValueError, match="need must be int32"):
+        sp.side_prefetch(t, t, jnp.zeros((3, 16), I32), w, b, chunk=64, programs=1)
+    with pytest.raises(ValueError, match="word must be int32 \\[2\\]"):
+        sp.side_prefetch(t, t, t, b, b, chunk=64, programs=1)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        sp.side_prefetch(t, t, t, w, b, chunk=65, programs=1)
+
+
+@pytest.mark.parametrize("prologue", ["", "add_norm"])
+def test_gemv_stores_progress_from_program_zero(prologue):
+    k, n = 256, 64
+    kw = dict(block_n=2, block_k=128, per_program=4)
+    prog = (S((2,), I32), S((1,), I32))
+
+    def ir(with_progress):
+        extra = prog if with_progress else ()
+
+        def f(x, w, b, nw, *pr):
+            p = dict(progress=tuple(pr)) if pr else {}
+            if not prologue:
+                return gemv_stream(x, w, **kw, **p)
+            return gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=nw, **kw, **p)
+        [out] = triton_ir(f, S((1, k), BF), S((n, k), BF), S((1, k), BF), S((k,), BF), *extra)
+        return out
+    base, got = ir(False), ir(True)
+    # (word, seq, offset): the offset is added to the index before the store
+    [with_offset] = triton_ir(lambda x, w, *pr: gemv_stream(x, w, **kw, progress=(*pr, 7)),
+                              S((1, k), BF), S((n, k), BF), *prog)
+    assert "arith.constant 7 : i32" in with_offset
+    assert "st.relaxed.gpu.global.b32" not in base
+    assert got.count("st.relaxed.gpu.global.b32") == 1
+    assert "setp.eq.s32" in got  # predicated on the program id: program 0 stores
+    # the weight loads are the same
+    # plus the word's two halves and the index
+    assert base.count("tt.load") + 3 == got.count("tt.load")
+
+
+def test_gemv_progress_is_refused_in_interpret_mode_and_when_malformed():
+    x, w = jnp.zeros((1, 256), BF), jnp.zeros((64, 256), BF)
+    good = (jnp.zeros((2,), I32), jnp.zeros((1,), I32))
+    with pytest.raises(ValueError, match="GPU only"):
+        gemv_stream(x, w, interpret=True, progress=good)
+    with pytest.raises(ValueError, match="progress must be"):
+        triton_ir(lambda x, w: gemv_stream(x, w, progress=(good[0],)), x, w)
+    with pytest.raises(ValueError, match="progress must be"):
+        triton_ir(lambda x, w: gemv_stream(x, w, progress=(good[1], good[0])), x, w)
+    with pytest.raises(ValueError, match="progress must be"):
+        triton_ir(lambda x, w: gemv_stream(x, w, progress=(*good, 1.5)), x, w)
+
+
+def test_split_address_and_chunk_tables():
+    assert sp.split_address(0x1234_5678_9ABC_DEF0) == (np.int32(np.uint32(0x9ABCDEF0)
+                                                                .view(np.int32)), 0x12345678)
+
+    class Arr:  # stands in for a device array: only its address is read
+        def __init__(self, addr):
+            self.addr = addr
+
+        def unsafe_buffer_pointer(self):
+            return self.addr
+    arrays = [Arr(0x7F00_0000_0000), Arr(0x7F00_1000_0000)]
+    work = [(0, 0, 0), (0, 65536, 0), (1, 0, 1)]
+    lo, hi, need = sp.chunk_tables(arrays, work)
+    assert lo.shape == hi.shape == need.shape == (1, sp.LANES)
+    addr = (np.asarray(hi).view(np.uint32).astype(np.uint64) << np.uint64(32)) | \
+        np.asarray(lo).view(np.uint32).astype(np.uint64)
+    assert [int(a) for a in addr[0, :3]] == [0x7F00_0000_0000, 0x7F00_0001_0000,
+                                             0x7F00_1000_0000]
+    assert set(int(a) for a in addr[0, 3:]) == {0x7F00_1000_0000}  # padding: the last chunk
+    assert list(np.asarray(need)[0, :3]) == [0, 0, 1]
+
+
+def test_jax_chain_benchmark_lowers_with_the_prefetcher_on_stream_one():
+    """benchmarks.side_prefetch_jax (GPU only to run), one layer and one loop lowered for
+    'cuda': base runs the four GEMVs and nothing stores; pf adds the prefetcher and four
+    progress stores (indices 0-3 after the call's base), and (where this jaxlib lowers for
+    'cuda' in full) the prefetcher's call carries XLA's stream annotation; the chunk tables
+    list every weight byte once, in whole groups."""
+    from benchmarks import side_prefetch_jax as b
+    from benchmarks.pdl_jax_chain import make_weights
+    layers = make_weights(1)
+    x = jnp.zeros((1, 2048), BF)
+    word, base = jnp.zeros((2,), I32), jnp.zeros((1,), I32)
+    pf = (4 << 20, 8, 64 << 10)
+    tab = b.tables(layers, 1, pf)
+    lo, hi, need = tab
+    total = sum(w.size * 2 for name, w in layers[0].items() if "_" not in name or
+                name == "gate_up")
+    assert lo.shape[1] == sp.LANES and lo.size >= total // (64 << 10) > lo.size - sp.LANES
+    assert int(need.max()) == 3 and int(need.min()) == 0
+
+    def kernels(stores, arm_pf, t):
+        f = b.chain_fn(1, stores, arm_pf)
+        return triton_ir(lambda *a: f(*a), x, layers, word, base, *t)
+    plain = kernels(False, None, b.tables(layers, 1, None))
+    assert len(plain) == 4 and not any("st.relaxed.gpu" in ir for ir in plain)
+    got = kernels(True, pf, tab)
+    assert len(got) == 5
+    assert sum("st.relaxed.gpu" in ir for ir in got) == 4
+    assert sum("cp.async.bulk.prefetch" in ir for ir in got) == 1
+    try:
+        from pallas_kernels.offline_compile import lower_for_cuda
+        text = lower_for_cuda(b.chain_fn(1, True, pf), x, layers, word, base, *tab).as_text()
+    except ModuleNotFoundError:  # jax 0.10.2 here lacks the Mosaic GPU lowering's deps
+        return
+    assert "_xla_stream_annotation" in text
