@@ -5,7 +5,8 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-benchmarks/results}
 CAP=${CAP:-570}
-left() { local l=$((CAP - SECONDS)); [ $l -lt $1 ] && echo $l || echo $1; }
+# (never below 1: `timeout 0` would mean no limit at all, a negative one an error)
+left() { local l=$((CAP - SECONDS)); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
 DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 case "$DEV" in *H200*) G=h200 ;; *H100*) G=h100 ;; *) G=gpu ;; esac
 echo "device: $DEV"

@@ -55,26 +55,27 @@ def parse_arm(spec: str):
 def schedule(kernel_bytes, lead: int, chunk: int, segments=None):
     """The prefetcher's work list for kernels reading kernel_bytes[i] bytes each, in order:
     per chunk (kernel index, byte offset in that kernel, need), where `need` is the first
-    kernel index at whose start the chunk's end (counted in the order of the list) lies
-    within `lead` bytes of that kernel's first byte (chunks of the first `lead` bytes need
-    kernel 0 to have started). segments[i] (default 1): kernel i reads that many equal parts
-    side by side (gate/up: the gate and up rows of a block together), so its chunks are
-    listed part by part in turn, as it reads them."""
+    kernel index k such that the chunk's end (counted in the order of the list) lies within
+    `lead` bytes past the end of kernel k: while kernel k runs, the prefetcher may run up to
+    `lead` bytes into the kernels after it (the first kernel's own bytes and `lead` more go
+    once it has started). segments[i] (default 1): kernel i reads that many equal parts side
+    by side (gate/up: the gate and up rows of a block together), so its chunks are listed
+    part by part in turn, as it reads them."""
     segments = segments or [1] * len(kernel_bytes)
-    starts, total = [], 0
+    ends, total = [], 0
     for n, seg in zip(kernel_bytes, segments):
         if n % (chunk * seg):
             raise ValueError(f"kernel bytes {n} are not a multiple of the chunk {chunk} "
                              f"times {seg} part(s)")
-        starts.append(total)
         total += n
+        ends.append(total)
     out, k, pos = [], 0, 0
     for i, (n, seg) in enumerate(zip(kernel_bytes, segments)):
         part = n // seg
         for c in range(0, part, chunk):
             for s in range(seg):
                 pos += chunk
-                while k < len(starts) - 1 and starts[k] + lead < pos:
+                while ends[k] + lead < pos:
                     k += 1
                 out.append((i, s * part + c, min(k, i)))
     return out
@@ -124,7 +125,7 @@ def build_kernels():
         step = tl.num_programs(0)
         lanes = tl.arange(0, V)
         seen = tl.load(prog_ptr, volatile=True)
-        acc = tl.zeros((V,), tl.int32)
+        acc = tl.zeros((V,), tl.int32) + seen  # the first value it read: did it start early?
         for g in range(pid, n_groups, step):
             need = tl.max(tl.load(need_ptr + g * V + lanes), axis=0)
             while seen < need:
@@ -214,9 +215,11 @@ def time_arm(torch, kernels_fns, layers, arm, tiling, args, mb):
                us_max=round(max(times), 3), tb_s=round(mb / med, 3),
                result_rms=float(host.pow(2).mean().sqrt()),
                finite=bool(torch.isfinite(host).all()))
-    if pf:
+    if pf:  # first_seen: the progress each prefetcher CTA read first (-1: before the chain)
+        first = sink.view(pf[1], LANES)[:, 0].cpu()
         row.update(lead_mb=pf[0] / 2 ** 20, ctas=pf[1], chunk_kb=pf[2] // 1024,
-                   chunks=int(addr.numel()))
+                   chunks=int(addr.numel()), first_seen_min=int(first.min()),
+                   first_seen_max=int(first.max()))
     del graph
     return row, result
 

@@ -40,15 +40,16 @@ from pallas_kernels.side_prefetch import chunk_tables, side_prefetch, split_addr
 
 
 def chain_fn(loops: int, stores: bool, pf):
-    """jit(f)(h, layers, word, base, lo, hi, need) -> (h, every layer's output, the
-    prefetcher's give-ups or a zero)."""
+    """jit(f)(h, layers, word, base, lo, hi, need) -> (h, every layer's output, and per
+    prefetcher program its give-ups and the progress it first read, or zeros)."""
     tune = {name: dict(STREAM_TUNING[name]) for name in ORDER}
 
     def f(h, layers, word, base, lo, hi, need):
-        gave = jnp.zeros((1,), jnp.int32)
+        seen = gave = jnp.zeros((1,), jnp.int32)
         if pf:
-            _, gave = on_stream(1)(lambda *a: side_prefetch(
+            seen, gave = on_stream(1)(lambda *a: side_prefetch(
                 *a, chunk=pf[2], programs=pf[1]))(lo, hi, need, word, base)
+            seen = seen[:, 0]
         d = jnp.zeros_like(h)
         outs, ki = [], 0
 
@@ -66,7 +67,7 @@ def chain_fn(loops: int, stores: bool, pf):
                                           **prog(), **tune["gate_up"])
                 d = gemv_stream(y, lw["down"], **prog(), **tune["down"])
                 outs.append(d)
-        return h, jnp.concatenate(outs), jnp.sum(gave)
+        return h, jnp.concatenate(outs), gave, seen  # (summed on the host: no extra kernel)
     return jax.jit(f)
 
 
@@ -111,23 +112,29 @@ def main(argv=None):
         compile_s = time.perf_counter() - t0
         got = np.asarray(out[1])
         ref = got if ref is None else ref
-        times, gave = [], int(out[2])
+        times, gave, seen = [], int(np.sum(out[2])), [np.asarray(out[3])]
         for b in bases[1:]:
             t = time.perf_counter()
             last = jax.block_until_ready(f(x0, layers, word, b, *tab))
             times.append((time.perf_counter() - t) * 1e6 / (args.loops * args.layers))
-            gave += int(last[2])
+            gave += int(np.sum(last[2]))
+            seen.append(np.asarray(last[3]))
+        seen = np.concatenate(seen)
         med = statistics.median(times)
         row = dict(arm=arm, us_per_layer=round(med, 3), us_min=round(min(times), 3),
                    us_max=round(max(times), 3), tb_s=round(mb / med, 3),
                    compile_s=round(compile_s, 2), gave_up_groups=gave,
+                   # the progress the prefetcher's programs read first, less the call's base:
+                   # -1 = it started before the chain; kernels - 1 = after it (no overlap)
+                   first_seen_min=int(seen.min()), first_seen_max=int(seen.max()),
                    bit_equal_to_first_arm=bool(np.array_equal(got, ref)),
                    timed_run_equal=bool(np.array_equal(np.asarray(last[1]), got)))
         print(json.dumps(row), flush=True)
         rows.append(row)
-    save_record("benchmarks.side_prefetch_jax", argv, args.out, layers=args.layers,
-                loops=args.loops, mb_per_layer=mb, normed=list(NORMED),
-                tiling={k: dict(STREAM_TUNING[k]) for k in ORDER}, rows=rows)
+        # written after every arm: a step cut short by its time limit keeps what it measured
+        save_record("benchmarks.side_prefetch_jax", argv, args.out, layers=args.layers,
+                    loops=args.loops, mb_per_layer=mb, normed=list(NORMED),
+                    tiling={k: dict(STREAM_TUNING[k]) for k in ORDER}, rows=rows)
     del word_buf
     if not all(r["bit_equal_to_first_arm"] and r["timed_run_equal"] for r in rows):
         print("ERROR: an arm's result differs from the first arm's", file=sys.stderr)

@@ -302,7 +302,7 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
         operands = (*operands, next_w)
     progress_offset = None
     if progress is not None:
-        refs, progress_offset = check_progress(progress, interpret)
+        refs, progress_offset = check_progress(progress, interpret, cfg["row2d"])
         operands = (*operands, *refs)
     kernel = functools.partial(_kernel, m=m, k=k, block_n=cfg["block_n"],
                                block_k=cfg["block_k"], per_program=cfg["per_program"],
@@ -330,13 +330,15 @@ def _check_xw(x, w, gated):
     return check_operands(x, w, gated)
 
 
-def check_progress(progress, interpret: bool):
+def check_progress(progress, interpret: bool, row2d: bool = False):
     """progress = (word, seq[, offset]): the raw address of the side-stream prefetcher's
     progress word (int32 [2], its halves; pallas_kernels/side_prefetch.py), an int32 [1] and
     a static int (default 0); program 0 stores seq[0] + offset there as the kernel starts.
     Returns ((word, seq), offset). GPU only."""
     if interpret:
         raise ValueError("gemv_stream progress= stores to a raw device address: GPU only")
+    if row2d:  # the [1, K] reshape of the norm weights would take the progress operands too
+        raise ValueError("gemv_stream progress= is not supported with row2d")
     if not (isinstance(progress, tuple) and len(progress) in (2, 3)):
         raise ValueError("gemv_stream progress must be (word int32 [2], seq int32 [1][, "
                          "offset int])")

@@ -6,17 +6,20 @@ Why: at batch 1 DRAM idles through every kernel's gap, ramp, tail and prologue (
 inside the chain's own kernels paid what it saved. This kernel runs beside the chain, on
 another XLA stream (`compute_on("gpu_stream:1")`), and the chain never waits for it: it walks
 a table of 64 KB chunks of the weights in the order the GEMVs read them and asks L2 for each
-(`cp.async.bulk.prefetch.L2`, one per thread), at most a lead ahead of the chain: a group of
-32 chunks goes once the progress word has reached the group's `need`, the index of the GEMV
-at whose start the group's last byte lies within the lead. Program 0 of each GEMV writes its
+(`cp.async.bulk.prefetch.L2`, one per thread), at most a lead past the end of the kernel the
+chain is running: a group of 32 chunks goes once the progress word has reached the group's
+`need`, the first GEMV whose end lies within the lead of the group's last byte
+(benchmarks.l2_side_stream.schedule). Program 0 of each GEMV writes its
 index there as it starts (`store_progress`, gemv_stream's `progress=`). Values never change:
 a prefetch moves bytes into L2, not into any kernel.
 
 The progress word and the chunks are raw device addresses (two int32 halves each; JAX's
 default int is 32-bit): no XLA buffer of either kernel names the word, so XLA orders nothing
 on it and inserts no copy between the writer and the reader. The spin is bounded
-(`max_spins` reads per group): a schedule that ran the streams one after the other would
-otherwise hang the GPU; the kernel then returns how many groups gave up waiting.
+(`max_spins` reads per group, and no more waiting once a group has given up): a schedule
+that ran the streams one after the other would otherwise hang the GPU. The kernel returns
+how many groups gave up waiting and the progress it first read, which tell whether the
+two streams overlapped.
 
 GPU only (no interpret-mode semantics for a prefetch or a spin on another kernel's store).
 """
@@ -67,15 +70,17 @@ def _kernel(lo_ref, hi_ref, need_ref, word_ref, base_ref, acc_ref, gave_ref, *, 
 
         def spin(c):
             return read(), c[1] + 1
-        seen, spins = lax.while_loop(lambda c: (c[0] < need) & (c[1] < max_spins), spin,
-                                     (seen, jnp.int32(0)))
+        # once one group has given up, none waits again (the streams are not overlapping)
+        seen, spins = lax.while_loop(lambda c: (c[0] < need) & (c[1] < max_spins) & (gave == 0),
+                                     spin, (seen, jnp.int32(0)))
         acc = acc + value_asm(PREFETCH_ASM, lo_ref[g, :], hi_ref[g, :], jnp.int32(chunk),
                               constraints="=r,r,r,r")
         return seen, acc, gave + (seen < need).astype(jnp.int32)
     n = (groups - p + programs - 1) // programs
-    _, acc, gave = lax.fori_loop(0, n, group, (read(), jnp.zeros((LANES,), jnp.int32),
+    first = read()
+    _, acc, gave = lax.fori_loop(0, n, group, (first, jnp.zeros((LANES,), jnp.int32),
                                                jnp.int32(0)))
-    acc_ref[p, :] = acc
+    acc_ref[p, :] = acc + (first - base)  # the prefetches' zeros plus where the chain was
     gave_ref[p] = gave
 
 
@@ -84,8 +89,10 @@ def side_prefetch(addr_lo, addr_hi, need, word, base, *, chunk: int, programs: i
     """Prefetches the chunks (addr_lo / addr_hi: int32 [G, LANES], the halves of each chunk's
     address; `chunk` bytes each) into L2, group g once the int32 at the raw address `word`
     (int32 [2], its halves) has reached need[g].max() + base[0] (need int32 [G, LANES], base
-    int32 [1]). Returns (zeros int32 [programs, LANES], the groups per program that gave up
-    waiting after max_spins reads: int32 [programs])."""
+    int32 [1]). Returns (per program, in every lane, the progress it first read less base:
+    -1 or less if it started before the chain's first kernel, the chain's last index if after
+    it; int32 [programs, LANES]) and the groups per program that gave up waiting after
+    max_spins reads (after one give-up a program waits no more; int32 [programs])."""
     g = addr_lo.shape[0]
     for name, a in (("addr_lo", addr_lo), ("addr_hi", addr_hi), ("need", need)):
         if a.shape != (g, LANES) or a.dtype != jnp.int32:

@@ -10,11 +10,11 @@ def test_schedule_needs_follow_the_lead():
     work = schedule([4, 4, 8], lead=4, chunk=2)
     assert [(i, off) for i, off, _ in work] == [(0, 0), (0, 2), (1, 0), (1, 2), (2, 0), (2, 2),
                                                 (2, 4), (2, 6)]
-    # a lead of one kernel: a chunk may go once its own kernel has started
-    assert [need for *_, need in work] == [0, 0, 1, 1, 2, 2, 2, 2]
-    # a lead of 8 bytes: up to 8 bytes past the running kernel's first byte
-    assert [need for *_, need in schedule([4, 4, 8], lead=8, chunk=2)] == [0, 0, 0, 0, 1, 1,
-                                                                          2, 2]
+    # a lead of 4 bytes: while kernel k runs, up to 4 bytes past its end may go
+    assert [need for *_, need in work] == [0, 0, 0, 0, 1, 1, 2, 2]
+    # a lead of 8 bytes
+    assert [need for *_, need in schedule([4, 4, 8], lead=8, chunk=2)] == [0, 0, 0, 0, 0, 0,
+                                                                          1, 1]
     # a lead past everything: all chunks at the first kernel's start
     assert {need for *_, need in schedule([4, 4, 8], lead=100, chunk=2)} == {0}
 
@@ -23,7 +23,7 @@ def test_gated_kernels_are_listed_part_by_part():
     # kernel 1 reads its two halves side by side (gate and up rows): chunks alternate
     work = schedule([4, 8], lead=4, chunk=2, segments=[1, 2])
     assert [(i, off) for i, off, _ in work] == [(0, 0), (0, 2), (1, 0), (1, 4), (1, 2), (1, 6)]
-    assert [need for *_, need in work] == [0, 0, 1, 1, 1, 1]
+    assert [need for *_, need in work] == [0, 0, 0, 0, 1, 1]
     with pytest.raises(ValueError, match="2 part"):
         schedule([6], lead=4, chunk=2, segments=[2])
 
@@ -36,6 +36,11 @@ def test_schedule_never_waits_past_its_own_kernel_and_never_goes_back():
         assert all(need <= i for i, _, need in work)
         assert needs == sorted(needs)
         assert len(work) == sum(sizes) // (64 << 10)
+        # every kernel after the first has its first `lead` bytes released while the kernel
+        # before it runs (a review found a lead counted from a kernel's start released none)
+        for i in range(1, len(sizes)):
+            early = sum(64 << 10 for j, _, need in work if j == i and need < i)
+            assert early == min(lead, sizes[i])
 
 
 def test_schedule_and_arm_errors():

@@ -30,6 +30,8 @@ def prefetcher_ir(groups=10, **kw):
 def test_prefetcher_spins_on_the_word_and_prefetches_each_lane():
     ir = prefetcher_ir()
     assert ir.count("ld.relaxed.gpu.global.b32") == 2  # once before the loop, once in the spin
+    # the first value read, less base, goes out with the prefetches' zeros (the overlap check)
+    assert "tt.store" in ir
     assert ir.count("cp.async.bulk.prefetch.L2.global") == 1
     assert "scf.while" in ir  # the bounded spin
     assert ir.count("pure = false") == 3  # none of the asm may be hoisted or merged
@@ -89,6 +91,8 @@ def test_gemv_progress_is_refused_in_interpret_mode_and_when_malformed():
         triton_ir(lambda x, w: gemv_stream(x, w, progress=(good[1], good[0])), x, w)
     with pytest.raises(ValueError, match="progress must be"):
         triton_ir(lambda x, w: gemv_stream(x, w, progress=(*good, 1.5)), x, w)
+    with pytest.raises(ValueError, match="row2d"):  # its reshape would take the operands
+        triton_ir(lambda x, w: gemv_stream(x, w, row2d=True, progress=good), x, w)
 
 
 def test_split_address_and_chunk_tables():
