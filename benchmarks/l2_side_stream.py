@@ -29,10 +29,10 @@ import statistics
 import sys
 
 from benchmarks.pdl_chain import SHAPES, chain_parser, parse_tiling, save_chain_record
+from pallas_kernels.side_prefetch import LANES, schedule, whole_groups
 
 ORDER = ("qkv", "o", "gate_up", "down")
 BIG = 1 << 30  # the progress word once the chain has ended: every chunk may go
-LANES = 32  # chunks per prefetcher step: one per thread of its one warp
 
 
 def parse_arm(spec: str):
@@ -50,35 +50,6 @@ def parse_arm(spec: str):
     if lead <= 0 or ctas < 1 or chunk < 1 or (chunk * 1024) % 16:
         raise SystemExit(f"arm {spec!r}: lead, CTAs and chunk must be positive")
     return int(lead * 2 ** 20), ctas, chunk * 1024
-
-
-def schedule(kernel_bytes, lead: int, chunk: int, segments=None):
-    """The prefetcher's work list for kernels reading kernel_bytes[i] bytes each, in order:
-    per chunk (kernel index, byte offset in that kernel, need), where `need` is the first
-    kernel index k such that the chunk's end (counted in the order of the list) lies within
-    `lead` bytes past the end of kernel k: while kernel k runs, the prefetcher may run up to
-    `lead` bytes into the kernels after it (the first kernel's own bytes and `lead` more go
-    once it has started). segments[i] (default 1): kernel i reads that many equal parts side
-    by side (gate/up: the gate and up rows of a block together), so its chunks are listed
-    part by part in turn, as it reads them."""
-    segments = segments or [1] * len(kernel_bytes)
-    ends, total = [], 0
-    for n, seg in zip(kernel_bytes, segments):
-        if n % (chunk * seg):
-            raise ValueError(f"kernel bytes {n} are not a multiple of the chunk {chunk} "
-                             f"times {seg} part(s)")
-        total += n
-        ends.append(total)
-    out, k, pos = [], 0, 0
-    for i, (n, seg) in enumerate(zip(kernel_bytes, segments)):
-        part = n // seg
-        for c in range(0, part, chunk):
-            for s in range(seg):
-                pos += chunk
-                while ends[k] + lead < pos:
-                    k += 1
-                out.append((i, s * part + c, min(k, i)))
-    return out
 
 
 def build_kernels():
@@ -160,8 +131,7 @@ def prefetch_tables(torch, kernels, lead, chunk):
     sizes = [lw[name].numel() * lw[name].element_size() for name, lw in kernels]
     work = schedule(sizes, lead, chunk, [2 if SHAPES[name][2] else 1 for name, _ in kernels])
     base = [lw[name].data_ptr() for name, lw in kernels]
-    pad = -len(work) % LANES  # whole groups: the last chunk again, needing nothing new
-    work = work + [work[-1]] * pad
+    work = whole_groups(work)
     addr = torch.tensor([base[i] + off for i, off, _ in work], dtype=torch.int64, device="cuda")
     need = torch.tensor([need for _, _, need in work], dtype=torch.int32, device="cuda")
     return addr, need

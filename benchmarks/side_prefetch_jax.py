@@ -29,14 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.l2_side_stream import parse_arm, schedule
+from benchmarks.l2_side_stream import parse_arm
 from benchmarks.pdl_chain import SHAPES, chain_parser
 from benchmarks.pdl_jax_chain import EPS, NORMED, ORDER, make_weights
 from benchmarks.record import save_record
 from benchmarks.stream_probe import on_stream
 from ouro_jax.projection_tuning import STREAM_TUNING
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
-from pallas_kernels.side_prefetch import chunk_tables, side_prefetch, split_address
+from pallas_kernels.side_prefetch import chunk_tables, schedule, side_prefetch, split_address
 
 
 def chain_fn(loops: int, stores: bool, pf):

@@ -37,6 +37,7 @@ from pallas_kernels._common import (compiler_params, pdl_token, pdl_trigger, pdl
 from pallas_kernels.l2_prefetch import next_rows_for, prefetch_blocks, prefetch_next
 from pallas_kernels.gemv import _normed, check_norm_operands, check_operands, pow2_divisor
 from pallas_kernels.gemv_blocks import block_loader, stream_blocks
+from pallas_kernels.side_prefetch import store_progress
 
 MAX_ROWS = 4  # registers: every row's K-long input lives in registers for the whole program
 MAX_WARPS = 16
@@ -215,7 +216,6 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
         ahead = ahead + nxt()
     after = (after0 if x_first else pdl_wait(token)) + ahead
     if progress is not None:  # program 0 tells the side-stream prefetcher it has started
-        from pallas_kernels.side_prefetch import store_progress
         stored = store_progress(word_ref, seq_ref, p, offset=progress)
         after, ahead = after + stored, ahead + stored
     defer = defer_norm and bool(prologue)

@@ -9,7 +9,7 @@ a table of 64 KB chunks of the weights in the order the GEMVs read them and asks
 (`cp.async.bulk.prefetch.L2`, one per thread), at most a lead past the end of the kernel the
 chain is running: a group of 32 chunks goes once the progress word has reached the group's
 `need`, the first GEMV whose end lies within the lead of the group's last byte
-(benchmarks.l2_side_stream.schedule). Program 0 of each GEMV writes its
+(`schedule`, the host side, which benchmarks.l2_side_stream's Triton version shares). Program 0 of each GEMV writes its
 index there as it starts (`store_progress`, gemv_stream's `progress=`). Values never change:
 a prefetch moves bytes into L2, not into any kernel.
 
@@ -42,10 +42,17 @@ STORE_ASM = (_ADDR + ".reg .pred %p_pf;\nsetp.eq.s32 %p_pf, $4, 0;\n"
              "@%p_pf st.relaxed.gpu.global.b32 [%a_pf], $3;\n}\nmov.u32 $0, 0;")
 
 
+def _halves(addrs) -> tuple[np.ndarray, np.ndarray]:
+    """64-bit device addresses as (low, high) int32 bit patterns."""
+    a = np.asarray(addrs, np.uint64)
+    lo = (a & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+    return lo, (a >> np.uint64(32)).astype(np.uint32).view(np.int32)
+
+
 def split_address(addr: int) -> tuple[int, int]:
     """A 64-bit device address as (low, high) int32 bit patterns."""
-    lo, hi = np.array([addr & 0xFFFFFFFF, addr >> 32], np.uint32).view(np.int32)
-    return int(lo), int(hi)
+    lo, hi = _halves([addr])
+    return int(lo[0]), int(hi[0])
 
 
 def store_progress(addr_ref, seq_ref, program, offset: int = 0):
@@ -112,15 +119,47 @@ def side_prefetch(addr_lo, addr_hi, need, word, base, *, chunk: int, programs: i
     )(addr_lo, addr_hi, need, word, base)
 
 
-def chunk_tables(arrays, need_of_chunk):
-    """Host side: (addr_lo, addr_hi, need) int32 [G, LANES] for chunks listed as (array index,
-    byte offset, need) by benchmarks.l2_side_stream.schedule, over device arrays `arrays`
-    (their raw addresses); padded to whole groups with the last chunk again."""
+def schedule(kernel_bytes, lead: int, chunk: int, segments=None):
+    """The prefetcher's work list for kernels reading kernel_bytes[i] bytes each, in order:
+    per chunk (kernel index, byte offset in that kernel, need), where `need` is the first
+    kernel index k such that the chunk's end (counted in the order of the list) lies within
+    `lead` bytes past the end of kernel k: while kernel k runs, the prefetcher may run up to
+    `lead` bytes into the kernels after it (the first kernel's own bytes and `lead` more go
+    once it has started). segments[i] (default 1): kernel i reads that many equal parts side
+    by side (gate/up: the gate and up rows of a block together), so its chunks are listed
+    part by part in turn, as it reads them."""
+    segments = segments or [1] * len(kernel_bytes)
+    ends, total = [], 0
+    for n, seg in zip(kernel_bytes, segments):
+        if n % (chunk * seg):
+            raise ValueError(f"kernel bytes {n} are not a multiple of the chunk {chunk} "
+                             f"times {seg} part(s)")
+        total += n
+        ends.append(total)
+    out, k, pos = [], 0, 0
+    for i, (n, seg) in enumerate(zip(kernel_bytes, segments)):
+        part = n // seg
+        for c in range(0, part, chunk):
+            for s in range(seg):
+                pos += chunk
+                while ends[k] + lead < pos:
+                    k += 1
+                out.append((i, s * part + c, min(k, i)))
+    return out
+
+
+def whole_groups(work: list) -> list:
+    """schedule's work list padded to whole groups of LANES with its last chunk again (which
+    needs nothing new)."""
+    return work + work[-1:] * (-len(work) % LANES)
+
+
+def chunk_tables(arrays, work):
+    """Host side: (addr_lo, addr_hi, need) int32 [G, LANES] for `schedule`'s work list
+    (array index, byte offset, need) over device arrays `arrays` (their raw addresses),
+    padded to whole groups."""
     bases = [a.unsafe_buffer_pointer() for a in arrays]
-    work = list(need_of_chunk)
-    work += [work[-1]] * (-len(work) % LANES)
-    addrs = np.array([bases[i] + off for i, off, _ in work], np.uint64)
-    lo = (addrs & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
-    hi = (addrs >> np.uint64(32)).astype(np.uint32).view(np.int32)
+    work = whole_groups(list(work))
+    lo, hi = _halves([bases[i] + off for i, off, _ in work])
     need = np.array([n for *_, n in work], np.int32)
     return tuple(jnp.asarray(v.reshape(-1, LANES)) for v in (lo, hi, need))

@@ -1,8 +1,10 @@
-"""benchmarks.l2_side_stream's host side (the GPU run needs the device's PyTorch + Triton):
-the prefetcher's work list and the arm syntax."""
+"""The side-stream prefetcher's host side (its work list, pallas_kernels.side_prefetch.
+schedule, which both of its benchmarks use; the GPU runs need a device), the benchmarks' arm
+syntax and benchmarks.stream_probe's wiring."""
 import pytest
 
-from benchmarks.l2_side_stream import parse_arm, schedule
+from benchmarks.l2_side_stream import parse_arm
+from pallas_kernels.side_prefetch import schedule
 
 
 def test_schedule_needs_follow_the_lead():
