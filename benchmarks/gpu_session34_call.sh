@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session 34's call: benchmarks.gemv_l2_hot (each one-row projection with its weights cold
+# in DRAM and hot in L2: the ceiling of every L2 prefetch route; any card, about a minute),
+# then on an H200 only session 33's PART 2 with the ev arm (evict_first weight loads, +0.9%
+# on an H100 in session 34's first call) beside default and omk.
+# Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=560] bash benchmarks/gpu_session34_call.sh
+S=${SESSION:-session34}
+CAP=${CAP:-560}
+. benchmarks/gpu_call_setup.sh
+timeout -s KILL $(left 150) python3 -m benchmarks.gemv_l2_hot --tiling qkv=4:4:8,gate_up=2:8:8 \
+  --out $OUT/gemv_l2_hot_${S}_$G.json 2>&1 | cut -c1-300
+echo "hot done at $SECONDS s"
+if [ $G = h200 ]; then
+  SESSION=$S STEPS=ec PASSES=2 EARMS="default omk ev" AB_NAME=o_merge_ev CAP=$(left 400) OUT=$OUT \
+    bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
+  timeout -s KILL $(left 120) python3 -m benchmarks.decode --attention pallas --repeats 3 \
+    --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --k 0,4 --draft-loops 1 \
+    --temperature 0 --out $OUT/decode_b1_d1_${S}_$G.json 2>&1 \
+    | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
+fi
+echo "elapsed $SECONDS s"
