@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 34's call: benchmarks.gemv_l2_hot (each one-row projection with its weights cold
-# in DRAM and hot in L2: the ceiling of every L2 prefetch route; any card, about a minute),
+# in DRAM, hot in L2, and after another kernel's L2 prefetch with a 30 us and a 5 us wait:
+# the ceiling of every L2 prefetch route and whether the prefetch lands; any card, ~1 minute),
 # then on an H200 only session 33's PART 2 with the ev arm (evict_first weight loads, +0.9%
 # on an H100 in session 34's first call) beside default and omk.
 # Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=560] bash benchmarks/gpu_session34_call.sh
@@ -9,6 +10,8 @@ CAP=${CAP:-560}
 . benchmarks/gpu_call_setup.sh
 timeout -s KILL $(left 150) python3 -m benchmarks.gemv_l2_hot --tiling qkv=4:4:8,gate_up=2:8:8 \
   --out $OUT/gemv_l2_hot_${S}_$G.json 2>&1 | cut -c1-300
+timeout -s KILL $(left 90) python3 -m benchmarks.gemv_l2_hot --tiling qkv=4:4:8,gate_up=2:8:8 \
+  --projections qkv,o --delay-us 5 --out $OUT/gemv_l2_hot_d5_${S}_$G.json 2>&1 | cut -c1-300
 echo "hot done at $SECONDS s"
 if [ $G = h200 ]; then
   SESSION=$S STEPS=ec PASSES=2 EARMS="default omk ev" AB_NAME=o_merge_ev CAP=$(left 400) OUT=$OUT \
