@@ -17,7 +17,9 @@ Like benchmarks.pdl_chain this runs outside JAX, on the GPU machine's PyTorch + 
 four one-row projections of `--layers` layers (1.4B shapes, bf16, distinct weights) x
 `--loops`, launched as XLA launches its kernels (PDL, the wait at each kernel's start, no
 trigger), captured in one CUDA graph. Arms (`--arms`): `base` (no prefetcher) and
-`pf:LEAD_MB:CTAS[:CHUNK_KB]`. Prints one JSON line per arm (us per layer application,
+`pf:LEAD_MB:CTAS[:CHUNK_KB]`, either with `+ev`: the GEMVs' weight loads then carry L2's
+evict-first policy, so a kernel's own stream of lines it reads once does not push out what
+the prefetcher fetched for the kernels after it (session 34). Prints one JSON line per arm (us per layer application,
 median of `--repeats` replays) and writes them with the machine and command to --out.
 
   python3 -m benchmarks.l2_side_stream --arms base,pf:16:32,pf:32:32,base --out R.json
@@ -33,6 +35,11 @@ from pallas_kernels.side_prefetch import LANES, schedule, whole_groups
 
 ORDER = ("qkv", "o", "gate_up", "down")
 BIG = 1 << 30  # the progress word once the chain has ended: every chunk may go
+
+
+def split_ev(spec: str) -> tuple[str, bool]:
+    """'ARM+ev' -> ('ARM', True): the GEMVs' weight loads evict-first; 'ARM' -> ('ARM', False)."""
+    return (spec[:-3], True) if spec.endswith("+ev") else (spec, False)
 
 
 def parse_arm(spec: str):
@@ -64,7 +71,7 @@ def build_kernels():
     @triton.jit(do_not_specialize=["ki"])
     def gemv(w_ptr, x_ptr, y_ptr, prog_ptr, ki, K: tl.constexpr, KP: tl.constexpr,
              BN: tl.constexpr, PP: tl.constexpr, GATED: tl.constexpr, UP: tl.constexpr,
-             NORM: tl.constexpr):
+             NORM: tl.constexpr, POL: tl.constexpr):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         rows = tl.arange(0, BN)
@@ -72,7 +79,7 @@ def build_kernels():
         gdc_wait()  # as XLA's launch: the wait at the kernel's start
         if pid == 0:
             tl.atomic_xchg(prog_ptr, ki)
-        g, u = _load(w_ptr, pid, rows, cols, BN, K, KP, GATED, UP)
+        g, u = _load(w_ptr, pid, rows, cols, BN, K, KP, GATED, UP, POL)
         if KP == K:
             x = tl.load(x_ptr + cols).to(tl.float32)
         else:
@@ -80,7 +87,8 @@ def build_kernels():
         if NORM:
             x = x / tl.sqrt(tl.sum(x * x, axis=0) / K + 1e-6)
         for i in tl.static_range(PP - 1):
-            g2, u2 = _load(w_ptr, pid + (i + 1) * programs, rows, cols, BN, K, KP, GATED, UP)
+            g2, u2 = _load(w_ptr, pid + (i + 1) * programs, rows, cols, BN, K, KP, GATED, UP,
+                           POL)
             _store(y_ptr, pid + i * programs, g, u, x, rows, BN, GATED)
             g, u = g2, u2
         _store(y_ptr, pid + (PP - 1) * programs, g, u, x, rows, BN, GATED)
@@ -114,7 +122,7 @@ def chain_kernels(layers, loops):
     return [(name, lw) for _ in range(loops) for lw in layers for name in ORDER]
 
 
-def run_chain(gemv, kernels, bufs, prog, tiling):
+def run_chain(gemv, kernels, bufs, prog, tiling, evict=False):
     from pallas_kernels._common import next_pow2
     src = bufs["x"]
     for ki, (name, lw) in enumerate(kernels):
@@ -123,7 +131,8 @@ def run_chain(gemv, kernels, bufs, prog, tiling):
         out = bufs["x"] if name == "down" else bufs[name]
         gemv[(n // (bn * pp),)](lw[name], src, out, prog, ki, K=k, KP=next_pow2(k), BN=bn,
                                 PP=pp, GATED=gated, UP=n, NORM=name in ("qkv", "gate_up"),
-                                num_warps=warps, num_stages=1, launch_pdl=True)
+                                POL="evict_first" if evict else "", num_warps=warps,
+                                num_stages=1, launch_pdl=True)
         src = out
 
 
@@ -139,6 +148,7 @@ def prefetch_tables(torch, kernels, lead, chunk):
 
 def time_arm(torch, kernels_fns, layers, arm, tiling, args, mb):
     gemv, prefetcher = kernels_fns
+    spec, evict = split_ev(arm)
     kernels = chain_kernels(layers, args.loops)
     bufs = {n: torch.zeros(SHAPES[n][0], dtype=torch.bfloat16, device="cuda")
             for n in ("qkv", "o", "gate_up")}
@@ -146,16 +156,17 @@ def time_arm(torch, kernels_fns, layers, arm, tiling, args, mb):
                      .manual_seed(1)).to(torch.bfloat16)
     bufs["x"] = x0.clone()
     prog = torch.full((1,), -1, dtype=torch.int32, device="cuda")
-    run_chain(gemv, kernels[:4], bufs, prog, tiling)  # compile (not during the capture), warm
+    # compile (not during the capture), warm
+    run_chain(gemv, kernels[:4], bufs, prog, tiling, evict)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s):
         with torch.cuda.graph(graph, stream=s):
-            run_chain(gemv, kernels, bufs, prog, tiling)
+            run_chain(gemv, kernels, bufs, prog, tiling, evict)
     torch.cuda.synchronize()
-    pf = parse_arm(arm)
+    pf = parse_arm(spec)
     side = torch.cuda.Stream()
     if pf:
         addr, need = prefetch_tables(torch, kernels, pf[0], pf[2])
@@ -184,7 +195,7 @@ def time_arm(torch, kernels_fns, layers, arm, tiling, args, mb):
     row = dict(arm=arm, us_per_layer=round(med, 3), us_min=round(min(times), 3),
                us_max=round(max(times), 3), tb_s=round(mb / med, 3),
                result_rms=float(host.pow(2).mean().sqrt()),
-               finite=bool(torch.isfinite(host).all()))
+               finite=bool(torch.isfinite(host).all()), evict_first=evict)
     if pf:  # first_seen: the progress each prefetcher CTA read first (-1: before the chain)
         first = sink.view(pf[1], LANES)[:, 0].cpu()
         row.update(lead_mb=pf[0] / 2 ** 20, ctas=pf[1], chunk_kb=pf[2] // 1024,
@@ -199,7 +210,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
     for a in arms:
-        parse_arm(a)
+        parse_arm(split_ev(a)[0])
     tiling = parse_tiling(args.tiling)
     import torch
 

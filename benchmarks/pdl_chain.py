@@ -60,20 +60,23 @@ def _block_helpers():
 
     @triton.jit
     def _load(w_ptr, j, rows, cols, BN: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-              GATED: tl.constexpr, UP: tl.constexpr):
+              GATED: tl.constexpr, UP: tl.constexpr, POL: tl.constexpr):
+        # POL: the weight loads' L2 eviction policy ("" the default, or "evict_first")
         r = j * BN + rows
         if KP == K:  # no mask: the loads vectorise
-            g = tl.load(w_ptr + r[:, None] * K + cols[None, :])
+            g = tl.load(w_ptr + r[:, None] * K + cols[None, :], eviction_policy=POL)
             if GATED:
-                u = tl.load(w_ptr + (UP + r)[:, None] * K + cols[None, :])
+                u = tl.load(w_ptr + (UP + r)[:, None] * K + cols[None, :],
+                            eviction_policy=POL)
             else:
                 u = g
         else:
             mask = cols[None, :] < K
-            g = tl.load(w_ptr + r[:, None] * K + cols[None, :], mask=mask, other=0.0)
+            g = tl.load(w_ptr + r[:, None] * K + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy=POL)
             if GATED:
                 u = tl.load(w_ptr + (UP + r)[:, None] * K + cols[None, :], mask=mask,
-                            other=0.0)
+                            other=0.0, eviction_policy=POL)
             else:
                 u = g
         return g, u
@@ -98,6 +101,7 @@ def build_kernel():
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     _load, _store = _block_helpers()
+    pol = tl.constexpr("")  # the weight loads' default L2 policy
 
     @triton.jit
     def gemv(w_ptr, x_ptr, y_ptr, K: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
@@ -111,7 +115,7 @@ def build_kernel():
             gdc_wait()
         if MODE != 0 and LATE == 0:
             gdc_launch_dependents()
-        g, u = _load(w_ptr, pid, rows, cols, BN, K, KP, GATED, UP)
+        g, u = _load(w_ptr, pid, rows, cols, BN, K, KP, GATED, UP, pol)
         if MODE == 2:
             gdc_wait()  # only x depends on the kernel ahead; the weights were requested above
         if KP == K:
@@ -123,7 +127,7 @@ def build_kernel():
             x = x / tl.sqrt(tl.sum(x * x, axis=0) / K + 1e-6)
         for i in tl.static_range(PP - 1):
             g2, u2 = _load(w_ptr, pid + (i + 1) * programs, rows, cols, BN, K, KP, GATED,
-                           UP)
+                           UP, pol)
             if LATE == 1 and i == PP - 2:
                 gdc_launch_dependents()
             _store(y_ptr, pid + i * programs, g, u, x, rows, BN, GATED)

@@ -93,3 +93,11 @@ def test_stream_probe_names_the_stream_when_lowered_for_cuda():
     assert all("_xla_stream_annotation" in texts[n] for n in ("streams", "streams_loop"))
     assert not any("_xla_stream_annotation" in texts[n] for n in ("one", "serial",
                                                                    "serial_loop"))
+
+
+def test_ev_suffix_marks_evict_first_loads():
+    from benchmarks.l2_side_stream import split_ev
+    assert split_ev("pf:16:16+ev") == ("pf:16:16", True)
+    assert split_ev("base+ev") == ("base", True)
+    assert split_ev("base") == ("base", False)
+    assert parse_arm(split_ev("pf:16:16:128+ev")[0]) == (16 << 20, 16, 128 << 10)
