@@ -10,7 +10,14 @@ program's start, never waited for by the chain. Arms (`--arms`):
 
   base                     the chain as the engine runs it;
   stores                   the chain with the progress stores, no prefetcher (their cost);
-  pf:LEAD_MB:PROGRAMS[:CHUNK_KB]  stores and the prefetcher, LEAD MB ahead.
+  pf:LEAD_MB:PROGRAMS[:CHUNK_KB]  stores and the prefetcher, LEAD MB ahead;
+  ffi-pf:...               the same prefetcher launched by pallas_kernels.pdl_launch.
+                           side_call on a stream of the launcher's own, outside XLA's
+                           scheduler (session 34: XLA ran the compute_on call after the
+                           chain, and overlaps nothing inside a loop body);
+
+any arm with `+ev`: the GEMVs' weight loads evict-first. --steps N runs the chain N times
+in a fori_loop, the prefetcher launched at each iteration's start, as in the decode loop.
 
 Every arm must give base's bits. Prints one JSON line per arm (us per layer application,
 median of --repeats calls; the groups whose wait gave up, which would mean XLA ran the two
@@ -29,46 +36,88 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.l2_side_stream import parse_arm
+from jax import lax
+
+from benchmarks.l2_side_stream import parse_arm, split_ev
 from benchmarks.pdl_chain import SHAPES, chain_parser
 from benchmarks.pdl_jax_chain import EPS, NORMED, ORDER, make_weights
 from benchmarks.record import save_record
 from benchmarks.stream_probe import on_stream
 from ouro_jax.projection_tuning import STREAM_TUNING
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+from pallas_kernels.pdl_launch import side_call
 from pallas_kernels.side_prefetch import chunk_tables, schedule, side_prefetch, split_address
 
 
-def chain_fn(loops: int, stores: bool, pf):
-    """jit(f)(h, layers, word, base, lo, hi, need) -> (h, every layer's output, and per
-    prefetcher program its give-ups and the progress it first read, or zeros)."""
-    tune = {name: dict(STREAM_TUNING[name]) for name in ORDER}
+def parse_jax_arm(spec: str):
+    """An arm of this benchmark -> (kind, pf, evict): kind 'base' | 'stores' | 'xla' (the
+    prefetcher under compute_on) | 'ffi' (launched by pallas_kernels.pdl_launch.side_call on
+    a stream of the launcher's own, outside XLA's scheduler); `+ev` at the end: the GEMVs'
+    weight loads evict-first (gemv_stream evict_first)."""
+    spec, evict = split_ev(spec)
+    if spec in ("base", "stores"):
+        return spec, None, evict
+    ffi = spec.startswith("ffi-")
+    return ("ffi" if ffi else "xla"), parse_arm(spec[4:] if ffi else spec), evict
 
+
+def chain_fn(loops: int, arm: str, steps: int = 1, side=None):
+    """jit(f)(h, layers, word, base, lo, hi, need) -> (h, the last layer's output, and per
+    prefetcher program its give-ups and the progress it first read, or zeros). With steps >
+    1 the chain runs that many times in a fori_loop, the prefetcher launched at each
+    iteration's start (as the engine's decode loop would); side: the prefetcher compiled
+    for pdl_launch.side_call (the 'ffi' arms)."""
+    kind, pf, evict = parse_jax_arm(arm)
+    tune = {name: dict(STREAM_TUNING[name], evict_first=evict) for name in ORDER}
     def f(h, layers, word, base, lo, hi, need):
-        seen = gave = jnp.zeros((1,), jnp.int32)
-        if pf:
-            seen, gave = on_stream(1)(lambda *a: side_prefetch(
-                *a, chunk=pf[2], programs=pf[1]))(lo, hi, need, word, base)
-            seen = seen[:, 0]
-        d = jnp.zeros_like(h)
-        outs, ki = [], 0
+        per_step = 4 * loops * len(layers)
 
-        def prog():
-            nonlocal ki
-            ki += 1
-            return dict(progress=(word, base, ki - 1)) if stores else {}
-        for _ in range(loops):
-            for lw in layers:
-                y, h = gemv_stream_normed(h, lw["qkv_nw"], lw["qkv"], eps=EPS, branch=d,
-                                          branch_w=lw["qkv_bw"], **prog(), **tune["qkv"])
-                o = gemv_stream(y[:, :2048], lw["o"], **prog(), **tune["o"])
-                y, h = gemv_stream_normed(h, lw["gate_up_nw"], lw["gate_up"], eps=EPS,
-                                          branch=o, branch_w=lw["gate_up_bw"], gated=True,
-                                          **prog(), **tune["gate_up"])
-                d = gemv_stream(y, lw["down"], **prog(), **tune["down"])
-                outs.append(d)
-        return h, jnp.concatenate(outs), gave, seen  # (summed on the host: no extra kernel)
+        def step(it, carry):
+            h, d, gave, seen = carry
+            b = base + it * per_step
+            if kind == "xla":
+                seen, gave = on_stream(1)(lambda *a: side_prefetch(
+                    *a, chunk=pf[2], programs=pf[1]))(lo, hi, need, word, b)
+                seen = seen[:, 0]
+            elif kind == "ffi":
+                side_call(side, [jax.ShapeDtypeStruct((pf[1], 32), jnp.int32),
+                                 jax.ShapeDtypeStruct((pf[1],), jnp.int32)],
+                          lo, hi, need, word, b)
+            ki = 0
+
+            def prog():
+                nonlocal ki
+                ki += 1
+                return dict(progress=(word, b, ki - 1)) if kind != "base" else {}
+            for _ in range(loops):
+                for lw in layers:
+                    y, h = gemv_stream_normed(h, lw["qkv_nw"], lw["qkv"], eps=EPS, branch=d,
+                                              branch_w=lw["qkv_bw"], **prog(), **tune["qkv"])
+                    o = gemv_stream(y[:, :2048], lw["o"], **prog(), **tune["o"])
+                    y, h = gemv_stream_normed(h, lw["gate_up_nw"], lw["gate_up"], eps=EPS,
+                                              branch=o, branch_w=lw["gate_up_bw"],
+                                              gated=True, **prog(), **tune["gate_up"])
+                    d = gemv_stream(y, lw["down"], **prog(), **tune["down"])
+            return h, d, gave, seen
+        z = jnp.zeros((1,), jnp.int32)
+        carry = (h, jnp.zeros_like(h), z, z)
+        if steps == 1:
+            carry = step(0, carry)
+        else:  # (the give-ups and first reads of the loop's last iteration)
+            if kind == "xla":
+                carry = (h, carry[1], jnp.zeros((pf[1],), jnp.int32),
+                         jnp.zeros((pf[1],), jnp.int32))
+            carry = lax.fori_loop(0, steps, step, carry)
+        return carry  # (summed on the host: no extra kernel)
     return jax.jit(f)
+
+
+def compile_side(pf, lo, hi, need, word, base):
+    """The prefetcher as a cubin for pdl_launch.side_call (the `triton` package compiles the
+    IR Pallas emits; GPU machine)."""
+    from pallas_kernels.pdl_launch import compile_pallas
+    return compile_pallas(lambda *a: side_prefetch(*a, chunk=pf[2], programs=pf[1]),
+                          lo, hi, need, word, base, num_warps=1, num_stages=1)
 
 
 def tables(layers, loops: int, pf):
@@ -86,28 +135,33 @@ def tables(layers, loops: int, pf):
 
 def main(argv=None):
     ap = chain_parser(__doc__, "base,stores,pf:16:16,pf:32:16,pf:16:64,base")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="the chain this many times in a fori_loop, the prefetcher launched "
+                         "at each iteration's start (1: no loop)")
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
     for a in arms:
-        if a != "stores":
-            parse_arm(a)
+        parse_jax_arm(a)
     if args.tiling:
         raise SystemExit("--tiling: this benchmark runs the engine's tilings (STREAM_TUNING)")
+    if args.steps < 1:
+        raise SystemExit("--steps must be at least 1")
     layers = make_weights(args.layers)
     x0 = jax.random.normal(jax.random.PRNGKey(1), (1, 2048), jnp.float32).astype(jnp.bfloat16)
     mb = sum(w.size * 2 for lw in layers for w in lw.values()) / args.layers / 1e6
-    kernels = 4 * args.layers * args.loops
+    kernels = 4 * args.layers * args.loops * args.steps  # per call
     word_buf = jnp.full((1,), -1, jnp.int32)  # the progress word; kept alive to the end
     word = jnp.asarray(split_address(word_buf.unsafe_buffer_pointer()), jnp.int32)
     calls = iter(range(1 << 20))  # every call's indices above every earlier call's
     rows, ref = [], None
     for arm in arms:
-        pf = None if arm == "stores" else parse_arm(arm)
+        kind, pf, _ = parse_jax_arm(arm)
         t0 = time.perf_counter()
-        f = chain_fn(args.loops, arm != "base", pf)
         tab = tables(layers, args.loops, pf)
         bases = [jnp.full((1,), next(calls) * kernels, jnp.int32)
                  for _ in range(args.repeats + 1)]
+        side = compile_side(pf, *tab, word, bases[0]) if kind == "ffi" else None
+        f = chain_fn(args.loops, arm, args.steps, side)
         out = jax.block_until_ready(f(x0, layers, word, bases[0], *tab))
         compile_s = time.perf_counter() - t0
         got = np.asarray(out[1])
@@ -116,25 +170,29 @@ def main(argv=None):
         for b in bases[1:]:
             t = time.perf_counter()
             last = jax.block_until_ready(f(x0, layers, word, b, *tab))
-            times.append((time.perf_counter() - t) * 1e6 / (args.loops * args.layers))
+            times.append((time.perf_counter() - t) * 1e6
+                         / (args.loops * args.layers * args.steps))
             gave += int(np.sum(last[2]))
             seen.append(np.asarray(last[3]))
         seen = np.concatenate(seen)
         med = statistics.median(times)
         row = dict(arm=arm, us_per_layer=round(med, 3), us_min=round(min(times), 3),
                    us_max=round(max(times), 3), tb_s=round(mb / med, 3),
-                   compile_s=round(compile_s, 2), gave_up_groups=gave,
-                   # the progress the prefetcher's programs read first, less the call's base:
-                   # -1 = it started before the chain; kernels - 1 = after it (no overlap)
-                   first_seen_min=int(seen.min()), first_seen_max=int(seen.max()),
+                   compile_s=round(compile_s, 2),
                    bit_equal_to_first_arm=bool(np.array_equal(got, ref)),
                    timed_run_equal=bool(np.array_equal(np.asarray(last[1]), got)))
+        if kind == "xla":  # (side_call's results are zeros: the 'ffi' arms report none)
+            # the progress the prefetcher's programs read first, less the iteration's base:
+            # -1 = it started before the chain; the step's kernels - 1 = after it (no overlap)
+            row.update(gave_up_groups=gave, first_seen_min=int(seen.min()),
+                       first_seen_max=int(seen.max()))
         print(json.dumps(row), flush=True)
         rows.append(row)
         # written after every arm: a step cut short by its time limit keeps what it measured
         save_record("benchmarks.side_prefetch_jax", argv, args.out, layers=args.layers,
-                    loops=args.loops, mb_per_layer=mb, normed=list(NORMED),
-                    tiling={k: dict(STREAM_TUNING[k]) for k in ORDER}, rows=rows)
+                    loops=args.loops, steps=args.steps, mb_per_layer=mb,
+                    normed=list(NORMED), tiling={k: dict(STREAM_TUNING[k]) for k in ORDER},
+                    rows=rows)
     del word_buf
     if not all(r["bit_equal_to_first_arm"] and r["timed_run_equal"] for r in rows):
         print("ERROR: an arm's result differs from the first arm's", file=sys.stderr)

@@ -2,7 +2,8 @@
 // kernels' IR, pallas_kernels/pdl_launch.py) on XLA's stream with the programmatic stream
 // serialization attribute (PDL) on or off: one kernel (Launch), several in order
 // (Sequence), or several recorded once into a CUDA graph of our own and replayed
-// (SequenceGraph), where a PDL launch becomes a programmatic edge.
+// (SequenceGraph), where a PDL launch becomes a programmatic edge; and one kernel on a
+// stream of our own, beside XLA's (SideLaunch).
 //
 // Why: XLA launches the kernels it compiles with PDL and puts `griddepcontrol.wait` at every
 // kernel's start, so a Pallas kernel cannot request its weights before the kernel ahead of it
@@ -50,6 +51,13 @@ struct Driver {
   CUresult (*graph_launch)(CUgraphExec, CUstream) = nullptr;
   CUresult (*graph_destroy)(CUgraph) = nullptr;
   CUresult (*graph_exec_destroy)(CUgraphExec) = nullptr;
+  // a launch on a stream of our own (SideLaunch); optional: checked where used
+  CUresult (*event_create)(CUevent*, unsigned int) = nullptr;
+  CUresult (*event_record)(CUevent, CUstream) = nullptr;
+  CUresult (*stream_wait_event)(CUstream, CUevent, unsigned int) = nullptr;
+  CUresult (*mem_alloc)(CUdeviceptr*, size_t) = nullptr;
+  CUresult (*copy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*memset_async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
   std::string error;
 };
 
@@ -79,6 +87,12 @@ const Driver& driver() {
     bind(d.graph_launch, "cuGraphLaunch");
     bind(d.graph_destroy, "cuGraphDestroy");
     bind(d.graph_exec_destroy, "cuGraphExecDestroy");
+    bind(d.event_create, "cuEventCreate");
+    bind(d.event_record, "cuEventRecord");
+    bind(d.stream_wait_event, "cuStreamWaitEvent");
+    bind(d.mem_alloc, "cuMemAlloc_v2");
+    bind(d.copy_async, "cuMemcpyDtoDAsync_v2");
+    bind(d.memset_async, "cuMemsetD8Async");
     if (!d.ctx_get_current || !d.module_load_data || !d.module_get_function || !d.module_unload ||
         !d.func_set_attribute || !d.launch_kernel_ex || !d.get_error_string) {
       d.error = "libcuda.so.1 lacks a driver entry point this launcher needs";
@@ -249,6 +263,109 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
   for (size_t i = 0; i < n; ++i) params[i] = &ptrs[i];
   const int64_t grid3[3] = {grid, 1, 1};
   return launch(stream, k.fn, grid3, threads, shared, pdl, params);
+}
+
+// SideLaunch: one kernel on a CUDA stream of our own, forked from XLA's stream by an event,
+// never joined. XLA's scheduler does not see it, so the kernel runs beside the kernels XLA
+// launches after this call, also inside a while loop's body (XLA's own stream annotation,
+// compute_on, overlaps nothing there; session 34). For a kernel that only reads memory
+// XLA never writes and writes nothing XLA reads (the L2 weight prefetcher,
+// pallas_kernels/side_prefetch.py). XLA may reuse this call's operand and result buffers
+// as soon as its own stream moves on, so the operands are copied on XLA's stream into
+// buffers of ours first, the kernel writes its results into buffers of ours, and XLA's
+// result buffers get zeros. Ours come in two sets used in turn, so a call's copies never
+// overwrite what the call before it still reads.
+struct SideKey {
+  CUcontext ctx;
+  int64_t kernel_id;
+  bool operator<(const SideKey& o) const {
+    return std::tie(ctx, kernel_id) < std::tie(o.ctx, o.kernel_id);
+  }
+};
+struct SideState {
+  std::vector<size_t> sizes;  // every operand's and result's bytes, as first called
+  CUdeviceptr bufs[2] = {0, 0};  // one allocation per set, the buffers end to end
+  int64_t calls = 0;
+};
+std::mutex side_mu;
+std::map<SideKey, SideState> side_states;
+std::map<CUcontext, std::pair<CUstream, CUevent>> side_streams;
+
+ffi::Error SideLaunch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                      int64_t kernel_id, int64_t grid, int64_t threads, int64_t shared,
+                      int64_t extra_params) {
+  Timed timed;
+  const Driver& d = driver();
+  if (!d.error.empty()) return ffi::Error(ffi::ErrorCode::kInternal, d.error);
+  if (!d.stream_create || !d.event_create || !d.event_record || !d.stream_wait_event ||
+      !d.mem_alloc || !d.copy_async || !d.memset_async)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "ouro_side_launch: libcuda.so.1 lacks an entry point it needs");
+  Loaded k;
+  if (ffi::Error e = lookup(kernel_id, shared, &k); e.failure()) return e;
+  std::vector<void*> xla;
+  std::vector<size_t> sizes;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) return buf.error();
+    xla.push_back(buf->untyped_data());
+    sizes.push_back(buf->size_bytes());
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buf = rets.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) return buf.error();
+    xla.push_back((*buf)->untyped_data());
+    sizes.push_back((*buf)->size_bytes());
+  }
+  size_t n = xla.size();
+  if (extra_params < 0 || n + static_cast<size_t>(extra_params) > kMaxParams ||
+      static_cast<int64_t>(n) + extra_params != k.n_params)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "ouro_side_launch: " + std::to_string(n) + " buffers and " +
+                          std::to_string(extra_params) + " extra parameters for a kernel of " +
+                          std::to_string(k.n_params) + " parameters");
+  CUcontext ctx = nullptr;
+  if (CUresult r = d.ctx_get_current(&ctx); r != CUDA_SUCCESS) return cuda_error("context", r);
+  std::lock_guard<std::mutex> lock(side_mu);
+  SideState& st = side_states[{ctx, kernel_id}];
+  size_t total = 0;
+  for (size_t b : sizes) total += (b + 255) / 256 * 256;
+  if (st.sizes.empty()) {
+    st.sizes = sizes;
+    for (CUdeviceptr& p : st.bufs)
+      if (CUresult r = d.mem_alloc(&p, total); r != CUDA_SUCCESS)
+        return cuda_error("cuMemAlloc", r);
+  } else if (st.sizes != sizes) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "ouro_side_launch: a kernel's operand or result sizes changed between "
+                      "calls");
+  }
+  auto& side = side_streams[ctx];
+  if (side.first == nullptr) {
+    if (CUresult r = d.stream_create(&side.first, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS)
+      return cuda_error("cuStreamCreate", r);
+    if (CUresult r = d.event_create(&side.second, CU_EVENT_DISABLE_TIMING); r != CUDA_SUCCESS)
+      return cuda_error("cuEventCreate", r);
+  }
+  CUdeviceptr at = st.bufs[st.calls++ % 2];
+  void* ptrs[kMaxParams];
+  void* params[kMaxParams];
+  for (size_t i = 0; i < n; ++i) {
+    ptrs[i] = reinterpret_cast<void*>(at);
+    CUdeviceptr x = reinterpret_cast<CUdeviceptr>(xla[i]);
+    CUresult r = i < args.size() ? d.copy_async(at, x, sizes[i], stream)
+                                 : d.memset_async(x, 0, sizes[i], stream);
+    if (r != CUDA_SUCCESS) return cuda_error("copying an operand", r);
+    at += (sizes[i] + 255) / 256 * 256;
+  }
+  for (size_t i = n; i < n + static_cast<size_t>(extra_params); ++i) ptrs[i] = nullptr;
+  for (size_t i = 0; i < n + static_cast<size_t>(extra_params); ++i) params[i] = &ptrs[i];
+  if (CUresult r = d.event_record(side.second, stream); r != CUDA_SUCCESS)
+    return cuda_error("cuEventRecord", r);
+  if (CUresult r = d.stream_wait_event(side.first, side.second, 0); r != CUDA_SUCCESS)
+    return cuda_error("cuStreamWaitEvent", r);
+  const int64_t grid3[3] = {grid, 1, 1};
+  return launch(side.first, k.fn, grid3, threads, shared, false, params);
 }
 
 // A plan for Sequence: [count, then per kernel: id, grid x, grid y, grid z, threads, shared,
@@ -501,6 +618,17 @@ auto LaunchBinding() {
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch, LaunchBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroSideLaunch, SideLaunch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("kernel_id")
+                                  .Attr<int64_t>("grid")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("shared")
+                                  .Attr<int64_t>("extra_params"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlSequence, Sequence,
                               ffi::Ffi::Bind()

@@ -56,6 +56,7 @@ TARGET = "ouro_pdl_launch"
 TARGET_GRAPH = "ouro_pdl_launch_cmdbuf"  # the handler XLA may record into a CUDA graph
 TARGET_SEQ = "ouro_pdl_sequence"  # several kernels per custom call (`sequence`)
 TARGET_SEQ_GRAPH = "ouro_pdl_sequence_graph"  # the same, replayed as a CUDA graph of our own
+TARGET_SIDE = "ouro_side_launch"  # one kernel on a stream of our own (`side_call`)
 SOURCE = Path(__file__).with_name("pdl_launch.cc")
 _lock = threading.Lock()
 _registered: list = []  # [the loaded library] once the FFI target is registered
@@ -161,6 +162,8 @@ def register() -> None:
                                     platform="CUDA")
         jax.ffi.register_ffi_target(TARGET_SEQ_GRAPH,
                                     jax.ffi.pycapsule(lib.OuroPdlSequenceGraph),
+                                    platform="CUDA")
+        jax.ffi.register_ffi_target(TARGET_SIDE, jax.ffi.pycapsule(lib.OuroSideLaunch),
                                     platform="CUDA")
         _registered.append(lib)
 
@@ -319,6 +322,33 @@ def call(kernel: Kernel, out_shapes, *args, pdl: bool, graph: bool = False):
         *args, kernel_id=np.int64(kernel.kernel_id), grid=np.int64(kernel.grid),
         threads=np.int64(kernel.threads), shared=np.int64(kernel.shared),
         extra_params=np.int64(extra), pdl=bool(pdl))
+
+
+def side_call(kernel: Kernel, out_shapes, *args):
+    """Launches `kernel` on a CUDA stream of the launcher's own, after everything XLA's
+    stream has run before this call, and returns at once: the kernel runs beside the
+    kernels XLA launches after it (XLA's compute_on streams overlap nothing inside a loop
+    body; session 34) and nothing ever waits for it. The operands are copied into the
+    launcher's buffers first (XLA may reuse its own once this call is behind it) and the
+    kernel's results go to the launcher's buffers too: the returned arrays are zeros. So
+    the kernel's only effects must be ones XLA cannot see and values cannot depend on,
+    such as L2 prefetches (pallas_kernels/side_prefetch.py); raw addresses it reads must
+    stay valid for as long as it may run."""
+    if kernel.has_wait or kernel.has_trigger:
+        raise ValueError(f"kernel {kernel.name} uses PDL (griddepcontrol): a kernel on a "
+                         "stream of its own has no kernel ahead of it to wait for")
+    if tuple(kernel.grid_yz) != (1, 1):
+        raise ValueError(f"kernel {kernel.name} has a grid of {(kernel.grid, *kernel.grid_yz)}: "
+                         "side_call launches 1-D grids")
+    outs = out_shapes if isinstance(out_shapes, (list, tuple)) else [out_shapes]
+    if len(args) + len(outs) != kernel.n_buffers:
+        raise ValueError(f"kernel {kernel.name} takes {kernel.n_buffers} operands and results, "
+                         f"called with {len(args)} operands and {len(outs)} results")
+    register_kernel(kernel)
+    return jax.ffi.ffi_call(TARGET_SIDE, out_shapes, has_side_effect=True)(
+        *args, kernel_id=np.int64(kernel.kernel_id), grid=np.int64(kernel.grid),
+        threads=np.int64(kernel.threads), shared=np.int64(kernel.shared),
+        extra_params=np.int64(kernel.n_params - kernel.n_buffers))
 
 
 def sequence_plan(steps, n_args: int, n_outs: int) -> np.ndarray:

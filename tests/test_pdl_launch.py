@@ -69,6 +69,20 @@ def test_call_refuses_pdl_without_a_wait_and_wrong_operand_counts():
         pdl_launch.call(_kernel(), out, pdl=False)  # a missing operand is no null pointer
 
 
+def test_side_call_refuses_pdl_kernels_2d_grids_and_wrong_operand_counts():
+    x = jnp.zeros((1, 8), jnp.bfloat16)
+    out = S((1, 8), jnp.bfloat16)
+    # a kernel on a stream of its own has no kernel ahead of it: no wait, no trigger
+    with pytest.raises(ValueError, match="uses PDL"):
+        pdl_launch.side_call(_kernel(has_wait=True), out, x)
+    with pytest.raises(ValueError, match="uses PDL"):
+        pdl_launch.side_call(_kernel(has_wait=False, has_trigger=True), out, x)
+    with pytest.raises(ValueError, match="1-D grids"):
+        pdl_launch.side_call(_kernel(has_wait=False, grid_yz=(2, 1)), out, x)
+    with pytest.raises(ValueError, match="takes 2 operands and results, called with 2 operands"):
+        pdl_launch.side_call(_kernel(has_wait=False), out, x, x)
+
+
 def test_ir_buffer_count_reads_the_kernel_signature():
     from pallas_kernels.gemv_stream import gemv_stream_normed
     bf = jnp.bfloat16
@@ -104,6 +118,7 @@ def test_library_builds_once_and_exports_the_handler(tmp_path):
     assert pdl_launch.build(tmp_path) == path  # cached: same source, jaxlib and cuda.h
     lib = ctypes.cdll.LoadLibrary(str(path))
     assert lib.OuroPdlLaunch is not None
+    assert lib.OuroSideLaunch is not None
     pdl_launch.declare(lib)
     assert lib.OuroPdlRegister(7, b"abc", 3, b"k", 4) == 0
     assert lib.OuroPdlRegister(7, b"abc", 3, b"k", 4) == 0  # the same kernel again: fine

@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels import side_prefetch as sp
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
+from engine_helpers import has_gpu
 from test_pdl import triton_ir
 
 S = jax.ShapeDtypeStruct
@@ -136,18 +137,71 @@ def test_jax_chain_benchmark_lowers_with_the_prefetcher_on_stream_one():
     assert lo.shape[1] == sp.LANES and lo.size >= total // (64 << 10) > lo.size - sp.LANES
     assert int(need.max()) == 3 and int(need.min()) == 0
 
-    def kernels(stores, arm_pf, t):
-        f = b.chain_fn(1, stores, arm_pf)
+    assert b.parse_jax_arm("pf:4:8") == ("xla", pf, False)
+    assert b.parse_jax_arm("ffi-pf:4:8+ev") == ("ffi", pf, True)
+    assert b.parse_jax_arm("stores+ev") == ("stores", None, True)
+
+    def kernels(arm, t, steps=1):
+        f = b.chain_fn(1, arm, steps)
         return triton_ir(lambda *a: f(*a), x, layers, word, base, *t)
-    plain = kernels(False, None, b.tables(layers, 1, None))
+    plain = kernels("base", b.tables(layers, 1, None))
     assert len(plain) == 4 and not any("st.relaxed.gpu" in ir for ir in plain)
-    got = kernels(True, pf, tab)
+    assert not any("evict_first" in ir for ir in plain)
+    got = kernels("pf:4:8", tab)
     assert len(got) == 5
     assert sum("st.relaxed.gpu" in ir for ir in got) == 4
     assert sum("cp.async.bulk.prefetch" in ir for ir in got) == 1
+    # in a fori_loop (the decode loop's shape), with evict-first weight loads: the same kernels
+    looped = kernels("pf:4:8+ev", tab, steps=3)
+    assert len(looped) == 5 and sum("evict_first" in ir for ir in looped) == 4
     try:
         from pallas_kernels.offline_compile import lower_for_cuda
-        text = lower_for_cuda(b.chain_fn(1, True, pf), x, layers, word, base, *tab).as_text()
+        text = lower_for_cuda(b.chain_fn(1, "pf:4:8"), x, layers, word, base, *tab).as_text()
     except ModuleNotFoundError:  # jax 0.10.2 here lacks the Mosaic GPU lowering's deps
         return
     assert "_xla_stream_annotation" in text
+
+
+def test_jax_chain_benchmark_launches_the_ffi_prefetcher_inside_the_loop():
+    """The 'ffi' arms (jax 0.11.2 and the `triton` package: the prefetcher is compiled to a
+    cubin offline and lowered for 'cuda'): one side launch per loop iteration, inside the
+    while loop, and no stream annotation (XLA's scheduler does not see it)."""
+    pytest.importorskip("triton")
+    from benchmarks import side_prefetch_jax as b
+    from benchmarks.pdl_jax_chain import make_weights
+    try:
+        from pallas_kernels.offline_compile import lower_for_cuda
+        layers = make_weights(1)
+        x = jnp.zeros((1, 2048), BF)
+        word, base = jnp.zeros((2,), I32), jnp.zeros((1,), I32)
+        pf = (4 << 20, 8, 64 << 10)
+        tab = b.tables(layers, 1, pf)
+        side = b.compile_side(pf, *tab, word, base)
+        text = lower_for_cuda(b.chain_fn(1, "ffi-pf:4:8", 3, side), x, layers, word, base,
+                              *tab).as_text()
+    except ModuleNotFoundError:  # jax 0.10.2 here lacks the Mosaic GPU lowering's deps
+        pytest.skip("this jaxlib does not lower for 'cuda' on the CPU")
+    assert not side.has_wait and side.n_buffers == 7 and side.grid == 8
+    assert text.count("ouro_side_launch") == 1 and "while" in text
+    assert "_xla_stream_annotation" not in text
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+def test_gpu_side_launched_prefetcher_leaves_the_chain_unchanged():
+    """On the GPU: the chain with the prefetcher launched beside it by side_call, three
+    iterations of a fori_loop, gives the chain's bits without it, and returns."""
+    from benchmarks import side_prefetch_jax as b
+    from benchmarks.pdl_jax_chain import make_weights
+    layers = make_weights(2)
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 2048), jnp.float32).astype(BF)
+    word_buf = jnp.full((1,), -1, I32)
+    word = jnp.asarray(sp.split_address(word_buf.unsafe_buffer_pointer()), I32)
+    pf = (4 << 20, 4, 64 << 10)
+    tab = b.tables(layers, 1, pf)
+    base = jnp.zeros((1,), I32)
+    side = b.compile_side(pf, *tab, word, base)
+    want = b.chain_fn(1, "base", 3)(x, layers, word, base, *b.tables(layers, 1, None))
+    for k in range(2):
+        got = b.chain_fn(1, "ffi-pf:4:4+ev", 3, side)(x, layers, word, base + 1000 * k, *tab)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    del word_buf
