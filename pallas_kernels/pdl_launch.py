@@ -58,6 +58,8 @@ TARGET_SEQ = "ouro_pdl_sequence"  # several kernels per custom call (`sequence`)
 TARGET_SEQ_GRAPH = "ouro_pdl_sequence_graph"  # the same, replayed as a CUDA graph of our own
 TARGET_SIDE = "ouro_side_launch"  # one kernel on a stream of our own (`side_call`)
 SOURCE = Path(__file__).with_name("pdl_launch.cc")
+# the parts pdl_launch.cc includes (the build's cache key covers them too)
+PARTS = [Path(__file__).with_name(n) for n in ("pdl_launch_side.inc", "pdl_launch_graph.inc")]
 _lock = threading.Lock()
 _registered: list = []  # [the loaded library] once the FFI target is registered
 _kernels: set[int] = set()  # kernel ids whose images the library holds
@@ -116,7 +118,8 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) to build the PDL launcher")
     inc, cuda = jaxlib_include(), cuda_include()
-    key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.version.__version__.encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + b"".join(p.read_bytes() for p in PARTS)
+                         + jaxlib.version.__version__.encode()
                          + (cuda / "cuda.h").read_bytes()).hexdigest()[:16]
     cache = Path(cache_dir or os.environ.get("OURO_PDL_CACHE") or default_cache())
     cache.mkdir(parents=True, exist_ok=True, mode=0o700)

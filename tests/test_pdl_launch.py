@@ -116,6 +116,7 @@ def test_library_builds_once_and_exports_the_handler(tmp_path):
     path = pdl_launch.build(tmp_path)
     assert path.exists() and path.parent == tmp_path
     assert pdl_launch.build(tmp_path) == path  # cached: same source, jaxlib and cuda.h
+    assert all(p.exists() for p in pdl_launch.PARTS)  # the parts the source includes
     lib = ctypes.cdll.LoadLibrary(str(path))
     assert lib.OuroPdlLaunch is not None
     assert lib.OuroSideLaunch is not None
