@@ -80,9 +80,12 @@ def chain_fn(loops: int, arm: str, steps: int = 1, side=None):
                     *a, chunk=pf[2], programs=pf[1]))(lo, hi, need, word, b)
                 seen = seen[:, 0]
             elif kind == "ffi":
-                side_call(side, [jax.ShapeDtypeStruct((pf[1], 32), jnp.int32),
-                                 jax.ShapeDtypeStruct((pf[1],), jnp.int32)],
-                          lo, hi, need, word, b)
+                zeros = side_call(side, [jax.ShapeDtypeStruct((pf[1], 32), jnp.int32),
+                                         jax.ShapeDtypeStruct((pf[1],), jnp.int32)],
+                                  lo, hi, need, word, b)
+                # the chain's inputs only after the launch: XLA may not move it behind the
+                # chain (a barrier, no kernel)
+                h, d, _ = lax.optimization_barrier((h, d, zeros))
             ki = 0
 
             def prog():

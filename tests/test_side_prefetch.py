@@ -165,7 +165,7 @@ def test_jax_chain_benchmark_lowers_with_the_prefetcher_on_stream_one():
 def test_jax_chain_benchmark_launches_the_ffi_prefetcher_inside_the_loop():
     """The 'ffi' arms (jax 0.11.2 and the `triton` package: the prefetcher is compiled to a
     cubin offline and lowered for 'cuda'): one side launch per loop iteration, inside the
-    while loop, and no stream annotation (XLA's scheduler does not see it)."""
+    while loop, ahead of the chain, and no stream annotation."""
     pytest.importorskip("triton")
     from benchmarks import side_prefetch_jax as b
     from benchmarks.pdl_jax_chain import make_weights
@@ -184,6 +184,9 @@ def test_jax_chain_benchmark_launches_the_ffi_prefetcher_inside_the_loop():
     assert not side.has_wait and side.n_buffers == 7 and side.grid == 8
     assert text.count("ouro_side_launch") == 1 and "while" in text
     assert "_xla_stream_annotation" not in text
+    # the chain's inputs pass a barrier with the launch's results: XLA cannot move the
+    # launch behind the chain
+    assert "optimization_barrier" in text
 
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
