@@ -30,7 +30,7 @@ import json
 import statistics
 import sys
 
-from benchmarks.pdl_chain import MODES, SHAPES, parse_tiling
+from benchmarks.pdl_chain import MODES, SHAPES, parse_tiling, time_replays
 
 ARMS = ("cold", "hot", "pfd", "pfd0")
 CHUNK = 64 << 10  # bytes per bulk prefetch
@@ -138,14 +138,7 @@ def time_arm(torch, kernels, name, copies, x, arm, tiling, args):
     torch.cuda.synchronize()
     graph.replay()  # warm
     torch.cuda.synchronize()
-    times = []
-    for _ in range(args.repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / args.calls)
+    times = time_replays(torch, graph, args.repeats, args.calls)
     med = statistics.median(times)
     mb = copies[0].numel() * 2 / 1e6
     row = dict(projection=name, arm=arm, us_per_call=round(med, 3),

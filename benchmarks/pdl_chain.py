@@ -253,6 +253,20 @@ def save_chain_record(module, argv, args, torch, mb, tiling, rows) -> bool:
                for r in rows)
 
 
+def time_replays(torch, graph, repeats: int, per: int) -> list[float]:
+    """us per unit of each of `repeats` replays of a CUDA graph that runs `per` units, timed
+    by CUDA events."""
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / per)
+    return times
+
+
 def time_arm(torch, gemv, layers, arm, tiling, args, mb):
     """One arm's chain captured in a CUDA graph, run once for its result and --repeats times
     timed; returns (row, result)."""
@@ -275,14 +289,7 @@ def time_arm(torch, gemv, layers, arm, tiling, args, mb):
     graph.replay()
     torch.cuda.synchronize()
     result = bufs["x"].clone()
-    times = []
-    for _ in range(args.repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (args.loops * args.layers))
+    times = time_replays(torch, graph, args.repeats, args.loops * args.layers)
     med = statistics.median(times)
     host = result.double().cpu()  # fp64 on the host: no flush of tiny values to zero
     row = dict(arm=arm, us_per_layer=round(med, 3), us_min=round(min(times), 3),

@@ -422,8 +422,8 @@ extern "C" void OuroPdlStats(int64_t* out, int reset) {
 }
 
 namespace {
-// Launch's binding: XLA's stream, the buffers, and the launch's attributes.
-auto LaunchBinding() {
+// One kernel's binding: XLA's stream, the buffers, and the kernel's launch shape.
+auto KernelBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<CUstream>>()
       .RemainingArgs()
@@ -432,23 +432,15 @@ auto LaunchBinding() {
       .Attr<int64_t>("grid")
       .Attr<int64_t>("threads")
       .Attr<int64_t>("shared")
-      .Attr<int64_t>("extra_params")
-      .Attr<bool>("pdl");
+      .Attr<int64_t>("extra_params");
 }
+// Launch's: the same and the PDL switch.
+auto LaunchBinding() { return KernelBinding().Attr<bool>("pdl"); }
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch, LaunchBinding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroSideLaunch, SideLaunch,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("kernel_id")
-                                  .Attr<int64_t>("grid")
-                                  .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("shared")
-                                  .Attr<int64_t>("extra_params"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroSideLaunch, SideLaunch, KernelBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlSequence, Sequence,
                               ffi::Ffi::Bind()

@@ -303,6 +303,17 @@ def compile_pallas(fn, *args, num_warps: int, num_stages: int, arch: int = 90) -
                   has_trigger="griddepcontrol.launch_dependents" in ptx)
 
 
+def _check_one_kernel(kernel: Kernel, out_shapes, args, grids: str) -> None:
+    """call's and side_call's checks: a 1-D grid, and one buffer per operand and result."""
+    if tuple(kernel.grid_yz) != (1, 1):
+        raise ValueError(f"kernel {kernel.name} has a grid of {(kernel.grid, *kernel.grid_yz)}: "
+                         + grids)
+    outs = out_shapes if isinstance(out_shapes, (list, tuple)) else [out_shapes]
+    if len(args) + len(outs) != kernel.n_buffers:
+        raise ValueError(f"kernel {kernel.name} takes {kernel.n_buffers} operands and results, "
+                         f"called with {len(args)} operands and {len(outs)} results")
+
+
 def call(kernel: Kernel, out_shapes, *args, pdl: bool, graph: bool = False):
     """Runs `kernel` on args (inside jit) through the FFI launcher; out_shapes as
     jax.ffi.ffi_call's. pdl: launch with the PDL attribute (the kernel must wait before its
@@ -312,13 +323,8 @@ def call(kernel: Kernel, out_shapes, *args, pdl: bool, graph: bool = False):
         raise ValueError(f"kernel {kernel.name} has no griddepcontrol.wait: launching it with "
                          "PDL would let it read its inputs before the kernel ahead has written "
                          "them")
-    if tuple(kernel.grid_yz) != (1, 1):
-        raise ValueError(f"kernel {kernel.name} has a grid of {(kernel.grid, *kernel.grid_yz)}: "
-                         "call launches 1-D grids (sequence takes any)")
-    outs = out_shapes if isinstance(out_shapes, (list, tuple)) else [out_shapes]
-    if len(args) + len(outs) != kernel.n_buffers:
-        raise ValueError(f"kernel {kernel.name} takes {kernel.n_buffers} operands and results, "
-                         f"called with {len(args)} operands and {len(outs)} results")
+    _check_one_kernel(kernel, out_shapes, args, "call launches 1-D grids (sequence takes "
+                      "any)")
     extra = kernel.n_params - kernel.n_buffers
     register_kernel(kernel)
     return jax.ffi.ffi_call(TARGET_GRAPH if graph else TARGET, out_shapes)(
@@ -340,13 +346,7 @@ def side_call(kernel: Kernel, out_shapes, *args):
     if kernel.has_wait or kernel.has_trigger:
         raise ValueError(f"kernel {kernel.name} uses PDL (griddepcontrol): a kernel on a "
                          "stream of its own has no kernel ahead of it to wait for")
-    if tuple(kernel.grid_yz) != (1, 1):
-        raise ValueError(f"kernel {kernel.name} has a grid of {(kernel.grid, *kernel.grid_yz)}: "
-                         "side_call launches 1-D grids")
-    outs = out_shapes if isinstance(out_shapes, (list, tuple)) else [out_shapes]
-    if len(args) + len(outs) != kernel.n_buffers:
-        raise ValueError(f"kernel {kernel.name} takes {kernel.n_buffers} operands and results, "
-                         f"called with {len(args)} operands and {len(outs)} results")
+    _check_one_kernel(kernel, out_shapes, args, "side_call launches 1-D grids")
     register_kernel(kernel)
     return jax.ffi.ffi_call(TARGET_SIDE, out_shapes, has_side_effect=True)(
         *args, kernel_id=np.int64(kernel.kernel_id), grid=np.int64(kernel.grid),
