@@ -141,9 +141,13 @@ def time_arm(torch, kernels, name, copies, x, arm, tiling, args):
     times = time_replays(torch, graph, args.repeats, args.calls)
     med = statistics.median(times)
     mb = copies[0].numel() * 2 / 1e6
+    l2_mb = torch.cuda.get_device_properties(0).L2_cache_size / 1e6
     row = dict(projection=name, arm=arm, us_per_call=round(med, 3),
                us_min=round(min(times), 3), us_max=round(max(times), 3), mb=round(mb, 3),
-               tb_s=round(mb / med, 3))
+               tb_s=round(mb / med, 3), l2_mb=round(l2_mb, 1),
+               # above ~0.6 of L2, `hot` is only partly hot (gate/up's 46 MB in 50 MB): its
+               # saving is a lower bound
+               fits_l2=bool(mb < 0.6 * l2_mb))
     del graph
     return row, out.clone()
 

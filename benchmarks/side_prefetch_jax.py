@@ -45,7 +45,7 @@ from benchmarks.record import save_record
 from benchmarks.stream_probe import on_stream
 from ouro_jax.projection_tuning import STREAM_TUNING
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
-from pallas_kernels.pdl_launch import side_call
+from pallas_kernels.pdl_launch import side_call, side_sync
 from pallas_kernels.side_prefetch import chunk_tables, schedule, side_prefetch, split_address
 
 
@@ -58,7 +58,10 @@ def parse_jax_arm(spec: str):
     if spec in ("base", "stores"):
         return spec, None, evict
     ffi = spec.startswith("ffi-")
-    return ("ffi" if ffi else "xla"), parse_arm(spec[4:] if ffi else spec), evict
+    pf = parse_arm(spec[4:] if ffi else spec)
+    if pf is None:
+        raise SystemExit(f"arm {spec!r}: 'ffi-' goes with a prefetcher arm (ffi-pf:...)")
+    return ("ffi" if ffi else "xla"), pf, evict
 
 
 def chain_fn(loops: int, arm: str, steps: int = 1, side=None):
@@ -82,7 +85,7 @@ def chain_fn(loops: int, arm: str, steps: int = 1, side=None):
             elif kind == "ffi":
                 zeros = side_call(side, [jax.ShapeDtypeStruct((pf[1], 32), jnp.int32),
                                          jax.ShapeDtypeStruct((pf[1],), jnp.int32)],
-                                  lo, hi, need, word, b)
+                                  lo, hi, need, word, b, static_args=3)
                 # the chain's inputs only after the launch: XLA may not move it behind the
                 # chain (a barrier, no kernel)
                 h, d, _ = lax.optimization_barrier((h, d, zeros))
@@ -184,11 +187,14 @@ def main(argv=None):
                    compile_s=round(compile_s, 2),
                    bit_equal_to_first_arm=bool(np.array_equal(got, ref)),
                    timed_run_equal=bool(np.array_equal(np.asarray(last[1]), got)))
-        if kind == "xla":  # (side_call's results are zeros: the 'ffi' arms report none)
+        if kind == "xla":  # (side_call's results are zeros: the 'ffi' arms report none, so
+            # only their time says whether they ran beside the chain)
             # the progress the prefetcher's programs read first, less the iteration's base:
             # -1 = it started before the chain; the step's kernels - 1 = after it (no overlap)
             row.update(gave_up_groups=gave, first_seen_min=int(seen.min()),
                        first_seen_max=int(seen.max()))
+        if kind == "ffi":  # a lagging side kernel must not run into the next arm
+            side_sync()
         print(json.dumps(row), flush=True)
         rows.append(row)
         # written after every arm: a step cut short by its time limit keeps what it measured

@@ -53,9 +53,13 @@ struct Driver {
   CUresult (*graph_exec_destroy)(CUgraphExec) = nullptr;
   // a launch on a stream of our own (SideLaunch); optional: checked where used
   CUresult (*event_create)(CUevent*, unsigned int) = nullptr;
+  CUresult (*event_destroy)(CUevent) = nullptr;
   CUresult (*event_record)(CUevent, CUstream) = nullptr;
   CUresult (*stream_wait_event)(CUstream, CUevent, unsigned int) = nullptr;
+  CUresult (*stream_synchronize)(CUstream) = nullptr;
+  CUresult (*is_capturing)(CUstream, CUstreamCaptureStatus*) = nullptr;
   CUresult (*mem_alloc)(CUdeviceptr*, size_t) = nullptr;
+  CUresult (*mem_free)(CUdeviceptr) = nullptr;
   CUresult (*copy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
   CUresult (*memset_async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
   std::string error;
@@ -88,9 +92,13 @@ const Driver& driver() {
     bind(d.graph_destroy, "cuGraphDestroy");
     bind(d.graph_exec_destroy, "cuGraphExecDestroy");
     bind(d.event_create, "cuEventCreate");
+    bind(d.event_destroy, "cuEventDestroy_v2");
     bind(d.event_record, "cuEventRecord");
     bind(d.stream_wait_event, "cuStreamWaitEvent");
+    bind(d.stream_synchronize, "cuStreamSynchronize");
+    bind(d.is_capturing, "cuStreamIsCapturing");
     bind(d.mem_alloc, "cuMemAlloc_v2");
+    bind(d.mem_free, "cuMemFree_v2");
     bind(d.copy_async, "cuMemcpyDtoDAsync_v2");
     bind(d.memset_async, "cuMemsetD8Async");
     if (!d.ctx_get_current || !d.module_load_data || !d.module_get_function || !d.module_unload ||
@@ -440,7 +448,19 @@ auto LaunchBinding() { return KernelBinding().Attr<bool>("pdl"); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlLaunch, Launch, LaunchBinding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroSideLaunch, SideLaunch, KernelBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroSideLaunch, SideLaunch,
+                              KernelBinding().Attr<int64_t>("static_args"));
+
+// Waits until every side stream has run what was launched on it (between benchmark arms:
+// a lagging side kernel must not run into the next arm's timing); 0 on success.
+extern "C" int OuroSideSync() {
+  const Driver& d = driver();
+  if (!d.error.empty() || !d.stream_synchronize) return 1;
+  std::lock_guard<std::mutex> lock(side_mu);
+  for (auto& s : side_streams)
+    if (s.second.first && d.stream_synchronize(s.second.first) != CUDA_SUCCESS) return 1;
+  return 0;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OuroPdlSequence, Sequence,
                               ffi::Ffi::Bind()

@@ -81,6 +81,8 @@ def test_side_call_refuses_pdl_kernels_2d_grids_and_wrong_operand_counts():
         pdl_launch.side_call(_kernel(has_wait=False, grid_yz=(2, 1)), out, x)
     with pytest.raises(ValueError, match="takes 2 operands and results, called with 2 operands"):
         pdl_launch.side_call(_kernel(has_wait=False), out, x, x)
+    with pytest.raises(ValueError, match="static_args 2 for 1 operands"):
+        pdl_launch.side_call(_kernel(has_wait=False), out, x, static_args=2)
 
 
 def test_ir_buffer_count_reads_the_kernel_signature():
@@ -116,10 +118,14 @@ def test_library_builds_once_and_exports_the_handler(tmp_path):
     path = pdl_launch.build(tmp_path)
     assert path.exists() and path.parent == tmp_path
     assert pdl_launch.build(tmp_path) == path  # cached: same source, jaxlib and cuda.h
-    assert all(p.exists() for p in pdl_launch.PARTS)  # the parts the source includes
+    # the parts the source includes, all in the build's cache key
+    import re
+    included = re.findall(r'#include "(pdl_launch_[^"]+)"', pdl_launch.SOURCE.read_text())
+    assert sorted(included) == sorted(p.name for p in pdl_launch.PARTS)
+    assert all(p.exists() for p in pdl_launch.PARTS)
     lib = ctypes.cdll.LoadLibrary(str(path))
     assert lib.OuroPdlLaunch is not None
-    assert lib.OuroSideLaunch is not None
+    assert lib.OuroSideLaunch is not None and lib.OuroSideSync is not None
     pdl_launch.declare(lib)
     assert lib.OuroPdlRegister(7, b"abc", 3, b"k", 4) == 0
     assert lib.OuroPdlRegister(7, b"abc", 3, b"k", 4) == 0  # the same kernel again: fine

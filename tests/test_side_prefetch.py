@@ -140,6 +140,8 @@ def test_jax_chain_benchmark_lowers_with_the_prefetcher_on_stream_one():
     assert b.parse_jax_arm("pf:4:8") == ("xla", pf, False)
     assert b.parse_jax_arm("ffi-pf:4:8+ev") == ("ffi", pf, True)
     assert b.parse_jax_arm("stores+ev") == ("stores", None, True)
+    with pytest.raises(SystemExit, match="ffi-"):
+        b.parse_jax_arm("ffi-base")
 
     def kernels(arm, t, steps=1):
         f = b.chain_fn(1, arm, steps)
