@@ -40,11 +40,19 @@ GEMV_TUNING = {
 # the 512-wide tiling (digest 3961d77b) and greedy k=4 speculative tokens equal native ones
 # at batch 1 (decode_w8_spec_session31_h100.json). Not yet measured on an H200; the old
 # tiling is --stream-tiling qkv=st4_k512_p4_w4,gate_up=st2_k512_p8_w4.
+# Session 34: every projection's weight loads carry L2's evict-first policy (gemv_stream
+# evict_first): each weight byte is read once per loop, so its lines should not push out
+# the small arrays every layer reads again. Batch-1 native greedy on two H100s: +0.9%
+# (208.3 / 209.0 against 205.9 / 207.1 tok/s, ab_b1_evict_lc_session34_h100.json) and
+# +1.3% (207.8 / 207.7 against 205.0 / 205.3, ab_b1_evict2_session34_h100.json), the
+# same tokens (digest 3961d77b); the JAX GEMV chain 50.7 against 52.5 / 52.7 us per layer
+# application (side_prefetch_ffi_session34_h100.json). Not yet measured on an H200;
+# --stream-set qkv.evict_first=0,... turns it off, and a --stream-tiling override keeps it.
 STREAM_TUNING = {
-    "qkv": dict(block_n=4, block_k=2048, per_program=4, num_warps=8),
-    "o": dict(block_n=2, block_k=512, per_program=2, num_warps=4),
-    "gate_up": dict(block_n=2, block_k=2048, per_program=8, num_warps=8),
-    "down": dict(block_n=1, block_k=512, per_program=4, num_warps=4),
+    "qkv": dict(block_n=4, block_k=2048, per_program=4, num_warps=8, evict_first=True),
+    "o": dict(block_n=2, block_k=512, per_program=2, num_warps=4, evict_first=True),
+    "gate_up": dict(block_n=2, block_k=2048, per_program=8, num_warps=8, evict_first=True),
+    "down": dict(block_n=1, block_k=512, per_program=4, num_warps=4, evict_first=True),
 }
 # Calls the streaming kernel takes: one row (decode, draft), the only count measured on a GPU;
 # the kernel itself takes up to gemv_stream.MAX_ROWS (down needs 255 registers at 4 rows).

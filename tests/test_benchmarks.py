@@ -188,7 +188,9 @@ def test_stream_tiling_override_is_applied_and_restored():
     try:
         t = apply_kernel_tuning("", "", "qkv=st2_k512_p1_w4")
         assert t["stream"] == {"qkv": STREAM_VARIANTS["st2_k512_p1_w4"]}
-        assert projections.STREAM_TUNING["qkv"] == STREAM_VARIANTS["st2_k512_p1_w4"]
+        # (the variant's tiling with the shipped load policy)
+        assert projections.STREAM_TUNING["qkv"] == dict(STREAM_VARIANTS["st2_k512_p1_w4"],
+                                                        evict_first=True)
         assert projections.STREAM_TUNING["o"] == shipped["o"]
         apply_kernel_tuning("", "")
         assert projections.STREAM_TUNING == shipped

@@ -71,11 +71,17 @@ def test_interpret_mode_ignores_it_and_bad_values_are_refused():
 def test_stream_set_reaches_the_switch():
     from benchmarks.tuning import apply_kernel_tuning
     from ouro_jax import projections
+    # shipped on for every projection (session 34)
+    assert all(t["evict_first"] is True for t in projections.STREAM_TUNING.values())
     try:
-        apply_kernel_tuning("", "", stream_set="qkv.evict_first=1,down.evict_first=1")
+        apply_kernel_tuning("", "", stream_set="qkv.evict_first=0,down.evict_first=0")
+        assert projections.STREAM_TUNING["qkv"]["evict_first"] is False
+        assert projections.STREAM_TUNING["down"]["evict_first"] is False
+        assert projections.STREAM_TUNING["o"]["evict_first"] is True
+        # a tiling override keeps the shipped policy
+        apply_kernel_tuning("", "", stream_spec="qkv=st2_k512_p1_w4")
         assert projections.STREAM_TUNING["qkv"]["evict_first"] is True
-        assert projections.STREAM_TUNING["down"]["evict_first"] is True
-        assert "evict_first" not in projections.STREAM_TUNING["o"]
+        assert projections.STREAM_TUNING["qkv"]["block_k"] == 512
     finally:
         apply_kernel_tuning("", "")
-    assert "evict_first" not in projections.STREAM_TUNING["qkv"]
+    assert projections.STREAM_TUNING["qkv"]["evict_first"] is True
