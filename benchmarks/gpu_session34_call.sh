@@ -26,7 +26,7 @@ timeout -s KILL $(left 150) python3 -m benchmarks.side_prefetch_jax --loops 1 --
 timeout -s KILL $(left 90) python3 -m pytest -q -x -p no:cacheprovider tests/test_side_prefetch.py \
   -k gpu 2>&1 | tail -3
 if [ $G = h200 ]; then
-  SESSION=$S STEPS=ec PASSES=2 EARMS="default omk ev" AB_NAME=o_merge_ev CAP=$(left 400) OUT=$OUT \
+  SESSION=$S STEPS=ec PASSES=2 EARMS="default omk noev" AB_NAME=o_merge_noev CAP=$(left 400) OUT=$OUT \
     bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
   timeout -s KILL $(left 120) python3 -m benchmarks.decode --attention pallas --repeats 3 \
     --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --k 0,4 --draft-loops 1 \
