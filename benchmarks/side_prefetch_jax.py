@@ -45,13 +45,13 @@ from benchmarks.record import save_record
 from benchmarks.stream_probe import on_stream
 from ouro_jax.projection_tuning import STREAM_TUNING
 from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
-from pallas_kernels.pdl_launch import side_call, side_sync
+from pallas_kernels.side_launch import side_call, side_sync
 from pallas_kernels.side_prefetch import chunk_tables, schedule, side_prefetch, split_address
 
 
 def parse_jax_arm(spec: str):
     """An arm of this benchmark -> (kind, pf, evict): kind 'base' | 'stores' | 'xla' (the
-    prefetcher under compute_on) | 'ffi' (launched by pallas_kernels.pdl_launch.side_call on
+    prefetcher under compute_on) | 'ffi' (launched by pallas_kernels.side_launch.side_call on
     a stream of the launcher's own, outside XLA's scheduler); `+ev` at the end: the GEMVs'
     weight loads evict-first (gemv_stream evict_first)."""
     spec, evict = split_ev(spec)
@@ -69,7 +69,7 @@ def chain_fn(loops: int, arm: str, steps: int = 1, side=None):
     prefetcher program its give-ups and the progress it first read, or zeros). With steps >
     1 the chain runs that many times in a fori_loop, the prefetcher launched at each
     iteration's start (as the engine's decode loop would); side: the prefetcher compiled
-    for pdl_launch.side_call (the 'ffi' arms)."""
+    for side_launch.side_call (the 'ffi' arms)."""
     kind, pf, evict = parse_jax_arm(arm)
     tune = {name: dict(STREAM_TUNING[name], evict_first=evict) for name in ORDER}
     def f(h, layers, word, base, lo, hi, need):
@@ -119,7 +119,7 @@ def chain_fn(loops: int, arm: str, steps: int = 1, side=None):
 
 
 def compile_side(pf, lo, hi, need, word, base):
-    """The prefetcher as a cubin for pdl_launch.side_call (the `triton` package compiles the
+    """The prefetcher as a cubin for side_launch.side_call (the `triton` package compiles the
     IR Pallas emits; GPU machine)."""
     from pallas_kernels.pdl_launch import compile_pallas
     return compile_pallas(lambda *a: side_prefetch(*a, chunk=pf[2], programs=pf[1]),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import has_gpu
-from pallas_kernels import pdl_launch
+from pallas_kernels import pdl_launch, side_launch
 from pallas_kernels.gemv_stream import gemv_stream
 
 S = jax.ShapeDtypeStruct
@@ -74,15 +74,15 @@ def test_side_call_refuses_pdl_kernels_2d_grids_and_wrong_operand_counts():
     out = S((1, 8), jnp.bfloat16)
     # a kernel on a stream of its own has no kernel ahead of it: no wait, no trigger
     with pytest.raises(ValueError, match="uses PDL"):
-        pdl_launch.side_call(_kernel(has_wait=True), out, x)
+        side_launch.side_call(_kernel(has_wait=True), out, x)
     with pytest.raises(ValueError, match="uses PDL"):
-        pdl_launch.side_call(_kernel(has_wait=False, has_trigger=True), out, x)
+        side_launch.side_call(_kernel(has_wait=False, has_trigger=True), out, x)
     with pytest.raises(ValueError, match="1-D grids"):
-        pdl_launch.side_call(_kernel(has_wait=False, grid_yz=(2, 1)), out, x)
+        side_launch.side_call(_kernel(has_wait=False, grid_yz=(2, 1)), out, x)
     with pytest.raises(ValueError, match="takes 2 operands and results, called with 2 operands"):
-        pdl_launch.side_call(_kernel(has_wait=False), out, x, x)
+        side_launch.side_call(_kernel(has_wait=False), out, x, x)
     with pytest.raises(ValueError, match="static_args 2 for 1 operands"):
-        pdl_launch.side_call(_kernel(has_wait=False), out, x, static_args=2)
+        side_launch.side_call(_kernel(has_wait=False), out, x, static_args=2)
 
 
 def test_ir_buffer_count_reads_the_kernel_signature():

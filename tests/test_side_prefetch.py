@@ -209,6 +209,6 @@ def test_gpu_side_launched_prefetcher_leaves_the_chain_unchanged():
     for k in range(2):
         got = b.chain_fn(1, "ffi-pf:4:4+ev", 3, side)(x, layers, word, base + 1000 * k, *tab)
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    from pallas_kernels.pdl_launch import side_sync
+    from pallas_kernels.side_launch import side_sync
     side_sync()  # the side kernels have ended before the word they read is freed
     del word_buf
