@@ -8,10 +8,11 @@ index to a progress word as it starts (gemv_stream `progress=`), and
 pallas_kernels/side_prefetch.py's kernel wrapped in `compute_on("gpu_stream:1")` at the
 program's start, never waited for by the chain. Arms (`--arms`):
 
-  base                     the chain as the engine runs it;
+  base                     the chain as the engine ran it before session 34 (weight loads
+                           without evict_first; `base+ev` is today's default);
   stores                   the chain with the progress stores, no prefetcher (their cost);
   pf:LEAD_MB:PROGRAMS[:CHUNK_KB]  stores and the prefetcher, LEAD MB ahead;
-  ffi-pf:...               the same prefetcher launched by pallas_kernels.pdl_launch.
+  ffi-pf:...               the same prefetcher launched by pallas_kernels.side_launch.
                            side_call on a stream of the launcher's own, outside XLA's
                            scheduler (session 34: XLA ran the compute_on call after the
                            chain, and overlaps nothing inside a loop body);
@@ -72,6 +73,7 @@ def chain_fn(loops: int, arm: str, steps: int = 1, side=None):
     for side_launch.side_call (the 'ffi' arms)."""
     kind, pf, evict = parse_jax_arm(arm)
     tune = {name: dict(STREAM_TUNING[name], evict_first=evict) for name in ORDER}
+
     def f(h, layers, word, base, lo, hi, need):
         per_step = 4 * loops * len(layers)
 
