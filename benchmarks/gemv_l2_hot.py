@@ -30,7 +30,8 @@ import json
 import statistics
 import sys
 
-from benchmarks.pdl_chain import MODES, SHAPES, parse_tiling, time_replays
+from benchmarks.pdl_chain import (MODES, SHAPES, parse_tiling, tiling_record, time_replays,
+                                  torch_fields)
 
 ARMS = ("cold", "hot", "pfd", "pfd0")
 CHUNK = 64 << 10  # bytes per bulk prefetch
@@ -184,15 +185,10 @@ def main(argv=None):
         torch.cuda.empty_cache()
     summary = summarize(rows)
     print(json.dumps(summary), flush=True)
-    import os
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from benchmarks.record import save_record
-    import triton
-    save_record("benchmarks.gemv_l2_hot", argv, args.out, torch=torch.__version__,
-                torch_device=torch.cuda.get_device_name(), triton=triton.__version__,
-                calls=args.calls, distinct=args.distinct,
-                tiling={k: dict(zip(("block_n", "per_program", "num_warps"), v))
-                        for k, v in tiling.items()}, rows=rows, **summary)
+    save_record("benchmarks.gemv_l2_hot", argv, args.out, **torch_fields(torch),
+                calls=args.calls, distinct=args.distinct, tiling=tiling_record(tiling),
+                rows=rows, **summary)
     if not (ok and all(r.get("finite", True) for r in rows)):
         raise SystemExit(1)
 

@@ -25,7 +25,9 @@ if [ "${PART:-1}" = 1 ]; then
   SESSION=$S STEPS=e PASSES=2 EARMS="default ev lcpdl lc" AB_NAME=evict_lc CAP=$(left 220) OUT=$OUT \
     bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
 elif [ $G = h200 ]; then
-  SESSION=$S STEPS=ec PASSES=2 EARMS="default omk" AB_NAME=o_merge_k2048 CAP=$(left 330) OUT=$OUT \
+  # (EARMS2 / AB2: other arms for step e, as benchmarks/gpu_session34_call.sh asks)
+  SESSION=$S STEPS=ec PASSES=2 EARMS="${EARMS2:-default omk}" AB_NAME=${AB2:-o_merge_k2048} \
+    CAP=$(left 330) OUT=$OUT \
     bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
   timeout -s KILL $(left 150) python3 -m benchmarks.decode --attention pallas --repeats 3 \
     --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --k 0,4 --draft-loops 1 \

@@ -25,12 +25,8 @@ timeout -s KILL $(left 150) python3 -m benchmarks.side_prefetch_jax --loops 1 --
   --out $OUT/side_prefetch_ffi_${S}_$G.json 2>&1 | grep -E "^\{|rror" | cut -c1-300
 timeout -s KILL $(left 90) python3 -m pytest -q -x -p no:cacheprovider tests/test_side_prefetch.py \
   -k gpu 2>&1 | tail -3
-if [ $G = h200 ]; then
-  SESSION=$S STEPS=ec PASSES=2 EARMS="default omk noev" AB_NAME=o_merge_noev CAP=$(left 400) OUT=$OUT \
-    bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
-  timeout -s KILL $(left 120) python3 -m benchmarks.decode --attention pallas --repeats 3 \
-    --branch-scale 0.003 --compile-cache /tmp/cc --batch 1 --k 0,4 --draft-loops 1 \
-    --temperature 0 --out $OUT/decode_b1_d1_${S}_$G.json 2>&1 \
-    | grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"
+if [ $G = h200 ]; then  # session 33's part 2, its A/B arm evict_first off (noev)
+  PART=2 EARMS2="default omk noev" AB2=o_merge_noev SESSION=$S CAP=$(left 500) OUT=$OUT \
+    bash benchmarks/gpu_session33_call.sh 2>&1 | grep -v "^device\|^elapsed"
 fi
 echo "elapsed $SECONDS s"

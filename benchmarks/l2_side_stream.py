@@ -19,8 +19,9 @@ four one-row projections of `--layers` layers (1.4B shapes, bf16, distinct weigh
 trigger), captured in one CUDA graph. Arms (`--arms`): `base` (no prefetcher) and
 `pf:LEAD_MB:CTAS[:CHUNK_KB]`, either with `+ev`: the GEMVs' weight loads then carry L2's
 evict-first policy, so a kernel's own stream of lines it reads once does not push out what
-the prefetcher fetched for the kernels after it (session 34). Prints one JSON line per arm (us per layer application,
-median of `--repeats` replays) and writes them with the machine and command to --out.
+the prefetcher fetched for the kernels after it (session 34). Prints one JSON line per arm
+(us per layer application, median of `--repeats` replays) and writes them with the machine
+and command to --out.
 
   python3 -m benchmarks.l2_side_stream --arms base,pf:16:32,pf:32:32,base --out R.json
 """

@@ -237,18 +237,27 @@ def main(argv=None):
         raise SystemExit(1)
 
 
+def tiling_record(tiling: dict) -> dict:
+    """A TILING table as the records write it: {projection: {block_n, per_program,
+    num_warps}}."""
+    return {k: dict(zip(("block_n", "per_program", "num_warps"), v)) for k, v in tiling.items()}
+
+
+def torch_fields(torch) -> dict:
+    """The PyTorch + Triton benchmarks' record fields (their versions and the device), with
+    JAX kept off the GPU's memory: save_record only reads the device name through it."""
+    import triton
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return dict(torch=torch.__version__, torch_device=torch.cuda.get_device_name(),
+                triton=triton.__version__)
+
+
 def save_chain_record(module, argv, args, torch, mb, tiling, rows) -> bool:
     """Writes a chain benchmark's record (command, machine, commit, code digest, rows) to
     args.out; True when every arm gave the first arm's bits, finite and nonzero."""
-    import triton
-    # JAX only reads the device name here, so it must not take the GPU's memory from PyTorch
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from benchmarks.record import save_record
-    save_record(module, argv, args.out, torch=torch.__version__,
-                torch_device=torch.cuda.get_device_name(), triton=triton.__version__,
-                layers=args.layers, loops=args.loops, mb_per_layer=mb,
-                tiling={k: dict(zip(("block_n", "per_program", "num_warps"), v))
-                        for k, v in tiling.items()}, rows=rows)
+    save_record(module, argv, args.out, **torch_fields(torch), layers=args.layers,
+                loops=args.loops, mb_per_layer=mb, tiling=tiling_record(tiling), rows=rows)
     return all(r["bit_equal_to_first_arm"] and r["finite"] and r["result_rms"] > 0
                for r in rows)
 
