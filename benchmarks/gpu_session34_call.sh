@@ -8,7 +8,8 @@
 # stream of our own, in a fori_loop of 4 steps, as the engine would) and the side launch's
 # GPU test; then on an H200 only session 33's PART 2 with the ev arm (evict_first weight loads, +0.9%
 # on an H100 in session 34's first call) beside default and omk.
-# Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=560] bash benchmarks/gpu_session34_call.sh
+# Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=560] [SKIP_PART2=1] bash
+# benchmarks/gpu_session34_call.sh
 S=${SESSION:-session34}
 CAP=${CAP:-560}
 . benchmarks/gpu_call_setup.sh
@@ -25,7 +26,7 @@ timeout -s KILL $(left 150) python3 -m benchmarks.side_prefetch_jax --loops 1 --
   --out $OUT/side_prefetch_ffi_${S}_$G.json 2>&1 | grep -E "^\{|rror" | cut -c1-300
 timeout -s KILL $(left 90) python3 -m pytest -q -x -p no:cacheprovider tests/test_side_prefetch.py \
   -k gpu 2>&1 | tail -3
-if [ $G = h200 ]; then  # session 33's part 2, its A/B arm evict_first off (noev)
+if [ $G = h200 ] && [ "${SKIP_PART2:-0}" = 0 ]; then  # session 33's part 2, its A/B arm evict_first off (noev)
   PART=2 EARMS2="default omk noev" AB2=o_merge_noev SESSION=$S CAP=$(left 500) OUT=$OUT \
     bash benchmarks/gpu_session33_call.sh 2>&1 | grep -v "^device\|^elapsed"
 fi
