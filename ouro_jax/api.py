@@ -134,6 +134,47 @@ def folder_eos_ids(folder: str, tokenizer: Optional[Tokenizer]) -> list[int]:
     return ids
 
 
+def _checked_sizes(page_size, prefill_chunk, decode_chunk, kv_pool_tokens):
+    """The engine's sizes as ints, each refused by name unless a positive device int32."""
+    sizes = tuple(as_int(v, name) for v, name in ((page_size, "page_size"),
+                                                  (prefill_chunk, "prefill_chunk"),
+                                                  (decode_chunk, "decode_chunk")))
+    for name, v in zip(("page_size", "prefill_chunk", "decode_chunk"), sizes):
+        if not 1 <= v < 2**31:  # (device int32 values)
+            raise ValueError(f"{name} must be a positive integer below 2**31, got {v}")
+    if kv_pool_tokens is not None and as_int(kv_pool_tokens, "kv_pool_tokens") < 1:
+        raise ValueError(f"kv_pool_tokens must be a positive number of tokens, "
+                         f"got {kv_pool_tokens!r}")
+    return sizes
+
+
+def _check_layer_kernels(projections, attention, proj, resolved: str, kv_xla: bool,
+                         persistent_layers: bool) -> None:
+    """Refuses the layer-kernel paths that run the Pallas decode attention (with its RoPE and
+    K/V write) inside a kernel of their own where that attention is not the one in use."""
+    fused_attention = resolved == "pallas" and not kv_xla
+    if getattr(proj, "flow", 0) == 5 and not fused_attention:
+        raise ValueError(
+            f"projections {projections!r}: '+flow5' runs the Pallas decode attention (with "
+            f"its RoPE and K/V write) inside the layer kernel, so it needs "
+            f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), fused_kv_write and "
+            f"fuse_projections (the fused qkv weight); use '+flow4' otherwise")
+    if getattr(proj, "graph", False):  # batch-1 decode loops as CUDA graphs of our own
+        if not fused_attention:
+            raise ValueError(
+                f"projections {projections!r}: '+graph' runs the Pallas decode attention "
+                f"(with its RoPE and K/V write) in each loop's graph, so it needs "
+                f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
+                f"fused_kv_write and fuse_projections")
+        from ouro_jax import graph_loop
+        graph_loop.check_available()
+    if persistent_layers and not fused_attention:
+        raise ValueError(f"persistent_layers runs the decode attention (its RoPE and "
+                         f"K/V write) inside the layer kernel: it needs "
+                         f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
+                         f"fused_kv_write and fuse_projections")
+
+
 class Ouro:
     """A loaded model plus its KV pool and compiled programs."""
 
@@ -143,30 +184,16 @@ class Ouro:
                  decode_chunk: int = 32, fuse_projections: bool = True,
                  unroll_loops: bool = False, projections: str = "auto",
                  fused_kv_write: bool = True, persistent_layers: bool = False):
-        page_size, prefill_chunk, decode_chunk = (
-            as_int(v, name) for v, name in ((page_size, "page_size"),
-                                            (prefill_chunk, "prefill_chunk"),
-                                            (decode_chunk, "decode_chunk")))
-        for name, v in (("page_size", page_size), ("prefill_chunk", prefill_chunk),
-                        ("decode_chunk", decode_chunk)):
-            if not 1 <= v < 2**31:  # (device int32 values)
-                raise ValueError(f"{name} must be a positive integer below 2**31, got {v}")
-        if kv_pool_tokens is not None and as_int(kv_pool_tokens, "kv_pool_tokens") < 1:
-            raise ValueError(f"kv_pool_tokens must be a positive number of tokens, "
-                             f"got {kv_pool_tokens!r}")
+        page_size, prefill_chunk, decode_chunk = _checked_sizes(
+            page_size, prefill_chunk, decode_chunk, kv_pool_tokens)
         from ouro_jax.model import unstack_layers
 
         proj = parse_projections(projections)  # validated before anything is built
         if not isinstance(fused_kv_write, bool):
             raise ValueError(f"fused_kv_write must be True or False, got {fused_kv_write!r}")
-
-        # Per-layer weights (no in-loop slicing copies), q/k/v and gate/up fused.
-        self.cfg, self.tokenizer = cfg, tokenizer
-        self.params = unstack_layers(params, fuse=fuse_projections)
-        if getattr(proj, "mgpu_names", ()):  # the Mosaic GEMV's shape and dtype rules, on
-            # the weights as the layers will use them (already unstacked params keep theirs)
-            proj.check_model(cfg, params.dtype, self.params.layers[0].qkv_proj is not None)
-        self.page_size = page_size
+        if not isinstance(persistent_layers, bool):
+            raise ValueError(f"persistent_layers must be True or False, got "
+                             f"{persistent_layers!r}")
         # "+unroll": loops unrolled in the program rather than a device while loop;
         # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in
         # canonical form so equal settings give equal program keys; "+kvxla": decode's RoPE
@@ -175,30 +202,16 @@ class Ouro:
         # run, the key says so ("+kvxla"), so results are never labelled with a path not taken.
         resolved = resolve_backend(attention)
         kv_xla = resolved == "pallas" and not (fused_kv_write and fuse_projections)
-        if getattr(proj, "flow", 0) == 5 and (resolved != "pallas" or kv_xla):
-            raise ValueError(
-                f"projections {projections!r}: '+flow5' runs the Pallas decode attention (with "
-                f"its RoPE and K/V write) inside the layer kernel, so it needs "
-                f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), fused_kv_write and "
-                f"fuse_projections (the fused qkv weight); use '+flow4' otherwise")
-        if getattr(proj, "graph", False):  # batch-1 decode loops as CUDA graphs of our own
-            if resolved != "pallas" or kv_xla:
-                raise ValueError(
-                    f"projections {projections!r}: '+graph' runs the Pallas decode attention "
-                    f"(with its RoPE and K/V write) in each loop's graph, so it needs "
-                    f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
-                    f"fused_kv_write and fuse_projections")
-            from ouro_jax import graph_loop
-            graph_loop.check_available()
-        if not isinstance(persistent_layers, bool):
-            raise ValueError(f"persistent_layers must be True or False, got "
-                             f"{persistent_layers!r}")
+        _check_layer_kernels(projections, attention, proj, resolved, kv_xla, persistent_layers)
+
+        # Per-layer weights (no in-loop slicing copies), q/k/v and gate/up fused.
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.params = unstack_layers(params, fuse=fuse_projections)
+        if getattr(proj, "mgpu_names", ()):  # the Mosaic GEMV's shape and dtype rules, on
+            # the weights as the layers will use them (already unstacked params keep theirs)
+            proj.check_model(cfg, params.dtype, self.params.layers[0].qkv_proj is not None)
+        self.page_size = page_size
         if persistent_layers:  # batch-1 decode loops as one Mosaic GPU kernel each
-            if resolved != "pallas" or kv_xla:
-                raise ValueError(f"persistent_layers runs the decode attention (its RoPE and "
-                                 f"K/V write) inside the layer kernel: it needs "
-                                 f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
-                                 f"fused_kv_write and fuse_projections")
             from ouro_jax import persistent
             self.params = dataclasses.replace(self.params,
                                               persistent=persistent.pack(cfg, self.params))
