@@ -214,34 +214,11 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
         return out, (kc, vc, *cnt, *planes[3 if last_combine else 2:])
 
     if last_combine or fuse_o:
-        # The decode kernel merges its splits itself (or the fused kernel sums its heads'
-        # partials); its counters (zeros, left at zero by every call) ride along with the
-        # planes through the layers and loops, so each forward block makes them once (one
-        # memset).
-        counters = (_fused_o_counters(cfg, b) if fuse_o else
-                    jnp.zeros((b, cfg.num_key_value_heads), jnp.int32))
-        plain = attend
-
-        def attend(q, k, v, state, loop, layer):  # same, counters kept
-            out, planes = plain(q, k, v, state[:2], loop, layer)
-            return out, (*planes, *state[2:])
-        from pallas_kernels.gemv_flow import state_for
-        extra = (state_for(2),) if flow_o else ()  # the flow's counters, kept at zero
-        attend.wrap = lambda planes: (*planes, counters, *extra)
-        attend.unwrap = lambda state: state[:2]
+        attend = _with_counters(attend, cfg, b, fuse_o, flow_o)
     attend.qkv = attend_qkv
     if last_combine:
-        def qkv_stage(cos, sin, state, loop, layer):
-            """The decode attention of (loop, layer) as a gemv_flow stage on the packed
-            projection the previous stage computes (flow_attention.AttnStage: the same
-            kernel body, merge and K/V write as attend_qkv); the call's caches (k, v,
-            counters) replace state[:3]."""
-            from pallas_kernels.flow_attention import AttnStage
-            e = _entry(loop, layer)
-            return AttnStage(state[0], state[1], e, block_tables, kv_lens, page[:, 0],
-                             slot[:, 0], state[2], rope=(cos[:, 0], sin[:, 0]),
-                             trash_page=TRASH_PAGE, entry_stride=num_layers)
-        attend.qkv_stage = qkv_stage
+        attend.qkv_stage = qkv_stage = _qkv_stage(num_layers, block_tables, kv_lens, page,
+                                                  slot)
     if fuse_o:
         def attend_qkv_o(qkv, w_o, cos, sin, state, loop, layer):
             y, kc, vc, cnt = trace_once.call(
@@ -256,6 +233,37 @@ def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot
         attend.graph_inputs = dict(block_tables=block_tables, kv_lens=kv_lens,
                                    page=page[:, 0], slot=slot[:, 0], entry_stride=num_layers,
                                    trash_page=TRASH_PAGE, counters_in_state=last_combine)
+    return attend
+
+
+def _qkv_stage(num_layers: int, block_tables, kv_lens, page, slot):
+    """qkv_stage(cos, sin, state, loop, layer): the decode attention of (loop, layer) as a
+    gemv_flow stage on the packed projection the previous stage computes
+    (flow_attention.AttnStage: the same kernel body, merge and K/V write as the decode
+    kernel's attend_qkv); the call's caches (k, v, counters) replace state[:3]."""
+    def qkv_stage(cos, sin, state, loop, layer):
+        from pallas_kernels.flow_attention import AttnStage
+        return AttnStage(state[0], state[1], _entry(loop, layer), block_tables, kv_lens,
+                         page[:, 0], slot[:, 0], state[2], rope=(cos[:, 0], sin[:, 0]),
+                         trash_page=TRASH_PAGE, entry_stride=num_layers)
+    return qkv_stage
+
+
+def _with_counters(plain, cfg, b: int, fuse_o: bool, flow_o: bool):
+    """`plain` with its counters kept in the state. The decode kernel merges its splits
+    itself (or the fused kernel sums its heads' partials); its counters (zeros, left at zero
+    by every call) ride along with the planes through the layers and loops, so each forward
+    block makes them once (one memset)."""
+    from pallas_kernels.gemv_flow import state_for
+    counters = (_fused_o_counters(cfg, b) if fuse_o else
+                jnp.zeros((b, cfg.num_key_value_heads), jnp.int32))
+
+    def attend(q, k, v, state, loop, layer):  # same, counters kept
+        out, planes = plain(q, k, v, state[:2], loop, layer)
+        return out, (*planes, *state[2:])
+    extra = (state_for(2),) if flow_o else ()  # the flow's counters, kept at zero
+    attend.wrap = lambda planes: (*planes, counters, *extra)
+    attend.unwrap = lambda state: state[:2]
     return attend
 
 
