@@ -1,55 +1,65 @@
 #!/usr/bin/env bash
 # Session 35's calls.
-#   PART=all (the default on an H200; one call of about 10 minutes):
-#     1. session 34's prepared part 1 (benchmarks/gpu_session34_call.sh with SKIP_PART2=1: the
-#        L2 bound, the side-stream prefetcher with evict-first GEMVs, the prefetcher launched
-#        by side_call inside a fori_loop, the side launch's GPU test), about 1.5 minutes: the
-#        L2 prefetch route's deciding run, on the one card whose DRAM idles ~40% of a layer
-#        application;
-#     2. batch-1 native greedy, default (evict_first) against noev, two passes: evict_first's
-#        H200 figure;
-#     3. the decode table at today's defaults: batch 1 at k 0,2,4 and T 0,0.8; batch 8, 32, 64
-#        native and k=4 d=2 greedy; the d=1 k=4 batch-1 row;
-#     4. the CLI's first and cached start, as far as CAP allows.
-#   PART=table: step 3 without the d=1 row (call 1 ran it on an H100).
-#   PART=cost (the default on any other card): the one-row projections' cost model at today's
-#     tilings (benchmarks.gemv_scaling: fixed us per call and steady TB/s) and a kernel trace
-#     of batch-1 native decode, to set the H100's per-kernel costs beside the H200's
-#     (gemv_scaling_session14_h200.json, kernel_trace_b1_session31_h200.json). PART=all runs
-#     the cost model too.
-# Usage on the GPU machine: OUT=dir SESSION=sessionNN [PART=all|table|cost] [CAP=570] bash
+#   PART=all (the default on an H200; one call of about 9 minutes), in order of worth:
+#     1. the one-row GEMV tilings that put more weight bytes in flight per SM (16 warps,
+#        8-row blocks, 4-row gate/up blocks), timed per call on the H200 (benchmarks.gemv
+#        --device-time; qkv and gate/up with the add_norm prologue, o and down plain). Why: on
+#        an H100 today's tilings stream at XLA's own read rate (gemv_scaling_session35_h100.json),
+#        on the H200 at 81-92% of it (session 14), and these later sweep rounds ran only on
+#        H100s. The fastest per projection (benchmarks.gemv --pick) becomes the pick arm;
+#     2. batch-1 native greedy, two passes: default, noev (evict_first off: its H200 figure),
+#        pick (the tilings of step 1);
+#     3. the batch-1 table rows at today's defaults (k 0,2,4, T 0,0.8; batch 8-64 run XLA's
+#        GEMMs, which evict_first does not touch);
+#     4. the cost model at today's tilings (benchmarks.gemv_scaling);
+#     5. session 34's prepared part 1 (gpu_session34_call.sh with SKIP_PART2=1: the L2 prefetch
+#        route on the H200);
+#     6. the d=1 k=4 batch-1 row.
+#   PART=table: the decode table at today's defaults, batch 1-64 (call 1 ran it on an H100).
+#   PART=cost (the default on any other card): the cost model and a batch-1 kernel trace
+#     (call 2 ran it on an H100).
+# Usage on the GPU machine: OUT=dir SESSION=sessionNN [PART=all|table|cost] [CAP=555] bash
 # benchmarks/gpu_session35_call.sh
 S=${SESSION:-session35}
-CAP=${CAP:-570}
+CAP=${CAP:-555}
 . benchmarks/gpu_call_setup.sh
 [ $G = h200 ] && P=${PART:-all} || P=${PART:-cost}
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
 show() { grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"; }
+scaling() {
+  timeout -s KILL $(left 90) python3 -m benchmarks.gemv_scaling \
+    --out $OUT/gemv_scaling_${S}_$G.json 2>&1 | tail -12 | cut -c1-300; }
 if [ $P = all ]; then
+  NV=st4_k2048_p4_w8,st2_k2048_p8_w8,st4_k2048_p4_w16,st2_k2048_p8_w16,st8_k2048_p2_w16
+  NV=$NV,st8_k2048_p2_w8,st4_k2048_p2_w8,st2_k2048_p4_w8
+  PV=st2_k512_p2_w4,st1_k512_p4_w4,st2_k2048_p2_w8,st1_k2048_p4_w8,st1_k512_p2_w8
+  PV=$PV,st2_k512_p4_w4,st4_k512_p2_w4
+  timeout -s KILL $(left 120) python3 -m benchmarks.gemv --prologue add_norm --rows 1 \
+    --variants $NV --device-time --out $OUT/gemv_sweep_norm_${S}_$G.json 2>&1 | tail -20 | cut -c1-200
+  timeout -s KILL $(left 100) python3 -m benchmarks.gemv --shapes o,down --rows 1 \
+    --variants $PV --device-time --out $OUT/gemv_sweep_plain_${S}_$G.json 2>&1 | tail -20 | cut -c1-200
+  PICK=$( (python3 -m benchmarks.gemv --pick $OUT/gemv_sweep_norm_${S}_$G.json; \
+           python3 -m benchmarks.gemv --pick $OUT/gemv_sweep_plain_${S}_$G.json) 2>/dev/null \
+          | grep -v "^$" | paste -sd, )
+  echo "pick: $PICK (at $SECONDS s)"
+  ARMS="default noev"; [ -n "$PICK" ] && ARMS="default noev pick"
+  PICK=$PICK SESSION=$S STEPS=e PASSES=2 EARMS="$ARMS" AB_NAME=noev_pick CAP=$(left 260) OUT=$OUT \
+    bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
+  timeout -s KILL $(left 150) $D --batch 1 --k 0,2,4 --temperature 0,0.8 \
+    --out $OUT/decode_b1_${S}_$G.json 2>&1 | show
+  scaling
   SESSION=$S CAP=$(left 150) SKIP_PART2=1 OUT=$OUT bash benchmarks/gpu_session34_call.sh 2>&1 \
     | grep -v "^device"
-  SESSION=$S STEPS=e PASSES=2 EARMS="default noev" AB_NAME=noev CAP=$(left 330) OUT=$OUT \
-    bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
-fi
-if [ $P = all ] || [ $P = cost ]; then
-  timeout -s KILL $(left 120) python3 -m benchmarks.gemv_scaling \
-    --out $OUT/gemv_scaling_${S}_$G.json 2>&1 | tail -12 | cut -c1-300
-fi
-if [ $P = cost ]; then
+  timeout -s KILL $(left 100) $D --batch 1 --k 4 --draft-loops 1 --temperature 0 \
+    --out $OUT/decode_b1_d1_${S}_$G.json 2>&1 | show
+elif [ $P = cost ]; then
+  scaling
   timeout -s KILL $(left 240) python3 -m benchmarks.kernel_trace --synthetic 1.4b --batch 1 --k 0 \
     --attention pallas --top 12 --out $OUT/kernel_trace_b1_${S}_$G.json 2>&1 | tail -20 | cut -c1-300
-  echo "elapsed $SECONDS s"; exit 0
-fi
-timeout -s KILL $(left 220) $D --batch 1 --k 0,2,4 --temperature 0,0.8 \
-  --out $OUT/decode_b1_${S}_$G.json 2>&1 | show
-echo "batch 1 done at $SECONDS s"
-timeout -s KILL $(left 400) $D --batch 8,32,64 --k 0,4 --temperature 0 \
-  --out $OUT/decode_b8_b64_${S}_$G.json 2>&1 | show
-echo "batch 8-64 done at $SECONDS s"
-if [ $P = all ]; then
-  timeout -s KILL $(left 120) $D --batch 1 --k 4 --draft-loops 1 --temperature 0 \
-    --out $OUT/decode_b1_d1_${S}_$G.json 2>&1 | show
-  SESSION=$S STEPS=c CAP=$(left 200) OUT=$OUT bash benchmarks/gpu_session31_call.sh 2>&1 \
-    | grep -v "^device"
+else
+  timeout -s KILL $(left 220) $D --batch 1 --k 0,2,4 --temperature 0,0.8 \
+    --out $OUT/decode_b1_${S}_$G.json 2>&1 | show
+  timeout -s KILL $(left 400) $D --batch 8,32,64 --k 0,4 --temperature 0 \
+    --out $OUT/decode_b8_b64_${S}_$G.json 2>&1 | show
 fi
 echo "elapsed $SECONDS s"
