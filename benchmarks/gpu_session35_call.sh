@@ -16,14 +16,14 @@
 #        route on the H200);
 #     6. the d=1 k=4 batch-1 row.
 #   PART=table: the decode table at today's defaults, batch 1-64 (call 1 ran it on an H100).
-#   PART=cost (the default on any other card): the cost model and a batch-1 kernel trace
-#     (call 2 ran it on an H100).
+#   PART=cost: the cost model and a batch-1 kernel trace (call 2 ran it on an H100).
+#   PART=none (the default on any other card): nothing (calls 1 and 2 ran what an H100 adds).
 # Usage on the GPU machine: OUT=dir SESSION=sessionNN [PART=all|table|cost] [CAP=555] bash
 # benchmarks/gpu_session35_call.sh
 S=${SESSION:-session35}
 CAP=${CAP:-555}
 . benchmarks/gpu_call_setup.sh
-[ $G = h200 ] && P=${PART:-all} || P=${PART:-cost}
+[ $G = h200 ] && P=${PART:-all} || P=${PART:-none}
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
 show() { grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"; }
 scaling() {
@@ -52,6 +52,8 @@ if [ $P = all ]; then
     | grep -v "^device"
   timeout -s KILL $(left 100) $D --batch 1 --k 4 --draft-loops 1 --temperature 0 \
     --out $OUT/decode_b1_d1_${S}_$G.json 2>&1 | show
+elif [ $P = none ]; then
+  echo "not an H200: nothing to run"
 elif [ $P = cost ]; then
   scaling
   timeout -s KILL $(left 240) python3 -m benchmarks.kernel_trace --synthetic 1.4b --batch 1 --k 0 \
