@@ -97,6 +97,17 @@ STREAM_VARIANTS = {
                           (4, 2048, 4, 16), (2, 2048, 8, 16), (8, 2048, 2, 16), (8, 2048, 2, 8)]
     for x2 in (False, True)
 }
+# eighth round (session 35): two blocks' loads in flight ahead of the math (gemv_stream's
+# depth=2) at the engine's tilings and their 16-warp and larger-block neighbours: the H200
+# reads at 81-92% of XLA's rate through these kernels where an H100 reads at its rate
+STREAM_VARIANTS.update({
+    f"st{bn}_k{bk}_p{pp}_w{w}_d2": dict(block_n=bn, block_k=bk, per_program=pp, num_warps=w,
+                                        depth=2)
+    for bn, bk, pp, w in [(4, 2048, 4, 8), (2, 2048, 8, 8), (2, 512, 2, 4), (1, 512, 4, 4),
+                          (4, 2048, 4, 16), (2, 2048, 8, 16), (4, 2048, 4, 4), (2, 2048, 8, 4),
+                          (2, 2048, 4, 8), (4, 2048, 2, 8), (2, 512, 4, 4), (1, 512, 2, 8),
+                          (2, 2048, 2, 8)]
+})
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))
 
 # Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows): "mm" +

@@ -30,7 +30,8 @@
 #      Arms of step e from session 33: ev (every streaming GEMV's weight loads evict_first),
 #      lc (the decode kernel merges its own splits), lcpdl (lc with its PDL trigger); from
 #      session 34, when evict_first became the default: noev (evict_first off); from session
-#      35: pick (--stream-tiling $PICK, the tilings a sweep picked).
+#      35: pick (--stream-tiling $PICK, the tilings a sweep picked), d2 (the engine's tilings
+#      with two blocks' loads in flight ahead of the math: gemv_stream depth=2).
 #   n. (after w8 became the default) ncu on a decode step's six Pallas kernels, as in
 #      session 30's profile (ncu_b1_session30_h100_*), to see what the one-chunk prologue
 #      changed in the stalls.
@@ -79,6 +80,7 @@ if on e; then
     ev) erun ev_p$2 --stream-set qkv.evict_first=1,o.evict_first=1,gate_up.evict_first=1,down.evict_first=1 ;;
     noev) erun noev_p$2 --stream-set qkv.evict_first=0,o.evict_first=0,gate_up.evict_first=0,down.evict_first=0 ;;
     pick) erun pick_p$2 --stream-tiling $PICK ;;  # (session 35: PICK, a sweep's pick)
+    d2) erun d2_p$2 --stream-tiling qkv=st4_k2048_p4_w8_d2,gate_up=st2_k2048_p8_w8_d2,o=st2_k512_p2_w4_d2,down=st1_k512_p4_w4_d2 ;;
     lcpdl) erun lcpdl_p$2 --decode-kernel last_combine=1,pdl=1 ;;
     lc) erun lc_p$2 --decode-kernel last_combine=1 ;;
   esac; }

@@ -148,6 +148,8 @@ def fit_stream_tuning(tuning: dict, n_out: int, k: int) -> dict:
     out["block_k"] = pow2_divisor(k, tuning["block_k"])
     blocks = n_out // out["block_n"]
     out["per_program"] = max(d for d in range(1, tuning["per_program"] + 1) if blocks % d == 0)
+    if out.get("depth", 1) > out["per_program"]:  # (blocks in flight: at most the program's)
+        out["depth"] = out["per_program"]
     return out
 
 

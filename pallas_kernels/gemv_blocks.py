@@ -47,7 +47,7 @@ def _rows(j, block_n, offset=0):
 
 def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, block_n: int,
                   block_k: int, nk: int, gated: bool, last_hook=None, tail=None,
-                  ahead=None, store=None, scales=None):
+                  ahead=None, store=None, scales=None, second=None):
     """Blocks p, p + programs, ... (per_program of them) of y = x @ W^T into y_ref, each
     block's loads requested before the math on the one before; `first` holds block p's
     (requested by the caller, ahead of its prologue). xs: per row, nk [1, block_k] fp32
@@ -59,7 +59,19 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
     per row a thunk for the factor every output is multiplied by; its reduction is traced
     after the first block's multiply-adds (block p peeled off the loop), and the second
     block's loads between those multiply-adds and the reduction (the order that was
-    measured, session 24)."""
+    measured, session 24). second (gemv_stream's depth=2): block p + programs's loads,
+    requested by the caller right after `first`; the loop then keeps two blocks' loads in
+    flight ahead of the math instead of one (same math, same bits)."""
+    if second is not None:
+        if scales is not None or ahead is not None or store is not None or per_program < 2:
+            raise ValueError("stream_blocks: `second` (depth 2) takes no scales, ahead or "
+                             "store, and at least two blocks per program")
+        _stream_two_ahead(load, first, second, p=p, programs=programs,
+                          per_program=per_program, last_hook=last_hook, tail=tail,
+                          compute_store=functools.partial(
+                              store_block, y_ref, xs=xs, block_n=block_n, block_k=block_k,
+                              nk=nk, gated=gated))
+        return
     if scales is not None:
         if store is not None or ahead is not None:
             raise ValueError("stream_blocks: scales go with the default store and no `ahead`")
@@ -91,6 +103,28 @@ def stream_blocks(load, first, xs, y_ref, *, p, programs, per_program: int, bloc
         return nxt
 
     last = lax.fori_loop(0, per_program - 1, body, first)
+    if last_hook is not None:
+        last = last_hook(last)
+    j = p + (per_program - 1) * programs
+    compute_store(j if tail is None else j + tail(), last)
+
+
+def _stream_two_ahead(load, first, second, *, p, programs, per_program, last_hook, tail,
+                      compute_store):
+    """stream_blocks with two blocks' loads in flight ahead of the math: iteration i
+    requests block i + 2's loads, then computes block i (its loads requested two iterations
+    back). The H200 needs more bytes in flight per SM than the H100 to reach its read rate
+    (gemv_scaling: the GEMVs stream at XLA's read rate on an H100, 81-92% of it on an
+    H200); this doubles a program's without more programs per SM."""
+    def body(i, carry):
+        cur, nxt = carry
+        j = p + i * programs
+        after = load(j + 2 * programs)  # requested before the math on block j
+        compute_store(j, cur)
+        return nxt, after
+
+    cur, last = lax.fori_loop(0, per_program - 2, body, (first, second))
+    compute_store(p + (per_program - 2) * programs, cur)
     if last_hook is not None:
         last = last_hook(last)
     j = p + (per_program - 1) * programs

@@ -80,10 +80,18 @@ PDL_MODES = (False, "start", "end")
 # a decode step's 10 GB of weights, each byte read once per loop, stop pushing out of L2 what
 # every layer reads again (block tables, activations). Same math, same bits. Opt-in until
 # measured (session 33).
+# depth: how many of the program's blocks have their loads in flight ahead of the math: 1
+# (the next block's, as requested before the math on the current one) or 2 (the second block
+# also requested before the prologue, and each iteration requesting the block two ahead;
+# gemv_blocks._stream_two_ahead). Same loads, same math, same bits; more registers. Why: the
+# H200 reads at 81-92% of XLA's rate through these kernels where an H100 reads at 95-103%
+# (gemv_scaling, sessions 14 and 35), which is what too few bytes in flight would do on the
+# card with the larger bandwidth-delay product. Blocks per program must be >= 2 for depth 2.
 NEXT_AT = ("start", "end")
 DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False,
                 l2_prefetch=0, next_rows=0, next_at="end", x_first=False, defer_norm=False,
-                fold_sums=False, evict_first=False)
+                fold_sums=False, evict_first=False, depth=1)
+DEPTHS = (1, 2)
 
 
 def raw_rows(refs, rows, nk, block_k, prologue, row2d, after, f32=False):
@@ -188,7 +196,7 @@ def split_refs(refs, prologue: str, n_weights: int):
 
 def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prologue, eps,
             row2d, interpret, pdl, l2_prefetch, next_rows, next_split, next_at, x_first,
-            defer_norm=False, fold_sums=False, evict_first=False, progress=None):
+            defer_norm=False, fold_sums=False, evict_first=False, progress=None, depth=1):
     refs = list(refs)
     if progress is not None:  # the last two inputs, before the outputs (y[, x'])
         at = len(refs) - (2 if prologue == "add_norm" else 1) - 2
@@ -209,6 +217,7 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
         after0 = pdl_wait(token)
         raw = raw_rows((x_ref, b_ref), range(m), nk, block_k, prologue, row2d, after0)
     first = load(p)  # in flight while the prologue runs (and, with PDL, the previous kernel)
+    second = load(p + pl.num_programs(0)) if depth == 2 else None  # (the same, depth 2)
     ahead = prefetch_blocks(w_ref, p, pl.num_programs(0), min(l2_prefetch, per_program - 1),
                             k=k, block_n=block_n, gated=gated, up_offset=up_offset,
                             interpret=interpret)
@@ -236,11 +245,11 @@ def _kernel(*refs, m, k, block_n, block_k, per_program, gated, up_offset, prolog
         hook = lambda last: (pdl_trigger_on(last[0], interpret=pdl_off), *last[1:])
     stream_blocks(load, first, xs, y_ref, p=p, programs=pl.num_programs(0),
                   per_program=per_program, block_n=block_n, block_k=block_k, nk=nk,
-                  gated=gated, last_hook=hook, tail=tail, scales=scales)
+                  gated=gated, last_hook=hook, tail=tail, scales=scales, second=second)
 
 
 def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,
-                    per_program: int, num_warps: int, row2d: bool = False):
+                    per_program: int, num_warps: int, row2d: bool = False, depth: int = 1):
     """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
     if not isinstance(row2d, bool):  # (pdl is checked by _config)
         raise ValueError(f"gemv_stream row2d must be a bool, got {row2d!r}")
@@ -260,6 +269,11 @@ def check_supported(m: int, k: int, n_out: int, *, block_n: int, block_k: int,
     if (n_out // block_n) % per_program:
         raise ValueError(f"gemv_stream: per_program={per_program} must divide the "
                          f"{n_out // block_n} output blocks (N={n_out} / block_n={block_n})")
+    if depth not in DEPTHS or type(depth) is not int:
+        raise ValueError(f"gemv_stream depth must be one of {DEPTHS}, got {depth!r}")
+    if depth > per_program:
+        raise ValueError(f"gemv_stream depth={depth} needs at least that many blocks per "
+                         f"program, got per_program={per_program}")
 
 
 def _config(tuning: dict, k: int) -> dict:
@@ -283,6 +297,11 @@ def _config(tuning: dict, k: int) -> dict:
     if cfg["next_at"] not in NEXT_AT:
         raise ValueError(f"gemv_stream next_at must be one of {NEXT_AT}, got "
                          f"{cfg['next_at']!r}")
+    if cfg["depth"] not in DEPTHS or type(cfg["depth"]) is not int:
+        raise ValueError(f"gemv_stream depth must be one of {DEPTHS}, got {cfg['depth']!r}")
+    if cfg["depth"] == 2 and (cfg["defer_norm"] or cfg["l2_prefetch"]):
+        raise ValueError("gemv_stream depth=2 takes neither defer_norm nor l2_prefetch (both "
+                         "reorder the blocks' loads themselves)")
     if cfg["pdl"] not in PDL_MODES:
         raise ValueError(f"gemv_stream pdl must be one of {PDL_MODES}, got {cfg['pdl']!r}")
     if "block_k" not in tuning:
@@ -294,7 +313,7 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
           next_w=None, next_split=1, out_dtype=None, progress=None):
     check_supported(m, k, n_out, block_n=cfg["block_n"], block_k=cfg["block_k"],
                     per_program=cfg["per_program"], num_warps=cfg["num_warps"],
-                    row2d=cfg["row2d"])
+                    row2d=cfg["row2d"], depth=cfg["depth"])
     programs = n_out // cfg["block_n"] // cfg["per_program"]
     next_rows = next_rows_for(next_w, next_split, cfg["next_rows"], programs,
                               out_dtype or operands[0].dtype)  # (merge: operand 0 is fp32)
@@ -312,7 +331,7 @@ def _call(operands, *, m, k, n_out, gated, prologue, eps, interpret, cfg, extra_
                                next_split=next_split, next_at=cfg["next_at"],
                                x_first=cfg["x_first"], defer_norm=cfg["defer_norm"],
                                fold_sums=cfg["fold_sums"], evict_first=cfg["evict_first"],
-                               progress=progress_offset)
+                               progress=progress_offset, depth=cfg["depth"])
     if cfg["row2d"]:  # the norm weights as [1, K] rows
         operands = tuple(o.reshape(1, -1) if o.ndim == 1 else o for o in operands)
     y = jax.ShapeDtypeStruct((m, n_out), out_dtype or operands[0].dtype)
