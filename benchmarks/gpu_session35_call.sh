@@ -18,21 +18,25 @@
 #     6. the d=1 k=4 batch-1 row.
 #   PART=table: the decode table at today's defaults, batch 1-64 (call 1 ran it on an H100).
 #   PART=cost: the cost model and a batch-1 kernel trace (call 2 ran it on an H100).
-#   PART=check (the default on any other card): gemv_stream depth=2's GPU test (the same bits
+#   PART=sweep (the default on any other card): step 1 and step 2 without noev, after
+#     gemv_stream depth=2's GPU test.
+#   PART=check: gemv_stream depth=2's GPU test (the same bits
 #     as depth 1 at the engine's tilings) and one pass of batch-1 native greedy, default
 #     against d2 (calls 1 and 2 ran the rest of what an H100 adds).
-# Usage on the GPU machine: OUT=dir SESSION=sessionNN [PART=all|table|cost|check] [CAP=555] bash
+# Usage on the GPU machine: OUT=dir SESSION=sessionNN [PART=all|sweep|table|cost|check] [CAP=555] bash
 # benchmarks/gpu_session35_call.sh
 S=${SESSION:-session35}
 CAP=${CAP:-555}
 . benchmarks/gpu_call_setup.sh
-[ $G = h200 ] && P=${PART:-all} || P=${PART:-check}
+[ $G = h200 ] && P=${PART:-all} || P=${PART:-sweep}
 D="python3 -m benchmarks.decode --attention pallas --repeats 3 --branch-scale 0.003 --compile-cache /tmp/cc"
 show() { grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth"; }
 scaling() {
   timeout -s KILL $(left 90) python3 -m benchmarks.gemv_scaling \
     --out $OUT/gemv_scaling_${S}_$G.json 2>&1 | tail -12 | cut -c1-300; }
-if [ $P = all ]; then
+if [ $P = all ] || [ $P = sweep ]; then
+  [ $P = sweep ] && timeout -s KILL $(left 120) python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/test_gemv_stream_depth.py 2>&1 | tail -3
   # one process per projection, so that a timeout loses one projection's rows, not all
   NV=st4_k2048_p4_w8,st2_k2048_p8_w8,st4_k2048_p4_w16,st8_k2048_p2_w16,st4_k2048_p2_w8
   NV=$NV,st2_k2048_p4_w8,st4_k2048_p4_w8_d2,st2_k2048_p8_w8_d2,st4_k2048_p2_w8_d2
@@ -50,9 +54,12 @@ if [ $P = all ]; then
     python3 -m benchmarks.gemv --pick $OUT/gemv_sweep_${sh}_${S}_$G.json; done 2>/dev/null \
     | grep -v "^$" | paste -sd, )
   echo "pick: $PICK (at $SECONDS s)"
-  ARMS="default noev d2"; [ -n "$PICK" ] && ARMS="default noev d2 pick"
+  ARMS="default noev d2"; [ $P = sweep ] && ARMS="default d2"
+  [ -n "$PICK" ] && ARMS="$ARMS pick"
   PICK=$PICK SESSION=$S STEPS=e PASSES=2 EARMS="$ARMS" AB_NAME=noev_pick CAP=$(left 260) OUT=$OUT \
     bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
+fi
+if [ $P = all ]; then
   timeout -s KILL $(left 150) $D --batch 1 --k 0,2,4 --temperature 0,0.8 \
     --out $OUT/decode_b1_${S}_$G.json 2>&1 | show
   scaling
