@@ -20,10 +20,12 @@
 #   PART=cost: the cost model and a batch-1 kernel trace (call 2 ran it on an H100).
 #   PART=sweep (the default on any other card): step 1 and step 2 without noev, after
 #     gemv_stream depth=2's GPU test.
+#   PART=mini (for a short cap): depth=2's GPU test, batch-1 native greedy default against d2
+#     (and noev on an H200), two passes, then qkv and gate/up at depth 1 and 2 per call.
 #   PART=check: gemv_stream depth=2's GPU test (the same bits
 #     as depth 1 at the engine's tilings) and one pass of batch-1 native greedy, default
 #     against d2 (calls 1 and 2 ran the rest of what an H100 adds).
-# Usage on the GPU machine: OUT=dir SESSION=sessionNN [PART=all|sweep|table|cost|check] [CAP=555] bash
+# Usage on the GPU machine: OUT=dir SESSION=sessionNN [PART=all|sweep|mini|table|cost|check] [CAP=555] bash
 # benchmarks/gpu_session35_call.sh
 S=${SESSION:-session35}
 CAP=${CAP:-555}
@@ -67,6 +69,18 @@ if [ $P = all ]; then
     | grep -v "^device"
   timeout -s KILL $(left 100) $D --batch 1 --k 4 --draft-loops 1 --temperature 0 \
     --out $OUT/decode_b1_d1_${S}_$G.json 2>&1 | show
+elif [ $P = mini ]; then
+  timeout -s KILL $(left 90) python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/test_gemv_stream_depth.py 2>&1 | tail -3
+  ARMS="default d2"; [ $G = h200 ] && ARMS="default d2 noev"
+  SESSION=$S STEPS=e PASSES=2 EARMS="$ARMS" AB_NAME=d2 CAP=$(left 200) OUT=$OUT \
+    bash benchmarks/gpu_session31_call.sh 2>&1 | grep -v "^device"
+  for sh in gate_up qkv; do
+    timeout -s KILL $(left 60) python3 -m benchmarks.gemv --prologue add_norm --shapes $sh \
+      --rows 1 --variants st4_k2048_p4_w8,st2_k2048_p8_w8,st4_k2048_p4_w8_d2,st2_k2048_p8_w8_d2 \
+      --calls 10 --trials 3 --device-time --out $OUT/gemv_sweep_${sh}_${S}_$G.json \
+      2>&1 | grep -v "^ *$" | tail -8 | cut -c1-160
+  done
 elif [ $P = check ]; then
   timeout -s KILL $(left 120) python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/test_gemv_stream_depth.py 2>&1 | tail -3
