@@ -78,8 +78,8 @@ PDL_MODES = (False, "start", "end")
 # reductions per call at K = 2048, block_k = 512).
 # evict_first: the weight loads carry L2's evict-first policy (gemv_blocks.block_loader), so
 # a decode step's 10 GB of weights, each byte read once per loop, stop pushing out of L2 what
-# every layer reads again (block tables, activations). Same math, same bits. Opt-in until
-# measured (session 33).
+# every layer reads again (block tables, activations). Same math, same bits. Off here; the
+# engine's tilings turn it on (projection_tuning.STREAM_TUNING; +0.9-1.3% on H100s, session 34).
 # depth: how many of the program's blocks have their loads in flight ahead of the math: 1
 # (the next block's, as requested before the math on the current one) or 2 (the second block
 # also requested before the prologue, and each iteration requesting the block two ahead;
@@ -87,6 +87,8 @@ PDL_MODES = (False, "start", "end")
 # H200 reads at 81-92% of XLA's rate through these kernels where an H100 reads at 95-103%
 # (gemv_scaling, sessions 14 and 35), which is what too few bytes in flight would do on the
 # card with the larger bandwidth-delay product. Blocks per program must be >= 2 for depth 2.
+# On an H100 depth 2 is 17% slower end to end (session 35: its registers cost a program per
+# SM); not yet measured on an H200.
 NEXT_AT = ("start", "end")
 DEFAULTS = dict(block_n=2, block_k=512, per_program=4, num_warps=4, row2d=False, pdl=False,
                 l2_prefetch=0, next_rows=0, next_at="end", x_first=False, defer_norm=False,
