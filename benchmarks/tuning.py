@@ -211,6 +211,32 @@ def parse_stream_set(spec: str) -> dict:
     return out
 
 
+def _check_decode_tuning(d: dict) -> None:
+    """Refuses --decode-kernel combinations that name no kernel the engine has."""
+    if d.get("flow_o") and (d.get("fuse_o") or d.get("pdl")):
+        raise SystemExit("--decode-kernel flow_o=1 ([attention, o] as one gemv_flow) takes "
+                         "neither fuse_o nor pdl")
+    if d.get("pdl") and not d.get("last_combine"):
+        raise SystemExit("--decode-kernel pdl=1 needs last_combine=1 (the kernel's next kernel "
+                         "must be the o projection's GEMV, not the XLA split combine)")
+    if d.get("fuse_o") and (d.get("last_combine") or d.get("pdl")):
+        raise SystemExit("--decode-kernel fuse_o=1 replaces the one-row decode kernel, whose "
+                         "last_combine / pdl it cannot take: set one or the other")
+    if not d.get("fuse_o") and {"o_block_n", "o_w_early", "o_split"} & set(d):
+        raise SystemExit("--decode-kernel o_block_n / o_w_early / o_split tune the fused "
+                         "attention + o kernel: they need fuse_o=1")
+    if not d.get("flow_o") and {"flow_o_block_n", "flow_o_per_program"} & set(d):
+        raise SystemExit("--decode-kernel flow_o_block_n / flow_o_per_program tile the o "
+                         "stage of flow_o=1: they need flow_o=1")
+    if d.get("mgpu") and {"last_combine", "pdl", "fuse_o", "flow_o"} & {k for k, v in d.items()
+                                                                        if v}:
+        raise SystemExit("--decode-kernel mgpu=1 replaces the Triton decode kernel (Mosaic "
+                         "GPU, no splits): it takes none of last_combine, pdl, fuse_o, flow_o")
+    if not d.get("mgpu") and {"mgpu_block", "mgpu_stages"} & set(d):
+        raise SystemExit("--decode-kernel mgpu_block / mgpu_stages tile the Mosaic GPU decode "
+                         "kernel: they need mgpu=1")
+
+
 def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "",
                         pdl_spec: str = "", pdl_at: str = "start", mgpu_spec: str = "",
                         l2_spec: str = "", l2_next_spec: str = "",
@@ -235,30 +261,7 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
         raise SystemExit(f"--pdl-at is start or end, got {pdl_at!r}")
     if graph_pdl not in ("start", "end"):
         raise SystemExit(f"--graph-pdl is start or end, got {graph_pdl!r}")
-    if tuning["decode"].get("flow_o") and (tuning["decode"].get("fuse_o")
-                                           or tuning["decode"].get("pdl")):
-        raise SystemExit("--decode-kernel flow_o=1 ([attention, o] as one gemv_flow) takes "
-                         "neither fuse_o nor pdl")
-    if tuning["decode"].get("pdl") and not tuning["decode"].get("last_combine"):
-        raise SystemExit("--decode-kernel pdl=1 needs last_combine=1 (the kernel's next kernel "
-                         "must be the o projection's GEMV, not the XLA split combine)")
-    d = tuning["decode"]
-    if d.get("fuse_o") and (d.get("last_combine") or d.get("pdl")):
-        raise SystemExit("--decode-kernel fuse_o=1 replaces the one-row decode kernel, whose "
-                         "last_combine / pdl it cannot take: set one or the other")
-    if not d.get("fuse_o") and {"o_block_n", "o_w_early", "o_split"} & set(d):
-        raise SystemExit("--decode-kernel o_block_n / o_w_early / o_split tune the fused "
-                         "attention + o kernel: they need fuse_o=1")
-    if not d.get("flow_o") and {"flow_o_block_n", "flow_o_per_program"} & set(d):
-        raise SystemExit("--decode-kernel flow_o_block_n / flow_o_per_program tile the o "
-                         "stage of flow_o=1: they need flow_o=1")
-    if d.get("mgpu") and {"last_combine", "pdl", "fuse_o", "flow_o"} & {k for k, v in d.items()
-                                                                        if v}:
-        raise SystemExit("--decode-kernel mgpu=1 replaces the Triton decode kernel (Mosaic "
-                         "GPU, no splits): it takes none of last_combine, pdl, fuse_o, flow_o")
-    if not d.get("mgpu") and {"mgpu_block", "mgpu_stages"} & set(d):
-        raise SystemExit("--decode-kernel mgpu_block / mgpu_stages tile the Mosaic GPU decode "
-                         "kernel: they need mgpu=1")
+    _check_decode_tuning(tuning["decode"])
     importlib.import_module("ouro_jax.graph_loop").KERNEL_PDL = graph_pdl
     if graph_pdl != "start":  # (the record names it where it is not the shipped mode)
         tuning["graph_pdl"] = graph_pdl
@@ -273,6 +276,7 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     for name, tiling in tuning["stream"].items():  # a tiling keeps the shipped load policy
         keep = {k: v for k, v in _STREAM_DEFAULTS[name].items() if k == "evict_first"}
         projections.STREAM_TUNING[name] = dict(tiling, **keep)
+        tuning["stream"][name] = dict(tiling, **keep)  # (the record names what runs)
     for name in tuning["pdl"]:
         projections.STREAM_TUNING[name]["pdl"] = pdl_at
     for name, blocks in tuning["l2_prefetch"].items():

@@ -187,10 +187,10 @@ def test_stream_tiling_override_is_applied_and_restored():
     shipped = {k: dict(v) for k, v in projections.STREAM_TUNING.items()}
     try:
         t = apply_kernel_tuning("", "", "qkv=st2_k512_p1_w4")
-        assert t["stream"] == {"qkv": STREAM_VARIANTS["st2_k512_p1_w4"]}
-        # (the variant's tiling with the shipped load policy)
+        # the variant's tiling with the shipped load policy, in the engine and in the record
         assert projections.STREAM_TUNING["qkv"] == dict(STREAM_VARIANTS["st2_k512_p1_w4"],
                                                         evict_first=True)
+        assert t["stream"] == {"qkv": projections.STREAM_TUNING["qkv"]}
         assert projections.STREAM_TUNING["o"] == shipped["o"]
         apply_kernel_tuning("", "")
         assert projections.STREAM_TUNING == shipped
