@@ -38,7 +38,7 @@ from benchmarks.gemv import SHAPES  # name -> (N, K, gated), the 1.4B projection
 
 def _kernel(x_ref, w_ref, y_ref, t_ref, *, k, block_n, block_k, per_program, gated, up_offset):
     from pallas_kernels.gemv_blocks import block_loader, stream_blocks
-    from pallas_kernels.gemv_stream import row_inputs
+    from pallas_kernels.gemv_rows import row_inputs
     from pallas_kernels._common import pl
     from pallas_kernels.ref_ptx import global_timer, store_timeline
     p = pl.program_id(0)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from pallas_kernels._common import compiler_params, grid_barrier, pl
 from pallas_kernels.gemv import check_norm_operands, check_operands
 from pallas_kernels.gemv_blocks import block_loader, stream_blocks
-from pallas_kernels.gemv_stream import row_inputs
+from pallas_kernels.gemv_rows import row_inputs
 from pallas_kernels.l2_prefetch import prefetch_block
 
 PROGRAMS = 128

@@ -60,7 +60,8 @@ from pallas_kernels.flow_sync import (SPIN_LIMIT, SPINS, give_ups, misses,  # no
                                       state_for, state_size)
 from pallas_kernels.gemv import check_norm_operands, check_operands
 from pallas_kernels.gemv_blocks import block_loader, stream_blocks
-from pallas_kernels.gemv_stream import check_supported, row_inputs
+from pallas_kernels.gemv_rows import row_inputs
+from pallas_kernels.gemv_stream import check_supported
 from pallas_kernels.l2_prefetch import prefetch_block, prefetch_blocks
 
 # "guess": the first weight block of the program's index (the ticket it usually draws: how

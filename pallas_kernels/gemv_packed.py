@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from pallas_kernels._common import compiler_params, pl
 from pallas_kernels.gemv import _silu_mul, check_norm_operands
 from pallas_kernels.gemv_blocks import stream_blocks
-from pallas_kernels.gemv_stream import MAX_ROWS, MAX_WARPS, row_inputs, split_refs
+from pallas_kernels.gemv_rows import row_inputs, split_refs
+from pallas_kernels.gemv_stream import MAX_ROWS, MAX_WARPS
 from pallas_kernels.packed12 import Packed12, decode_words
 
 DEFAULTS = dict(block_n=2, per_program=4, num_warps=4)

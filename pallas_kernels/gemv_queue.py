@@ -8,7 +8,7 @@ much again as others. Here the grid is a fixed number of programs (e.g. 2 or 3 p
 each takes its next output block from an atomic counter, so a program on a busy SM simply
 takes fewer blocks.
 
-Each program holds x in registers (gemv_stream.row_inputs) and keeps two block indices
+Each program holds x in registers (gemv_rows.row_inputs) and keeps two block indices
 ahead: the loads of the next block are requested before the atomic that fetches the index
 after it, and the math on the current block runs after both. A load past the last block is
 masked off (no traffic). Results are those of gemv_stream with the same block_n / block_k
@@ -32,7 +32,8 @@ from jax import lax
 
 from pallas_kernels._common import compiler_params, pl
 from pallas_kernels.gemv_blocks import block_loader, store_block
-from pallas_kernels.gemv_stream import _check_xw, _config, check_supported, row_inputs
+from pallas_kernels.gemv_rows import row_inputs
+from pallas_kernels.gemv_stream import _check_xw, _config, check_supported
 
 
 def _kernel(x_ref, w_ref, cnt_in_ref, y_ref, cnt_ref, *rest, k, block_n, block_k, nblocks,

@@ -154,7 +154,7 @@ def test_stream_fold_sums_is_the_same_math(gated, monkeypatch):
     spy on _sum_sq sees fold=True, one call per statistic per row) and a plain GEMV has no
     statistic to fold."""
     from ouro_jax.model import rms_norm
-    from pallas_kernels import gemv_stream as gs
+    from pallas_kernels import gemv_rows as gs
     ks = jax.random.split(jax.random.PRNGKey(11), 5)
     for dtype in (jnp.float32, jnp.bfloat16):
         x = jax.random.normal(ks[0], (2, 256)).astype(dtype)
