@@ -275,8 +275,8 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
     projections.STREAM_TUNING.update({k: dict(v) for k, v in _STREAM_DEFAULTS.items()})
     for name, tiling in tuning["stream"].items():  # a tiling keeps the shipped load policy
         keep = {k: v for k, v in _STREAM_DEFAULTS[name].items() if k == "evict_first"}
-        projections.STREAM_TUNING[name] = dict(tiling, **keep)
         tuning["stream"][name] = dict(tiling, **keep)  # (the record names what runs)
+        projections.STREAM_TUNING[name] = dict(tuning["stream"][name])
     for name in tuning["pdl"]:
         projections.STREAM_TUNING[name]["pdl"] = pdl_at
     for name, blocks in tuning["l2_prefetch"].items():
