@@ -142,9 +142,13 @@ def _checked_sizes(page_size, prefill_chunk, decode_chunk, kv_pool_tokens):
     for name, v in zip(("page_size", "prefill_chunk", "decode_chunk"), sizes):
         if not 1 <= v < 2**31:  # (device int32 values)
             raise ValueError(f"{name} must be a positive integer below 2**31, got {v}")
-    if kv_pool_tokens is not None and as_int(kv_pool_tokens, "kv_pool_tokens") < 1:
-        raise ValueError(f"kv_pool_tokens must be a positive number of tokens, "
-                         f"got {kv_pool_tokens!r}")
+    if kv_pool_tokens is not None:
+        n = as_int(kv_pool_tokens, "kv_pool_tokens")
+        # page ids are device int32s (and a pool that large could never be allocated)
+        if n < 1 or -(-n // sizes[0]) >= 2**31 - 2:
+            raise ValueError(f"kv_pool_tokens must be a positive number of tokens under "
+                             f"{(2**31 - 2) * sizes[0]:,} (int32 page ids of {sizes[0]} tokens), "
+                             f"got {kv_pool_tokens!r}")
     return sizes
 
 

@@ -90,27 +90,39 @@ class PageAllocator:
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
             raise ValueError("a KV pool needs at least 2 pages (page 0 is the trash page)")
+        if num_pages > 2**31:
+            raise ValueError(f"a KV pool of {num_pages} pages has page ids beyond int32")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free = list(range(num_pages - 1, TRASH_PAGE, -1))  # pop() gives low ids first
+        # Lazy: pages never handed out are the range [_fresh, num_pages), so a huge pool costs
+        # nothing here (its device memory is checked before it is allocated); released pages
+        # are reused first, in the order they came back.
+        self._fresh = TRASH_PAGE + 1
+        self._released: list[int] = []  # pop() gives the next one
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return len(self._released) + self.num_pages - self._fresh
+
+    def _take(self) -> int:
+        if self._released:
+            return self._released.pop()
+        self._fresh += 1
+        return self._fresh - 1
 
     def allocate(self, token_counts: list[int]) -> list[list[int]]:
         need = [pages_needed(t, self.page_size) for t in token_counts]
-        if sum(need) > len(self._free):
+        if sum(need) > self.free_pages:
             raise KVPoolExhausted(
                 f"KV pool exhausted: the batch needs {sum(need)} pages of {self.page_size} tokens "
                 f"({sum(token_counts)} tokens incl. room for generation), but only "
-                f"{len(self._free)} of {self.num_pages - 1} usable pages are free; raise the pool "
+                f"{self.free_pages} of {self.num_pages - 1} usable pages are free; raise the pool "
                 f"size (kv_pool_tokens) or send fewer/shorter requests")
-        return [[self._free.pop() for _ in range(n)] for n in need]
+        return [[self._take() for _ in range(n)] for n in need]
 
     def release(self, pages: list[list[int]]) -> None:
         for row in pages:
-            self._free.extend(reversed(row))
+            self._released.extend(reversed(row))
 
 
 def block_table_array(pages: list[list[int]], batch: int, max_pages: int) -> np.ndarray:

@@ -164,7 +164,9 @@ def processed_logits(logits: jax.Array, arrays: SamplingArrays, mode: SamplingMo
     if mode.top_p:
         probs = jax.nn.softmax(sorted_x, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-        keep_sorted = before < arrays.top_p[:, None]
+        # The top entry always stays (as HF's min_tokens_to_keep=1): a top_p that is 0 in
+        # fp32 or flushed as a denormal would otherwise filter every token out.
+        keep_sorted = (before < arrays.top_p[:, None]) | (jnp.arange(vocab) == 0)[None]
         # Smallest kept logit is the cut-off; ties at the cut-off are kept.
         cutoff = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
         x = jnp.where(x >= cutoff, x, -jnp.inf)

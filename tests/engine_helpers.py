@@ -105,3 +105,60 @@ def tokens_per_decode_tuning(monkeypatch, cfg, params, prompts, sp, arms) -> lis
                      for s in (None, SpeculativeConfig(k=2, draft_loops=2))])
         assert len(llm._planes) == 2
     return runs
+
+
+class HostReads:
+    """Counts device-to-host reads while installed (host_reads(monkeypatch)).
+
+    jax.transfer_guard_device_to_host("disallow") is a no-op on the CPU backend (its arrays are
+    already host memory; np.asarray reads them through the buffer protocol), so on CI it
+    cannot catch an implicit sync. This counts them instead: `fetches` are jax.device_get
+    calls, `implicit` lists the reads outside one (np.asarray / np.array on a jax.Array,
+    int(), float(), bool(), .tolist(), str(), .item()), each with the caller's line."""
+
+    def __init__(self):
+        self.fetches = 0
+        self.implicit: list[str] = []
+        self._inside = 0
+
+    def _note(self, what: str):
+        if not self._inside:
+            import traceback
+            # the innermost frame outside jax, numpy and this helper: the code that read
+            frame = [f for f in traceback.extract_stack()
+                     if not any(s in f.filename for s in ("/jax/", "/numpy/", "engine_helpers"))][-1]
+            self.implicit.append(f"{what} at {frame.filename}:{frame.lineno}")
+
+
+def host_reads(monkeypatch) -> HostReads:
+    import jax
+    from jax._src.array import ArrayImpl
+
+    reads = HostReads()
+    real_get, real_value = jax.device_get, ArrayImpl._value
+    real_asarray, real_array = np.asarray, np.array
+
+    def device_get(x):
+        reads.fetches += 1
+        reads._inside += 1
+        try:
+            return real_get(x)
+        finally:
+            reads._inside -= 1
+
+    def value(self):
+        reads._note("ArrayImpl._value")
+        return real_value.fget(self)
+
+    def wrap(real, name):
+        def f(a, *args, **kwargs):
+            if isinstance(a, jax.Array):
+                reads._note(name)
+            return real(a, *args, **kwargs)
+        return f
+
+    monkeypatch.setattr(jax, "device_get", device_get)
+    monkeypatch.setattr(ArrayImpl, "_value", property(value))
+    monkeypatch.setattr(np, "asarray", wrap(real_asarray, "np.asarray"))
+    monkeypatch.setattr(np, "array", wrap(real_array, "np.array"))
+    return reads

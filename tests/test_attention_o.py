@@ -330,6 +330,11 @@ def test_engine_passes_the_decode_tuning_to_the_fused_kernel(monkeypatch):
     from ouro_jax.config import PRESETS
     cfg = PRESETS["tiny-gqa"]
     monkeypatch.setattr(decode, "TUNING", dict(fuse_o=1, block_t=8, num_splits=3, o_block_n=4,
+                                               o_w_early=0, num_warps=2, num_stages=3,
+                                               o_split=1))
+    assert _fused_o_tuning() == dict(block_t=8, block_n=4, w_early=0, num_warps=2,
+                                     num_stages=3, split_keys=1)
+    monkeypatch.setattr(decode, "TUNING", dict(fuse_o=1, block_t=8, num_splits=3, o_block_n=4,
                                                o_w_early=0))
     assert _fused_o_tuning() == dict(block_t=8, block_n=4, w_early=0)
     tables, pos = np.ones((1, 3), np.int32), np.zeros((1, 1), np.int32)

@@ -76,7 +76,7 @@ def test_result_record_pins_the_code(tmp_path):
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved == rec and rec["command"] == "python -m benchmarks.x --a 1"
     assert rec["source_sha256"] == source_digest() and len(rec["source_sha256"]) == 16
-    assert int(rec["source_sha256"], 16) >= 0
+    assert set(rec["source_sha256"]) <= set("0123456789abcdef")
     assert rec["git_commit"] == "unknown" or len(rec["git_commit"].split("+")[0]) == 40
 
 

@@ -66,7 +66,8 @@ def test_engine_inputs_of_the_wrong_kind_are_errors_and_change_nothing():
              (lambda: Ouro(cfg, params, None, page_size=2.5), "page_size must be an integer"),
              (lambda: Ouro(cfg, params, None, decode_chunk=2.5), "decode_chunk must be an"),
              (lambda: Ouro(cfg, params, None, kv_pool_tokens=0), "kv_pool_tokens must be"),
-             (lambda: Ouro(cfg, params, None, kv_pool_tokens=-5), "kv_pool_tokens must be")]
+             (lambda: Ouro(cfg, params, None, kv_pool_tokens=-5), "kv_pool_tokens must be"),
+             (lambda: Ouro(cfg, params, None, kv_pool_tokens=10**20), "int32 page ids")]
     for call, msg in cases:
         with pytest.raises(ValueError, match=msg):
             call()

@@ -22,6 +22,23 @@ def test_allocator_never_hands_out_the_trash_page_and_fails_up_front():
     assert alloc.free_pages == 8
 
 
+def test_allocator_is_lazy_and_reuses_released_pages_first():
+    """A pool of 2**31 pages costs no host memory (the free list is a range until pages come
+    back), low ids go first, released pages are reused before fresh ones."""
+    import tracemalloc
+    tracemalloc.start()
+    alloc = PageAllocator(num_pages=2**31, page_size=16)
+    assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    tracemalloc.stop()
+    assert alloc.free_pages == 2**31 - 1
+    a, b = alloc.allocate([32, 16])
+    assert (a, b) == ([1, 2], [3])
+    alloc.release([a])
+    assert alloc.allocate([48]) == [[1, 2, 4]] and alloc.free_pages == 2**31 - 5
+    with pytest.raises(ValueError, match="beyond int32"):
+        PageAllocator(num_pages=2**31 + 1, page_size=16)
+
+
 def test_bucket_pages_bounds_waste_and_shapes():
     for n in [1, 15, 17, 100, 1000, 8449, 123457]:
         b = bucket_pages(n)

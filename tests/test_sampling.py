@@ -44,6 +44,24 @@ def test_processed_logits_match_numpy(temp, top_k, top_p):
         assert (np.isfinite(got).sum(axis=1) <= max(top_k, 1)).all()
 
 
+@pytest.mark.parametrize("top_p", [1e-40, 1e-45, 1e-30])
+def test_a_vanishing_top_p_keeps_the_top_token(top_p):
+    """A top_p in (0, 1] that is denormal or 0 in fp32 keeps the most likely token (and its
+    exact ties) rather than filtering every token out, which drew token 0 (EOS) silently."""
+    from ouro_jax.sampling import sample
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((2, 40)).astype(np.float32)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1.0  # a tie at the top
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s) for s in (1, 2)]
+    arrays = sampling_arrays(params, 2)
+    mode = SamplingMode.for_requests(params)
+    got = np.asarray(processed_logits(jnp.asarray(logits), arrays, mode))
+    assert list(np.flatnonzero(np.isfinite(got[0]))) == [int(np.argmax(logits[0]))]
+    assert list(np.flatnonzero(np.isfinite(got[1]))) == [7, 9]
+    tok = np.asarray(sample(jnp.asarray(logits), arrays, mode, jnp.zeros((2,), jnp.int32)))
+    assert tok[0] == np.argmax(logits[0]) and tok[1] in (7, 9)
+
+
 def test_greedy_rows_and_sampled_rows_in_one_batch():
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.standard_normal((4, 30)).astype(np.float32))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import load, ragged_prompts, tiny_checkpoint
+from engine_helpers import host_reads, load, ragged_prompts, tiny_checkpoint
 from ouro_jax import model as model_mod
 from ouro_jax.api import Ouro
 from ouro_jax.sampling import SamplingMode, SamplingParams
@@ -48,10 +48,13 @@ def test_greedy_speculative_is_token_identical(greedy_setup, k, d):
     assert s["drafted"] > 0 and 0 <= s["accepted"] <= s["drafted"]
 
 
-def test_work_accounting_each_position_loop_once():
+def test_work_accounting_each_position_loop_once(monkeypatch):
     """Trace the round and record every loop it runs with the block shape: loops < d run
     only in the draft (one token per offset, k+1 offsets), loops >= d only in verification
-    (k+1 rows at once). So each of the k+1 positions gets each loop exactly once."""
+    (k+1 rows at once). Then run it, counting each forward block's executions on the device
+    (a debug callback: the draft's is traced once in the fori_loop body and runs k times),
+    so each of the k+1 positions gets each loop exactly once."""
+    from ouro_jax import engine
     from ouro_jax import speculative as sm
     from ouro_jax.batch import admit
 
@@ -62,15 +65,24 @@ def test_work_accounting_each_position_loop_once():
     sc = SpeculativeConfig(k, d)
     sps = [SamplingParams(max_tokens=8)] * 2
     planes, bt, state = admit(llm, [[1, 2], [3]], sps, [[0], [0]], k + 1)
-    calls = []
+    calls, ran = [], []
+    real_block = engine.forward_block
+
+    def counted_block(params, planes, bt, ids, positions, cfg, loops, backend, h=None):
+        rows = positions.shape[1]
+        jax.debug.callback(lambda: ran.append((tuple(loops), rows)))
+        return real_block(params, planes, bt, ids, positions, cfg, loops, backend, h=h)
+
+    monkeypatch.setattr(engine, "forward_block", counted_block)
     model_mod.TRACE_HOOK = lambda loop, shape: calls.append((loop, shape))
     try:
-        jax.jit(lambda pl, st, c: sm.spec_round(
+        round_fn = jax.jit(lambda pl, st, c: sm.spec_round(
             params, pl, bt, st, c, cfg=cfg, sc=sc, spec=model_mod.ExitSpec(),
-            mode=SamplingMode(), want_logprobs=False, backend="xla")).lower(
-            planes, state, sm.init_counters(state))
+            mode=SamplingMode(), want_logprobs=False, backend="xla"))
+        jax.block_until_ready(round_fn(planes, state, sm.init_counters(state)))
     finally:
         model_mod.TRACE_HOOK = None
+    jax.effects_barrier()
     b, h = state.tokens.shape[0], cfg.hidden_size
     # Draft loops 0..d-1 on one token: in the fori_loop body (traced once, runs k times) and
     # for the final offset; then verification runs loops d..D-1 on k+1 rows, once.
@@ -78,11 +90,11 @@ def test_work_accounting_each_position_loop_once():
     verify = (tuple(range(d, cfg.total_ut_steps)), (b, k + 1, h))
     assert calls == [draft, draft, verify]
     executed = {l: 0 for l in range(cfg.total_ut_steps)}
-    for l in range(d):
-        executed[l] += k * 1 + 1  # k fori iterations + last offset, one position each
-    for l in range(d, cfg.total_ut_steps):
-        executed[l] += k + 1
-    assert set(executed.values()) == {k + 1}
+    for loops, rows in ran:
+        for l in loops:
+            executed[l] += rows
+    assert sorted(ran) == sorted([(draft[0], 1)] * (k + 1) + [(verify[0], k + 1)])
+    assert executed == {l: k + 1 for l in range(cfg.total_ut_steps)}
 
 
 def test_reused_states_and_kv_planes_equal_plain_decoding():
@@ -202,20 +214,17 @@ def test_speculative_sampling_preserves_target_distribution():
 
 
 def test_one_fetch_per_call_and_no_recompile(monkeypatch):
-    from ouro_jax import batch
-
     folder = tiny_checkpoint("tiny-gqa", branch_scale=0.3)
     cfg, params = load(folder)
     llm = Ouro(cfg, params, None, page_size=4)
     sc = SpeculativeConfig(k=3, draft_loops=2, rounds_per_fetch=64)
     sp = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=1)
     llm.generate(ragged_prompts(cfg.vocab_size, [4, 6]), sp, speculative=sc)  # compiles
-    fetches = []
-    real_get = jax.device_get
-    monkeypatch.setattr(batch.jax, "device_get", lambda x: fetches.append(1) or real_get(x))
-    with jax.transfer_guard_device_to_host("disallow"):
+    reads = host_reads(monkeypatch)
+    with jax.transfer_guard_device_to_host("disallow"):  # a no-op on CPU; `reads` counts
         res = llm.generate(ragged_prompts(cfg.vocab_size, [5, 3], seed=7), sp, speculative=sc)
-    assert len(fetches) == 1 and res.stats.host_fetches == 1
+    assert reads.fetches == 1 and res.stats.host_fetches == 1
+    assert reads.implicit == []
     assert res.stats.compiles == 0
     assert res.stats.spec["rounds"] >= 2 * 19 / 4  # many rounds, still one fetch
 
