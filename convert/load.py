@@ -196,13 +196,34 @@ def load_checkpoint(folder: str | os.PathLike, dtype="bf16",
     t.append(time.perf_counter())
     jax.block_until_ready(params)
     t.append(time.perf_counter())
-    check_finite(params, check)
+    try:
+        check_finite(params, check)
+    except CheckpointError:
+        names = _nonfinite_names(tensors, dtype)
+        if not names:  # (cannot happen: the device saw the same values)
+            raise
+        raise CheckpointError(
+            f"non-finite weights (NaN or inf, in {np.dtype(dtype).name}) in {len(names)} "
+            f"checkpoint tensor(s): {', '.join(names[:5])}" + (" ..." if len(names) > 5 else "")
+        ) from None
     t.append(time.perf_counter())
     step = [b - a for a, b in zip(t, t[1:])]
     put = min(times["put_s"], step[2])  # the convert step's device_put calls
     phases = dict(open_s=step[0], backend_s=step[1], convert_s=step[2] - put, put_s=put,
                   check_compile_s=step[3], transfer_wait_s=step[4], check_finite_s=step[5])
     return LoadedCheckpoint(cfg, params, t[-1] - t0, files, phases)
+
+
+def _nonfinite_names(tensors: dict, dtype) -> list[str]:
+    """The checkpoint's names for the tensors that hold NaN or inf once in `dtype` (a value
+    may overflow in the conversion). Only on the error path: it reads every weight on the
+    host, where the device check names the engine's fused and stacked arrays."""
+    bad = []
+    for name, arr in tensors.items():
+        with np.errstate(over="ignore", invalid="ignore"):
+            if not np.isfinite(np.asarray(arr).astype(np.dtype(dtype))).all():
+                bad.append(name)
+    return sorted(bad)
 
 
 @jax.jit

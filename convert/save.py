@@ -21,6 +21,13 @@ def save_checkpoint(tensors: dict[str, np.ndarray], cfg: OuroConfig, folder: str
         raise ValueError(f"unknown checkpoint format {fmt!r}")
     os.makedirs(folder, exist_ok=True)
     config = cfg.to_hf_dict()
+    # torch_dtype says what the tensors hold (to_hf_dict assumes bf16, as HF's Ouro ships;
+    # the CLI reads it to suggest --dtype bf16)
+    stored = {np.dtype(a.dtype) for a in tensors.values()}
+    torch_names = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                   np.dtype(ml_dtypes.bfloat16): "bfloat16"}
+    if len(stored) == 1 and next(iter(stored)) in torch_names:
+        config["torch_dtype"] = torch_names[next(iter(stored))]
     config.update(extra_config or {})
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

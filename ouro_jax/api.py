@@ -134,6 +134,20 @@ def folder_eos_ids(folder: str, tokenizer: Optional[Tokenizer]) -> list[int]:
     return ids
 
 
+def _checked_exit(cfg, exit_at_step, exit_threshold, weighted_exit) -> ExitSpec:
+    """The exit options as an ExitSpec. ExitSpec keeps the reference's priority (a step wins
+    over a threshold, a threshold over weighting); here two of them together are refused,
+    as the CLI does, rather than one silently ignored."""
+    spec = ExitSpec(exit_at_step, exit_threshold, weighted_exit).validate(cfg)
+    given = [name for name, on in (("exit_at_step", spec.exit_at_step is not None),
+                                   ("exit_threshold", spec.threshold is not None),
+                                   ("weighted_exit", spec.weighted)) if on]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of exit_at_step, exit_threshold and weighted_exit; "
+                         f"got {' and '.join(given)}")
+    return spec
+
+
 def _checked_sizes(page_size, prefill_chunk, decode_chunk, kv_pool_tokens):
     """The engine's sizes as ints, each refused by name unless a positive device int32."""
     sizes = tuple(as_int(v, name) for v, name in ((page_size, "page_size"),
@@ -323,7 +337,9 @@ class Ouro:
         if bad:
             raise ValueError(f"sampling must be a SamplingParams or a list or tuple of them, "
                              f"got {bad[0]!r}")
-        spec = ExitSpec(exit_at_step, exit_threshold, weighted_exit).validate(self.cfg)
+        spec = _checked_exit(self.cfg, exit_at_step, exit_threshold, weighted_exit)
+        if on_chunk is not None and not callable(on_chunk):
+            raise ValueError(f"on_chunk must be a callable or None, got {on_chunk!r}")
         if speculative is not None:
             if not isinstance(speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a SpeculativeConfig (e.g. "

@@ -192,6 +192,14 @@ _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(OuroConfig))
 
 
 def _reject_unsupported(d: dict[str, Any]) -> None:
+    # JSON booleans only: a string such as "false" would read as true below
+    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window"):
+        if d.get(key) is not None and not isinstance(d[key], bool):
+            raise ConfigError(f"{key} must be true or false, got {d[key]!r}")
+    layer_types = d.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or not all(isinstance(t, str) for t in layer_types)):
+        raise ConfigError(f"layer_types must be a list of strings, got {layer_types!r}")
     if d.get("rope_scaling") not in (None, {}):
         raise ConfigError(f"rope_scaling={d['rope_scaling']!r} is not supported (only null)")
     if d.get("use_sliding_window") or (d.get("sliding_window") not in (None, 0)
@@ -199,7 +207,6 @@ def _reject_unsupported(d: dict[str, Any]) -> None:
         raise ConfigError(
             f"sliding window attention is not supported (sliding_window="
             f"{d.get('sliding_window')!r}, use_sliding_window={d.get('use_sliding_window')!r})")
-    layer_types = d.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ConfigError(f"layer_types other than full_attention are not supported: "
                           f"{sorted(set(layer_types))}")

@@ -77,15 +77,17 @@ class ExitSpec(NamedTuple):
         return "threshold"
 
     def validate(self, cfg: OuroConfig, num_loops: Optional[int] = None) -> "ExitSpec":
+        """The spec with plain Python values (a numpy or jax scalar is converted: the spec is
+        a static argument of compiled programs, so it must hash), each refused by name."""
         n = cfg.total_ut_steps if num_loops is None else num_loops
-        if self.exit_at_step is not None and not 0 <= as_int(self.exit_at_step,
-                                                             "exit_at_step") < n:
-            raise ValueError(f"exit_at_step={self.exit_at_step} is outside 0..{n - 1}")
-        if self.threshold is not None and not 0.0 <= as_real(self.threshold,
-                                                             "exit threshold") <= 1.0:
-            raise ValueError(f"exit threshold {self.threshold} is outside [0, 1]")
+        step = None if self.exit_at_step is None else as_int(self.exit_at_step, "exit_at_step")
+        if step is not None and not 0 <= step < n:
+            raise ValueError(f"exit_at_step={step} is outside 0..{n - 1}")
+        threshold = None if self.threshold is None else as_real(self.threshold, "exit threshold")
+        if threshold is not None and not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"exit threshold {threshold} is outside [0, 1]")
         # (a string such as "no" would otherwise read as True)
-        return self._replace(weighted=as_bool(self.weighted, "weighted_exit"))
+        return ExitSpec(step, threshold, as_bool(self.weighted, "weighted_exit"))
 
 
 def select_exit(params: OuroParams, hidden: jax.Array, gate_logits: jax.Array,

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "triton package); figures in docs/performance.md")
     r.add_argument("--persistent-layers", action="store_true",
                    help="batch-1 decode: each loop's layers as one persistent Mosaic GPU "
-                        "kernel (jax >= 0.11, bf16, --attention pallas; unmeasured, opt-in)")
+                        "kernel (jax >= 0.11, bf16, --attention pallas; experimental and slower: "
+                        "113.7 against 205.0 tok/s on an H100, docs/performance.md)")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
     r.add_argument("--kv-pool-tokens", type=int, default=None,

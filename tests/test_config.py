@@ -105,6 +105,12 @@ def test_optional_fields_and_defaults():
     ({"early_exit_step": 0}, "early_exit_step"),
     ({"eos_token_id": None}, "eos_token_id"), ({"eos_token_id": []}, "eos_token_id"),
     ({"hidden_size": "2048", "head_dim": None}, "hidden_size"),
+    # the wrong JSON type: a traceback, or a message about another value, before
+    ({"layer_types": 5}, "layer_types must be a list"),
+    ({"layer_types": "full_attention"}, "layer_types must be a list"),
+    ({"attention_bias": "false"}, "attention_bias must be true or false"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({"use_sliding_window": 0}, "use_sliding_window must be true or false"),
 ])
 def test_rejections_name_the_field(change, field):
     d = dict(ouro_1_4b_config_json(), **change)

@@ -263,6 +263,24 @@ def test_api_arguments_of_the_wrong_kind_are_value_errors():
     a = llm.generate([1, 2], SamplingParams(max_tokens=3), weighted_exit=np.array(False))
     b = llm.generate([1, 2], SamplingParams(max_tokens=3), weighted_exit=0)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    # numpy and jax scalars for the exit options (the spec is a static, hashed argument)
+    import jax.numpy as jnp
+    sp = SamplingParams(max_tokens=3)
+    for kw in (dict(exit_at_step=1), dict(exit_threshold=0.5)):
+        want = llm.generate([1, 2], sp, **kw).outputs[0].token_ids
+        for conv in (np.float32 if "threshold" in str(kw) else np.int32, jnp.asarray):
+            val = conv(next(iter(kw.values())))
+            got = llm.generate([1, 2], sp, **{next(iter(kw)): val}).outputs[0].token_ids
+            assert got == want
+    # two exit options, or a non-callable on_chunk: refused before any device work
+    pool = llm._planes
+    for kw, msg in ((dict(exit_at_step=1, exit_threshold=0.5), "at most one"),
+                    (dict(exit_at_step=1, weighted_exit=True), "at most one"),
+                    (dict(exit_threshold=0.5, weighted_exit=True), "at most one"),
+                    (dict(on_chunk=5), "on_chunk must be a callable")):
+        with pytest.raises(ValueError, match=msg):
+            llm.generate([1, 2], sp, **kw)
+    assert llm._planes is pool
 
 
 def test_a_shard_index_that_maps_to_non_files_is_refused(tmp_path):
@@ -282,13 +300,18 @@ def test_non_finite_weights_are_refused_by_name(tmp_path):
     shutil.copytree(DEMO_MODEL_DIR, folder)
     path = folder / "model.safetensors"
     header, start = read_header(str(path))
-    info = header["model.norm.weight"]
-    assert info["dtype"] in ("F32", "BF16", "F16")
     raw = bytearray(path.read_bytes())
-    nan = {"F32": np.float32("nan").tobytes(), "F16": np.float16("nan").tobytes(),
-           "BF16": b"\xc0\x7f"}[info["dtype"]]
-    at = start + info["data_offsets"][0]
-    raw[at:at + len(nan)] = nan
+    # a NaN in the final norm, an inf in one layer's k_proj (the engine fuses it into qkv)
+    for name, value in (("model.norm.weight", "nan"),
+                        ("model.layers.1.self_attn.k_proj.weight", "inf")):
+        info = header[name]
+        assert info["dtype"] in ("F32", "BF16", "F16")
+        bad = {"F32": np.float32(value).tobytes(), "F16": np.float16(value).tobytes(),
+               "BF16": np.float32(value).tobytes()[2:]}[info["dtype"]]
+        at = start + info["data_offsets"][0] + 2 * len(bad)
+        raw[at:at + len(bad)] = bad
     path.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"non-finite weights .*norm"):
+    # named as the checkpoint names them
+    with pytest.raises(CheckpointError, match=r"non-finite weights .* in 2 checkpoint tensor\(s\): "
+                       r"model\.layers\.1\.self_attn\.k_proj\.weight, model\.norm\.weight$"):
         Ouro.load(str(folder))

@@ -56,6 +56,10 @@ def test_seed_determinism_dtype_and_options(tmp_path):
         assert ta[name].dtype == np.dtype(ml_dtypes.bfloat16)
         assert np.array_equal(ta[name].view(np.uint16), tb[name].view(np.uint16)), name
     assert tc["lm_head.weight"].dtype == np.float32
+    # config.json's torch_dtype says what the file holds (the CLI's --dtype hint reads it)
+    stored = {n: json.loads((tmp_path / n / "config.json").read_text())["torch_dtype"]
+              for n in "ac"}
+    assert stored == {"a": "bfloat16", "c": "float32"}
     assert not np.array_equal(ta["lm_head.weight"].astype(np.float32), tc["lm_head.weight"])
     assert np.all(ta["model.early_exit_gate.bias"].astype(np.float32) == 2.5)
     # branch_scale shrinks only the post-branch norms (..._2)
