@@ -207,11 +207,11 @@ class Ouro:
         from ouro_jax.model import unstack_layers
 
         proj = parse_projections(projections)  # validated before anything is built
-        if not isinstance(fused_kv_write, bool):
-            raise ValueError(f"fused_kv_write must be True or False, got {fused_kv_write!r}")
-        if not isinstance(persistent_layers, bool):
-            raise ValueError(f"persistent_layers must be True or False, got "
-                             f"{persistent_layers!r}")
+        for name, flag in (("fused_kv_write", fused_kv_write), ("fuse_projections",
+                           fuse_projections), ("unroll_loops", unroll_loops),
+                           ("persistent_layers", persistent_layers)):
+            if not isinstance(flag, bool):  # (a string such as "no" would read as True)
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         # "+unroll": loops unrolled in the program rather than a device while loop;
         # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in
         # canonical form so equal settings give equal program keys; "+kvxla": decode's RoPE
@@ -299,6 +299,15 @@ class Ouro:
             raise ValueError(f"unknown token id(s) {bad[:10]}: vocab_size is {self.cfg.vocab_size}")
         return ids
 
+    def _encode_nth(self, i: int, prompt, n: int) -> list[int]:
+        """encode, whose errors name the prompt when a batch has several."""
+        try:
+            return self.encode(prompt)
+        except ValueError as e:
+            if n == 1:
+                raise
+            raise ValueError(f"prompt {i}: {e}") from None
+
     def _stop_ids(self, p: SamplingParams) -> list[int]:
         bad = sorted({t for t in p.stop_token_ids if not 0 <= t < self.cfg.vocab_size})
         if bad:
@@ -346,7 +355,7 @@ class Ouro:
                                  f"SpeculativeConfig(k=4, draft_loops=2)) or None, got "
                                  f"{speculative!r}")
             speculative.validate(self.cfg)
-        ids = [self.encode(p) for p in prompts]
+        ids = [self._encode_nth(i, p, len(prompts)) for i, p in enumerate(prompts)]
         stops = [self._stop_ids(p) for p in params]
         return run_batch(self, ids, params, stops, spec, speculative, on_chunk)
 

@@ -158,8 +158,9 @@ def test_bad_inputs_are_clear_errors_and_change_nothing():
         llm.generate([[1] * 500], SamplingParams(max_tokens=20))
     with pytest.raises(KVPoolExhausted, match="KV pool exhausted"):
         llm.generate([[1] * 40, [2] * 40], SamplingParams(max_tokens=20))
-    with pytest.raises(ValueError, match="fused_kv_write must be True or False"):
-        Ouro(cfg, params, None, fused_kv_write="auto")
+    for flag in ("fused_kv_write", "fuse_projections", "unroll_loops", "persistent_layers"):
+        with pytest.raises(ValueError, match=f"{flag} must be True or False"):
+            Ouro(cfg, params, None, **{flag: "no"})
     assert Ouro(cfg, params, None, attention="pallas", fused_kv_write=False).backend == \
         "pallas+kvxla"
     with pytest.raises(ValueError, match="top_p"):
@@ -170,6 +171,10 @@ def test_bad_inputs_are_clear_errors_and_change_nothing():
         SamplingParams(temperature=-0.1)
     with pytest.raises(ValueError, match="unknown token id"):
         llm.generate([[1, cfg.vocab_size]])
+    with pytest.raises(ValueError, match=r"^prompt 1: unknown token id"):  # which one, in a batch
+        llm.generate([[1], [1, cfg.vocab_size]])
+    with pytest.raises(ValueError, match=r"^prompt 2: empty prompt"):
+        llm.generate([[1], [2], []])
     with pytest.raises(ValueError, match="unknown stop token"):
         llm.generate([[1]], SamplingParams(stop_token_ids=(-3,)))
     with pytest.raises(ValueError, match="no tokenizer"):
