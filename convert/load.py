@@ -83,6 +83,14 @@ def _weight_files(folder: str) -> tuple[str, list[str]]:
         missing = [f for f in files if not os.path.exists(os.path.join(folder, f))]
         if missing:
             raise CheckpointError(f"{index_name} names shard files that do not exist: {missing}")
+        if index_name.endswith(".safetensors.index.json"):  # headers only: cheap
+            held = {f: set(read_header(os.path.join(folder, f))[0]) - {"__metadata__"}
+                    for f in files}
+            absent = sorted(f"{n} (in {f})" for n, f in weight_map.items() if n not in held[f])
+            if absent:
+                raise CheckpointError(f"{index_name} maps {len(absent)} tensor(s) to shards that "
+                                      f"do not hold them: {', '.join(absent[:5])}"
+                                      + (" ..." if len(absent) > 5 else ""))
         return files
 
     if os.path.exists(os.path.join(folder, "model.safetensors.index.json")):

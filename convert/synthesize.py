@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import sys
 import time
 
@@ -35,6 +37,15 @@ def synthesize(out: str, preset: str = "tiny-gqa", seed: int = 0, dtype: str = "
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if dtype not in _NP_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose bf16 or fp32")
+    for name, v in (("branch_scale", branch_scale), ("gate_bias", gate_bias),
+                    ("norm_jitter", norm_jitter)):
+        # (the loader refuses non-finite weights, so such a checkpoint could never load)
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if shard_mb is not None and not shard_mb > 0:
+        raise ValueError(f"shard_mb must be a positive size in MiB, got {shard_mb!r}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file, not a folder")
     cfg = PRESETS[preset].replace(**{k: v for k, v in overrides.items() if v is not None})
     tensors = random_params_numpy(cfg, seed=seed, dtype=np.float32, branch_scale=branch_scale,
                                   norm_jitter=norm_jitter)

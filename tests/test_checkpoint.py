@@ -247,7 +247,8 @@ def test_shard_problems(tmp_path):
     # one tensor stored in two shards
     dup = tmp_path / "dup"
     names = save_checkpoint(tensors, cfg, dup, shard_bytes=8192)
-    extra = {"model.norm.weight": tensors["model.norm.weight"]}
+    extra = {"model.norm.weight": tensors["model.norm.weight"],
+             "model.extra.marker": tensors["model.norm.weight"]}  # what the index names
     save_checkpoint(extra, cfg, dup / "tmp")
     os.replace(dup / "tmp" / "model.safetensors", dup / "model-extra.safetensors")
     index_path = dup / "model.safetensors.index.json"

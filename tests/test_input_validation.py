@@ -283,6 +283,22 @@ def test_api_arguments_of_the_wrong_kind_are_value_errors():
     assert llm._planes is pool
 
 
+def test_a_shard_index_naming_a_tensor_its_shard_lacks_is_refused(tmp_path):
+    import json as _json
+    from convert.load import CheckpointError
+    from convert.synthesize import synthesize
+    folder = tmp_path / "m"
+    synthesize(str(folder), "tiny-gqa", dtype="fp32", shard_mb=0.01)
+    index = folder / "model.safetensors.index.json"
+    d = _json.loads(index.read_text())
+    first = sorted(set(d["weight_map"].values()))[0]
+    d["weight_map"]["model.layers.0.extra.weight"] = first
+    index.write_text(_json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"maps 1 tensor\(s\) to shards that do not hold "
+                                              r"them: model\.layers\.0\.extra\.weight"):
+        Ouro.load(str(folder))
+
+
 def test_a_shard_index_that_maps_to_non_files_is_refused(tmp_path):
     folder = tmp_path / "m"
     shutil.copytree(DEMO_MODEL_DIR, folder)

@@ -76,7 +76,17 @@ def test_bin_format(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--preset", "tiny-gqa", "--num-key-value-heads", "4"], "num_key_value_heads"),
     (["--preset", "tiny-gqa", "--head-dim", "7"], "head_dim"),
+    (["--branch-scale", "nan"], "branch_scale must be a finite number"),
+    (["--gate-bias", "inf"], "gate_bias must be a finite number"),
+    (["--shard-mb", "-1"], "shard_mb must be a positive size"),
 ])
 def test_cli_rejects_bad_shapes(tmp_path, capsys, argv, message):
-    assert main(argv + ["--out", str(tmp_path)]) == 2
+    assert main(argv + ["--out", str(tmp_path / "m")]) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()  # nothing written
+
+
+def test_cli_refuses_an_out_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    assert main(["--out", str(tmp_path / "f")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
