@@ -50,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF Ouro checkpoint folder (default: embedded demo model)")
     src = p.add_argument_group("prompts (any mix; at least one)")
-    src.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable)")
+    src.add_argument("--prompt", action="append", default=[],
+                     help="text prompt (repeatable). Requests are numbered (their [i] and "
+                          "seed + i) text prompts first, then --prompt-ids, then the file's "
+                          "lines, whatever the order on the command line")
     src.add_argument("--prompts-file", help='JSONL: {"prompt": "..."} or {"prompt_ids": [...]}')
     src.add_argument("--prompt-ids", action="append", type=_int_list, default=[],
                      help="comma-separated token ids (repeatable)")
