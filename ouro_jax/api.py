@@ -23,10 +23,10 @@ import numpy as np
 
 from ouro_jax import engine
 from ouro_jax.attention import resolve_backend
+from ouro_jax.api_checks import check_layer_kernels, checked_exit, checked_sizes
 from ouro_jax.config import OuroConfig
 from ouro_jax.kv_cache import (KVPoolExhausted, bucket_pages, init_planes, kv_bytes_per_token,
                                next_pow2, pages_needed)
-from ouro_jax.model import ExitSpec
 from ouro_jax.params import OuroParams
 from ouro_jax.programs import ProgramCache
 from ouro_jax.projections import XLA as XLAProjections
@@ -134,65 +134,6 @@ def folder_eos_ids(folder: str, tokenizer: Optional[Tokenizer]) -> list[int]:
     return ids
 
 
-def _checked_exit(cfg, exit_at_step, exit_threshold, weighted_exit) -> ExitSpec:
-    """The exit options as an ExitSpec. ExitSpec keeps the reference's priority (a step wins
-    over a threshold, a threshold over weighting); here two of them together are refused,
-    as the CLI does, rather than one silently ignored."""
-    spec = ExitSpec(exit_at_step, exit_threshold, weighted_exit).validate(cfg)
-    given = [name for name, on in (("exit_at_step", spec.exit_at_step is not None),
-                                   ("exit_threshold", spec.threshold is not None),
-                                   ("weighted_exit", spec.weighted)) if on]
-    if len(given) > 1:
-        raise ValueError(f"give at most one of exit_at_step, exit_threshold and weighted_exit; "
-                         f"got {' and '.join(given)}")
-    return spec
-
-
-def _checked_sizes(page_size, prefill_chunk, decode_chunk, kv_pool_tokens):
-    """The engine's sizes as ints, each refused by name unless a positive device int32."""
-    sizes = tuple(as_int(v, name) for v, name in ((page_size, "page_size"),
-                                                  (prefill_chunk, "prefill_chunk"),
-                                                  (decode_chunk, "decode_chunk")))
-    for name, v in zip(("page_size", "prefill_chunk", "decode_chunk"), sizes):
-        if not 1 <= v < 2**31:  # (device int32 values)
-            raise ValueError(f"{name} must be a positive integer below 2**31, got {v}")
-    if kv_pool_tokens is not None:
-        n = as_int(kv_pool_tokens, "kv_pool_tokens")
-        # page ids are device int32s (and a pool that large could never be allocated)
-        if n < 1 or -(-n // sizes[0]) >= 2**31 - 2:
-            raise ValueError(f"kv_pool_tokens must be a positive number of tokens under "
-                             f"{(2**31 - 2) * sizes[0]:,} (int32 page ids of {sizes[0]} tokens), "
-                             f"got {kv_pool_tokens!r}")
-    return sizes
-
-
-def _check_layer_kernels(projections, attention, proj, resolved: str, kv_xla: bool,
-                         persistent_layers: bool) -> None:
-    """Refuses the layer-kernel paths that run the Pallas decode attention (with its RoPE and
-    K/V write) inside a kernel of their own where that attention is not the one in use."""
-    fused_attention = resolved == "pallas" and not kv_xla
-    if getattr(proj, "flow", 0) == 5 and not fused_attention:
-        raise ValueError(
-            f"projections {projections!r}: '+flow5' runs the Pallas decode attention (with "
-            f"its RoPE and K/V write) inside the layer kernel, so it needs "
-            f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), fused_kv_write and "
-            f"fuse_projections (the fused qkv weight); use '+flow4' otherwise")
-    if getattr(proj, "graph", False):  # batch-1 decode loops as CUDA graphs of our own
-        if not fused_attention:
-            raise ValueError(
-                f"projections {projections!r}: '+graph' runs the Pallas decode attention "
-                f"(with its RoPE and K/V write) in each loop's graph, so it needs "
-                f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
-                f"fused_kv_write and fuse_projections")
-        from ouro_jax import graph_loop
-        graph_loop.check_available()
-    if persistent_layers and not fused_attention:
-        raise ValueError(f"persistent_layers runs the decode attention (its RoPE and "
-                         f"K/V write) inside the layer kernel: it needs "
-                         f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
-                         f"fused_kv_write and fuse_projections")
-
-
 class Ouro:
     """A loaded model plus its KV pool and compiled programs."""
 
@@ -202,7 +143,7 @@ class Ouro:
                  decode_chunk: int = 32, fuse_projections: bool = True,
                  unroll_loops: bool = False, projections: str = "auto",
                  fused_kv_write: bool = True, persistent_layers: bool = False):
-        page_size, prefill_chunk, decode_chunk = _checked_sizes(
+        page_size, prefill_chunk, decode_chunk = checked_sizes(
             page_size, prefill_chunk, decode_chunk, kv_pool_tokens)
         from ouro_jax.model import unstack_layers
 
@@ -220,7 +161,7 @@ class Ouro:
         # run, the key says so ("+kvxla"), so results are never labelled with a path not taken.
         resolved = resolve_backend(attention)
         kv_xla = resolved == "pallas" and not (fused_kv_write and fuse_projections)
-        _check_layer_kernels(projections, attention, proj, resolved, kv_xla, persistent_layers)
+        check_layer_kernels(projections, attention, proj, resolved, kv_xla, persistent_layers)
 
         # Per-layer weights (no in-loop slicing copies), q/k/v and gate/up fused.
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -346,7 +287,7 @@ class Ouro:
         if bad:
             raise ValueError(f"sampling must be a SamplingParams or a list or tuple of them, "
                              f"got {bad[0]!r}")
-        spec = _checked_exit(self.cfg, exit_at_step, exit_threshold, weighted_exit)
+        spec = checked_exit(self.cfg, exit_at_step, exit_threshold, weighted_exit)
         if on_chunk is not None and not callable(on_chunk):
             raise ValueError(f"on_chunk must be a callable or None, got {on_chunk!r}")
         if speculative is not None:

@@ -1,0 +1,66 @@
+"""The checks Ouro's constructor and generate run on their arguments before any work: each
+refuses a bad value by name, as a ValueError."""
+
+from __future__ import annotations
+
+from ouro_jax.model import ExitSpec
+from ouro_jax.sampling import as_int
+
+
+def checked_exit(cfg, exit_at_step, exit_threshold, weighted_exit) -> ExitSpec:
+    """The exit options as an ExitSpec. ExitSpec keeps the reference's priority (a step wins
+    over a threshold, a threshold over weighting); here two of them together are refused,
+    as the CLI does, rather than one silently ignored."""
+    spec = ExitSpec(exit_at_step, exit_threshold, weighted_exit).validate(cfg)
+    given = [name for name, on in (("exit_at_step", spec.exit_at_step is not None),
+                                   ("exit_threshold", spec.threshold is not None),
+                                   ("weighted_exit", spec.weighted)) if on]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of exit_at_step, exit_threshold and weighted_exit; "
+                         f"got {' and '.join(given)}")
+    return spec
+
+
+def checked_sizes(page_size, prefill_chunk, decode_chunk, kv_pool_tokens):
+    """The engine's sizes as ints, each refused by name unless a positive device int32."""
+    sizes = tuple(as_int(v, name) for v, name in ((page_size, "page_size"),
+                                                  (prefill_chunk, "prefill_chunk"),
+                                                  (decode_chunk, "decode_chunk")))
+    for name, v in zip(("page_size", "prefill_chunk", "decode_chunk"), sizes):
+        if not 1 <= v < 2**31:  # (device int32 values)
+            raise ValueError(f"{name} must be a positive integer below 2**31, got {v}")
+    if kv_pool_tokens is not None:
+        n = as_int(kv_pool_tokens, "kv_pool_tokens")
+        # page ids are device int32s (and a pool that large could never be allocated)
+        if n < 1 or -(-n // sizes[0]) >= 2**31 - 2:
+            raise ValueError(f"kv_pool_tokens must be a positive number of tokens under "
+                             f"{(2**31 - 2) * sizes[0]:,} (int32 page ids of {sizes[0]} tokens), "
+                             f"got {kv_pool_tokens!r}")
+    return sizes
+
+
+def check_layer_kernels(projections, attention, proj, resolved: str, kv_xla: bool,
+                         persistent_layers: bool) -> None:
+    """Refuses the layer-kernel paths that run the Pallas decode attention (with its RoPE and
+    K/V write) inside a kernel of their own where that attention is not the one in use."""
+    fused_attention = resolved == "pallas" and not kv_xla
+    if getattr(proj, "flow", 0) == 5 and not fused_attention:
+        raise ValueError(
+            f"projections {projections!r}: '+flow5' runs the Pallas decode attention (with "
+            f"its RoPE and K/V write) inside the layer kernel, so it needs "
+            f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), fused_kv_write and "
+            f"fuse_projections (the fused qkv weight); use '+flow4' otherwise")
+    if getattr(proj, "graph", False):  # batch-1 decode loops as CUDA graphs of our own
+        if not fused_attention:
+            raise ValueError(
+                f"projections {projections!r}: '+graph' runs the Pallas decode attention "
+                f"(with its RoPE and K/V write) in each loop's graph, so it needs "
+                f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
+                f"fused_kv_write and fuse_projections")
+        from ouro_jax import graph_loop
+        graph_loop.check_available()
+    if persistent_layers and not fused_attention:
+        raise ValueError(f"persistent_layers runs the decode attention (its RoPE and "
+                         f"K/V write) inside the layer kernel: it needs "
+                         f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
+                         f"fused_kv_write and fuse_projections")
