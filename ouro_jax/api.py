@@ -38,6 +38,7 @@ from ouro_jax.tokenizer import Tokenizer
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(__file__), "demo_model")
 FINISH_NAMES = {engine.FINISH_STOP: "stop", engine.FINISH_LENGTH: "length"}
 Prompt = Union[str, Sequence[int]]
+MAX_DECODE_CHUNK = 4096  # decode_chunk's bound where a model's positions are fewer
 
 
 @dataclasses.dataclass
@@ -145,6 +146,10 @@ class Ouro:
                  fused_kv_write: bool = True, persistent_layers: bool = False):
         page_size, prefill_chunk, decode_chunk = checked_sizes(
             page_size, prefill_chunk, decode_chunk, kv_pool_tokens)
+        if decode_chunk > max(cfg.max_position_embeddings, MAX_DECODE_CHUNK):
+            # (its output buffers are decode_chunk steps long, whatever max_tokens is)
+            raise ValueError(f"decode_chunk {decode_chunk} is more steps than any request can "
+                             f"decode (max_position_embeddings {cfg.max_position_embeddings})")
         from ouro_jax.model import unstack_layers
 
         proj = parse_projections(projections)  # validated before anything is built

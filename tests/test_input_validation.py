@@ -65,6 +65,8 @@ def test_engine_inputs_of_the_wrong_kind_are_errors_and_change_nothing():
              (lambda: llm.generate([[1, 2]], sp, exit_at_step=1.5), "exit_at_step must be"),
              (lambda: Ouro(cfg, params, None, page_size=2.5), "page_size must be an integer"),
              (lambda: Ouro(cfg, params, None, decode_chunk=2.5), "decode_chunk must be an"),
+             (lambda: Ouro(cfg, params, None, decode_chunk=4096 + 1),
+              "decode_chunk .* is more steps than any request"),
              (lambda: Ouro(cfg, params, None, kv_pool_tokens=0), "kv_pool_tokens must be"),
              (lambda: Ouro(cfg, params, None, kv_pool_tokens=-5), "kv_pool_tokens must be"),
              (lambda: Ouro(cfg, params, None, kv_pool_tokens=10**20), "int32 page ids")]
