@@ -323,12 +323,14 @@ class Ouro:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) + held
         if need > free:
             gb = 1e9
+            fix = ("a smaller kv_pool_tokens (--kv-pool-tokens)" if self.fixed_pool_pages
+                   else "fewer or shorter requests, a smaller max_tokens")
             raise KVPoolExhausted(
                 f"the KV pool for this batch needs {need / gb:.1f} GB ({num_pages} pages of "
                 f"{self.page_size} tokens, {per_page / 1e6:.1f} MB each) but only "
                 f"{free / gb:.1f} GB of device memory is free (limit {stats['bytes_limit'] / gb:.1f}"
-                f" GB); use fewer or shorter requests, a smaller max_tokens, or let JAX use more "
-                f"of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75)")
+                f" GB); use {fix}, or let JAX use more of the device "
+                f"(XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75)")
 
     def pool_pages(self, pages_total: int) -> int:
         """Pool size for a batch needing `pages_total` pages: the fixed pool, or a bucket

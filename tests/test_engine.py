@@ -299,8 +299,16 @@ def test_pool_larger_than_device_memory_is_a_clear_error(monkeypatch):
     # Free besides the current pool: the size of that pool plus 1 KB.
     monkeypatch.setattr(device, "memory_stats", lambda self: {
         "bytes_limit": 10 * held, "bytes_in_use": 9 * held - 1000}, raising=False)
-    with pytest.raises(KVPoolExhausted, match=r"needs .* GB .* only .* GB of device memory is free"):
+    with pytest.raises(KVPoolExhausted, match=r"needs .* GB .* only .* GB of device memory is "
+                                              r"free.*fewer or shorter requests"):
         llm.generate([[1] * 60] * 8, SamplingParams(max_tokens=60))
+    assert llm._planes is pool
+    # a fixed pool (kv_pool_tokens) too large for the device names that setting instead
+    llm.fixed_pool_pages = 8 * pool[0].shape[1]
+    with pytest.raises(KVPoolExhausted, match=r"device memory is free.*use a smaller "
+                                              r"kv_pool_tokens"):
+        llm.generate([[1, 2, 3]], sp)
+    llm.fixed_pool_pages = None
     assert llm._planes is pool
     assert llm.generate([[1, 2, 3]], sp).outputs[0].token_ids == ok.token_ids
     # The boundary: free = limit - in_use + the current pool (freed before reallocating).
