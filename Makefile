@@ -12,9 +12,12 @@ PROMPT ?= And God said
 # The Mosaic GPU kernels' CPU interpreter needs jax >= 0.11 (the GPU machine's 0.11.2), which
 # pip offers only from Python 3.12; .venv's jax (0.10.2 on Python 3.11) skips those modules.
 # So they run again in a Python 3.12 environment of their own, without torch (they need none).
-# (the first candidate that runs: a pyenv shim may exist and still refuse to run)
-PY312 ?= $(shell for p in python3.12 $(wildcard /root/.pyenv/versions/3.12*/bin/python3.12); do \
+# (the first candidate that runs: a pyenv shim may exist and still refuse to run; looked up
+# once per make, and handed to the sub-make)
+ifndef PY312
+PY312 := $(shell for p in python3.12 $(wildcard /root/.pyenv/versions/3.12*/bin/python3.12); do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo $$p && break; done)
+endif
 MOSAIC_VENV := .venv-mosaic
 MOSAIC_TESTS := tests/test_chain_attention.py tests/test_chain_mgpu.py tests/test_decode_mgpu.py \
 	tests/test_decode_mgpu_paged.py tests/test_gemv_mgpu.py tests/test_gemv_mgpu_areg.py \
@@ -34,7 +37,7 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
-	@if [ -n "$(PY312)" ]; then $(MAKE) --no-print-directory test-mosaic; else \
+	@if [ -n "$(PY312)" ]; then $(MAKE) --no-print-directory test-mosaic PY312=$(PY312); else \
 	  echo "NOTE: no python3.12 here, so the Mosaic GPU interpret tests did not run (make test-mosaic PY312=...)"; fi
 
 $(MOSAIC_VENV)/bin/.installed: pyproject.toml Makefile

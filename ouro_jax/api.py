@@ -23,7 +23,7 @@ import numpy as np
 
 from ouro_jax import engine
 from ouro_jax.attention import resolve_backend
-from ouro_jax.api_checks import check_layer_kernels, checked_exit, checked_sizes
+from ouro_jax.api_checks import check_flags, check_layer_kernels, checked_exit, checked_sizes
 from ouro_jax.config import OuroConfig
 from ouro_jax.kv_cache import (KVPoolExhausted, bucket_pages, init_planes, kv_bytes_per_token,
                                next_pow2, pages_needed)
@@ -38,7 +38,6 @@ from ouro_jax.tokenizer import Tokenizer
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(__file__), "demo_model")
 FINISH_NAMES = {engine.FINISH_STOP: "stop", engine.FINISH_LENGTH: "length"}
 Prompt = Union[str, Sequence[int]]
-MAX_DECODE_CHUNK = 4096  # decode_chunk's bound where a model's positions are fewer
 
 
 @dataclasses.dataclass
@@ -145,19 +144,12 @@ class Ouro:
                  unroll_loops: bool = False, projections: str = "auto",
                  fused_kv_write: bool = True, persistent_layers: bool = False):
         page_size, prefill_chunk, decode_chunk = checked_sizes(
-            page_size, prefill_chunk, decode_chunk, kv_pool_tokens)
-        if decode_chunk > max(cfg.max_position_embeddings, MAX_DECODE_CHUNK):
-            # (its output buffers are decode_chunk steps long, whatever max_tokens is)
-            raise ValueError(f"decode_chunk {decode_chunk} is more steps than any request can "
-                             f"decode (max_position_embeddings {cfg.max_position_embeddings})")
+            cfg, page_size, prefill_chunk, decode_chunk, kv_pool_tokens)
         from ouro_jax.model import unstack_layers
 
         proj = parse_projections(projections)  # validated before anything is built
-        for name, flag in (("fused_kv_write", fused_kv_write), ("fuse_projections",
-                           fuse_projections), ("unroll_loops", unroll_loops),
-                           ("persistent_layers", persistent_layers)):
-            if not isinstance(flag, bool):  # (a string such as "no" would read as True)
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        check_flags(fused_kv_write=fused_kv_write, fuse_projections=fuse_projections,
+                    unroll_loops=unroll_loops, persistent_layers=persistent_layers)
         # "+unroll": loops unrolled in the program rather than a device while loop;
         # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in
         # canonical form so equal settings give equal program keys; "+kvxla": decode's RoPE

@@ -3,8 +3,11 @@ refuses a bad value by name, as a ValueError."""
 
 from __future__ import annotations
 
+from ouro_jax.kv_cache import pages_needed
 from ouro_jax.model import ExitSpec
 from ouro_jax.sampling import as_int
+
+MAX_DECODE_CHUNK = 4096  # decode_chunk's bound where a model's positions are fewer
 
 
 def checked_exit(cfg, exit_at_step, exit_threshold, weighted_exit) -> ExitSpec:
@@ -21,7 +24,7 @@ def checked_exit(cfg, exit_at_step, exit_threshold, weighted_exit) -> ExitSpec:
     return spec
 
 
-def checked_sizes(page_size, prefill_chunk, decode_chunk, kv_pool_tokens):
+def checked_sizes(cfg, page_size, prefill_chunk, decode_chunk, kv_pool_tokens):
     """The engine's sizes as ints, each refused by name unless a positive device int32."""
     sizes = tuple(as_int(v, name) for v, name in ((page_size, "page_size"),
                                                   (prefill_chunk, "prefill_chunk"),
@@ -29,14 +32,25 @@ def checked_sizes(page_size, prefill_chunk, decode_chunk, kv_pool_tokens):
     for name, v in zip(("page_size", "prefill_chunk", "decode_chunk"), sizes):
         if not 1 <= v < 2**31:  # (device int32 values)
             raise ValueError(f"{name} must be a positive integer below 2**31, got {v}")
+    if sizes[2] > max(cfg.max_position_embeddings, MAX_DECODE_CHUNK):
+        # (its output buffers are decode_chunk steps long, whatever max_tokens is)
+        raise ValueError(f"decode_chunk {sizes[2]} is more steps than any request can "
+                         f"decode (max_position_embeddings {cfg.max_position_embeddings})")
     if kv_pool_tokens is not None:
         n = as_int(kv_pool_tokens, "kv_pool_tokens")
         # page ids are device int32s (and a pool that large could never be allocated)
-        if n < 1 or -(-n // sizes[0]) >= 2**31 - 2:
+        if n < 1 or pages_needed(n, sizes[0]) >= 2**31 - 2:
             raise ValueError(f"kv_pool_tokens must be a positive number of tokens under "
                              f"{(2**31 - 2) * sizes[0]:,} (int32 page ids of {sizes[0]} tokens), "
                              f"got {kv_pool_tokens!r}")
     return sizes
+
+
+def check_flags(**flags) -> None:
+    """Ouro's switches must be Python bools (a string such as "no" would read as True)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
 
 
 def check_layer_kernels(projections, attention, proj, resolved: str, kv_xla: bool,
