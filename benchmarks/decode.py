@@ -3,12 +3,15 @@
     python -m benchmarks.decode --synthetic 1.4b --batch 1,8,32,64 --out results.json
     python -m benchmarks.decode --model DIR --batch 8 --k 4 --temperature 0,0.8
 
-Protocol (OURO.md): prompt 128 tokens, 64 new tokens, ignore_eos; decode-only time after every
-request's first token (prefill + first token excluded), and end-to-end time with prefill.
-Each configuration runs `--warmup` untimed calls (compiles happen there and are reported
-apart), then `--repeats` timed calls; the median and the spread are reported. For native
-decode the roofline fraction is computed from the bytes one decode step must read (weights
-once per loop, the LM head, and every loop's K/V) and the copy bandwidth measured in-run.
+Protocol (the reference's, in the model notes ../shared/OURO.md): prompt 128 tokens, 64 new
+tokens, ignore_eos; decode-only time after every request's first token (prefill + first token
+excluded), and end-to-end time with prefill. Each configuration runs `--warmup` untimed calls
+(compiles happen there and are reported apart), then `--repeats` timed calls; the median
+run (by decode time) and the spread are reported. For native decode the roofline fraction is
+computed from the bytes one decode step must read (weights once per loop, the LM head, and
+every loop's K/V, at the run's dtype) and the copy bandwidth measured first, in-run (an
+`a + 1` over 2 GiB on a GPU, 256 MiB elsewhere). The default model is the 1.4B shape with
+random bf16 weights (--synthetic); --model DIR runs a checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -95,15 +99,24 @@ def run_config(llm, batch, k, temp, args):
     for _ in range(args.warmup):
         compile_s += llm.generate(prompts, sps, speculative=spec).stats.compile_s
     runs = [llm.generate(prompts, sps, speculative=spec) for _ in range(args.repeats)]
+    # a compile inside a timed run would be timed: recorded, and said out loud
+    timed_compile_s = sum(r.stats.compile_s for r in runs)
+    if timed_compile_s:
+        print(f"warning: batch {batch} k {k} T {temp}: {timed_compile_s:.2f}s of compiles fell "
+              f"in the timed runs", file=sys.stderr, flush=True)
     dec = [r.stats.decode_tok_s for r in runs]
     e2e = [r.stats.generated_tokens / (r.stats.prefill_s + r.stats.decode_s) for r in runs]
+    # the median run by decode time (the lower middle one for an even count), so that its
+    # tok/s, decode_s and roofline agree: medians taken apart do not for even repeats
+    mid = sorted(runs, key=lambda r: r.stats.decode_s)[(len(runs) - 1) // 2].stats
     row = dict(batch=batch, mode="speculative" if k else "native", k=k,
                draft_loops=args.draft_loops if k else None, temperature=temp,
-               decode_tok_s=statistics.median(dec), decode_tok_s_min=min(dec),
+               decode_tok_s=mid.decode_tok_s, decode_tok_s_min=min(dec),
                decode_tok_s_max=max(dec), e2e_tok_s=statistics.median(e2e),
                prefill_s=statistics.median(r.stats.prefill_s for r in runs),
-               decode_s=statistics.median(r.stats.decode_s for r in runs),
-               compile_s=compile_s, host_fetches=runs[-1].stats.host_fetches,
+               decode_s=mid.decode_s, decode_tokens=mid.decode_tokens,
+               compile_s=compile_s, timed_compile_s=timed_compile_s,
+               host_fetches=runs[-1].stats.host_fetches,
                # the tokens' digest: equal across runs of different kernel options means the
                # same output (a race, e.g. with --pdl, would show here or across repeats)
                tokens_sha=token_digest(runs[-1]),
@@ -115,7 +128,7 @@ def run_config(llm, batch, k, temp, args):
     else:
         steps = args.new_tokens - 1
         ctx = args.prompt_len + args.new_tokens / 2
-        nbytes = step_bytes(llm.cfg, batch, ctx)
+        nbytes = step_bytes(llm.cfg, batch, ctx, jnp.dtype(llm.params.dtype).itemsize)
         step_s = row["decode_s"] / steps
         row.update(step_ms=1e3 * step_s, step_bytes=nbytes,
                    roofline_fraction=nbytes / step_s / args.copy_bw)
@@ -146,7 +159,7 @@ def token_match(native, spec) -> dict:
 def sweep_branch_scale(args) -> list:
     """Measures acceptance (batch 8, k=4, greedy) per branch scale; sets args.branch_scale."""
     out, programs = [], None
-    for scale in [float(x) for x in args.sweep_branch_scale.split(",")]:
+    for scale in args.sweep_scales:
         args.branch_scale = scale
         llm = make_engine(args)
         if programs is not None:
@@ -207,23 +220,31 @@ def _run(args, argv, tuning) -> int:
     if args.compile_cache:
         from ouro_jax.generate import enable_compile_cache
         enable_compile_cache(args.compile_cache)
-    args.copy_bw = copy_bandwidth()
+    partial = args.out + ".partial" if args.out else None
+    if partial:  # rows go here as they finish (a time-out keeps them); a rerun starts afresh
+        os.makedirs(os.path.dirname(os.path.abspath(partial)), exist_ok=True)
+        open(partial, "w").close()
+    gpu = jax.default_backend() == "gpu"
+    args.copy_bw = copy_bandwidth(2.0 if gpu else 0.25)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth "
-          f"{args.copy_bw / 1e12:.2f} TB/s", flush=True)
+          f"{args.copy_bw / 1e9:.1f} GB/s", flush=True)
     sweep = sweep_branch_scale(args) if args.sweep_branch_scale else None
     t0 = time.perf_counter()
-    llm = make_engine(args)
+    try:
+        llm = make_engine(args)
+    except (ValueError, OSError) as e:  # a checkpoint that does not load, named in one line
+        raise SystemExit(f"error: {e}") from None
     print(f"model ready in {time.perf_counter() - t0:.1f}s", flush=True)
     rows, matches = [], []
-    for b in [int(x) for x in args.batch.split(",")]:
+    for b in args.batches:
         greedy_outs = {}
-        for k in [int(x) for x in args.k.split(",")]:
-            for temp in [float(x) for x in args.temperature.split(",")]:
+        for k in args.ks:
+            for temp in args.temps:
                 row, res = run_config(llm, b, k, temp, args)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                if args.out:  # partial results survive a time-out
-                    with open(args.out + ".partial", "a") as f:
+                if partial:
+                    with open(partial, "a") as f:
                         f.write(json.dumps(row) + "\n")
                 if temp == 0:
                     greedy_outs[k] = [o.token_ids for o in res.outputs]
@@ -238,10 +259,14 @@ def _run(args, argv, tuning) -> int:
         dtype=args.dtype, attention=llm.backend.split("+")[0], backend=llm.backend,
         fused_projections=not args.no_fuse,
         prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
-        compiles_total=llm.programs.compiles, branch_scale=args.branch_scale,
+        compiles_total=llm.programs.compiles,
+        # (a checkpoint's weights have no branch scale: synthetic runs only)
+        **({} if args.model else dict(branch_scale=args.branch_scale)),
         branch_scale_sweep=sweep, greedy_token_match=matches,
         compile_s_total=llm.programs.compile_seconds, kernel_tuning=tuning, rows=rows,
         table=table(rows))
+    if partial:  # the record holds every row now
+        os.remove(partial)
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from benchmarks.decode_checks import check_values
 from benchmarks.tuning import (DECODE_TUNING_KEYS, RAGGED_TUNING_KEYS, add_stream_args,
                                check_graph_pdl)
 
@@ -24,21 +25,42 @@ PROJECTIONS_HELP = ("'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'),
                     "package; experimental)")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and each flag's default in its help where it has
+    one worth showing (not None, False or '')."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, "", argparse.SUPPRESS) and action.option_strings \
+                and "%(default)" not in text and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser(doc: str) -> argparse.ArgumentParser:
     """benchmarks.decode's parser (doc: its help text's description)."""
+    from ouro_jax.config import PRESETS
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint folder")
-    src.add_argument("--synthetic", default="1.4b", help="preset for random weights on device")
-    p.add_argument("--branch-scale", type=float, default=1.0,
-                   help="post-branch norm scale of synthetic weights (sets draft acceptance)")
-    p.add_argument("--norm-jitter", type=float, default=0.0,
-                   help="spread of synthetic norm weights around 1 (0: HF's init)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--attention", default="auto")
-    p.add_argument("--page-size", type=int, default=16)
+    src.add_argument("--model", help="HF Ouro checkpoint folder (default: random weights of "
+                     "the --synthetic preset, drawn on the device)")
+    src.add_argument("--synthetic", default="1.4b", choices=sorted(PRESETS),
+                     help="model shape for random weights on the device")
+    p.add_argument("--branch-scale", type=float, default=None,
+                   help="synthetic only: post-branch norm scale, which sets the draft's "
+                        "acceptance (default 0.003: the reference engine's recipe, ~80%% "
+                        "greedy at k=4 d=2)")
+    p.add_argument("--norm-jitter", type=float, default=None,
+                   help="synthetic only: spread of the norm weights around 1 (default 0: HF's "
+                        "init)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="synthetic only: the random weights' seed (default 0)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="weights, activations and KV cache")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"],
+                   help="attention kernels (auto: pallas on a GPU, else xla)")
+    p.add_argument("--page-size", type=int, default=16, help="KV page size in tokens")
     p.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs")
     p.add_argument("--projections", default="auto", help=PROJECTIONS_HELP)
     p.add_argument("--unroll-loops", action="store_true",
@@ -53,18 +75,24 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="with --persistent-layers: the kernel's tiling for this run, e.g. "
                         "stages=14,uniform=1,smem_a=1 (keys: block_n, block_k, stages, "
                         "uniform, smem_a)")
-    p.add_argument("--batch", default="1,8,32,64")
-    p.add_argument("--k", default="0,2,4", help="0 = native decode")
-    p.add_argument("--draft-loops", type=int, default=2)
-    p.add_argument("--temperature", default="0,0.8")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sweep-branch-scale", default=None,
+    p.add_argument("--batch", default="1,8,32,64", help="batch sizes (requests per call)")
+    p.add_argument("--k", default="0,2,4",
+                   help="draft tokens per speculative round; 0 = native decode")
+    p.add_argument("--draft-loops", type=int, default=2,
+                   help="loops the speculative draft runs (1 <= d < the model's loops)")
+    p.add_argument("--temperature", default="0,0.8", help="sampling temperatures; 0 = greedy")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=int, default=64,
+                   help="tokens generated per request (ignore_eos); the first is prefill's")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed calls per configuration (>= 1: compiles happen there)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed calls per configuration: median and spread are reported")
+    p.add_argument("--sweep-branch-scale", default=None, metavar="S,...",
                    help="synthetic only: try these scales at batch 8, k=4 greedy and keep the "
                         "one whose acceptance is closest to --target-acceptance")
-    p.add_argument("--target-acceptance", type=float, default=0.8)
+    p.add_argument("--target-acceptance", type=float, default=0.8,
+                   help="with --sweep-branch-scale: the acceptance to aim for")
     p.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/ouro_jax/xla"),
                    help="persistent XLA compilation cache ('' disables); compile time is "
                         "reported apart either way")
@@ -90,13 +118,16 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="where --pdl's GEMVs trigger: at their start, or once their last "
                         "weight block has arrived")
     add_stream_args(p)
-    p.add_argument("--out", help="JSON result path")
+    p.add_argument("--out", help="JSON result path (each finished row also goes to OUT.partial "
+                   "as it comes, so that a time-out keeps it)")
     return p
 
 
 def check_run(args) -> dict:
-    """Every check of a parsed command line (SystemExit naming the switch on a bad one);
-    returns the --persistent-tiling overrides."""
+    """Every check of a parsed command line (SystemExit naming the switch on a bad one),
+    before any device work; leaves --batch, --k and --temperature parsed on args (batches,
+    ks, temps); returns the --persistent-tiling overrides."""
+    check_values(args)
     check_pdl_run(args)
     check_fuse_o_run(args)
     check_flow_o_run(args)

@@ -1,4 +1,5 @@
 """Decode projections on the GPU: XLA's GEMM fusion vs the Pallas GEMV (pallas_kernels/gemv.py).
+Shapes: the 1.4B/2.6B projections (hidden 2048, intermediate 5632), in bf16; needs a GPU.
 
 Each timed program applies one projection shape to `--layers` distinct weight matrices in a
 row (as a decode step does; nothing stays in L2 between them), and back-to-back launches of
@@ -256,7 +257,8 @@ def pick_fastest(results: list, max_rel_err: float = 1e-2) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gemv", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=None,
                     help=f"comma list from {list(SHAPES)} (default all; qkv,gate_up with --prologue)")
     ap.add_argument("--rows", default=None,
@@ -271,13 +273,16 @@ def main(argv=None) -> int:
                          "add + RMSNorm prologue (the engine's qkv and gate/up calls), the engine's "
                          "tiling and XLA with the same ops, a distinct input per weight; "
                          "--variants must then be 'stream', 'engine' or STREAM_VARIANTS keys")
-    ap.add_argument("--layers", type=int, default=24, help="distinct weights per timed program")
-    ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=24,
+                    help="distinct weights per timed program (default 24, one per layer)")
+    ap.add_argument("--calls", type=int, default=20,
+                    help="back-to-back launches per timed trial, one sync at the end (default 20)")
+    ap.add_argument("--trials", type=int, default=5,
+                    help="timed trials; the median is reported (default 5)")
     ap.add_argument("--device-time", action="store_true",
                     help="also the GPU's own kernel time per projection from a profiler trace "
                          "(device_us; the wall clock can be host-bound for short kernels)")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="JSON result path")
     ap.add_argument("--pick", default=None, metavar="RESULT.json",
                     help="print the fastest streaming tiling per shape in a saved run as a "
                          "--stream-tiling spec (benchmarks.decode), and exit")

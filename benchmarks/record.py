@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 
@@ -83,7 +84,9 @@ def source_digest() -> str:
 def save_record(module: str, argv, out, **fields) -> dict:
     """The result record every benchmark writes: the command, machine, JAX version and git
     commit, then the benchmark's own fields; saved as JSON to `out` when given."""
-    record = dict(command=f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+    # (shlex: an empty or spaced argument, e.g. --compile-cache '', stays rerunnable)
+    args = sys.argv[1:] if argv is None else argv
+    record = dict(command=f"python -m {module} " + shlex.join(str(a) for a in args),
                   device=jax.devices()[0].device_kind, platform=platform.platform(),
                   jax_version=jax.__version__, git_commit=git_commit(),
                   source_sha256=source_digest(),

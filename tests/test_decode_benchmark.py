@@ -1,0 +1,111 @@
+"""benchmarks.decode as a user reruns it: bad values refused by flag name before any device
+work, --out handled before the first row, and rows whose figures agree with each other."""
+
+import json
+import os
+
+import pytest
+
+from benchmarks import decode
+from benchmarks.decode_args import build_parser, check_run
+
+TINY = ["--synthetic", "tiny-mha", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
+        "--compile-cache", ""]
+DEMO = os.path.join(os.path.dirname(__file__), "..", "ouro_jax", "demo_model")
+
+
+@pytest.fixture
+def no_device_work(monkeypatch):
+    """Fails a test that reaches the bandwidth probe or the model build."""
+    def boom(*a, **k):
+        raise AssertionError("device work started before the arguments were checked")
+    monkeypatch.setattr(decode, "copy_bandwidth", boom)
+    monkeypatch.setattr(decode, "make_engine", boom)
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--batch", "1,,2"], "--batch"), (["--batch", "0"], "--batch"),
+    (["--batch", "1,-1"], "--batch"), (["--k", "x"], "--k"), (["--k", "0,-1"], "--k"),
+    (["--temperature", "-1"], "--temperature"), (["--temperature", "nan"], "--temperature"),
+    (["--repeats", "0"], "--repeats"), (["--warmup", "0"], "--warmup"),
+    (["--new-tokens", "1"], "--new-tokens"), (["--prompt-len", "0"], "--prompt-len"),
+    (["--page-size", "0"], "--page-size"), (["--prompt-len", "600"], "max_position_embeddings"),
+    (["--k", "2", "--draft-loops", "4"], "draft_loops"),
+    (["--k", "2", "--draft-loops", "0"], "draft_loops"),
+    (["--sweep-branch-scale", "0.1,x"], "--sweep-branch-scale"),
+    (["--projections", "bogus"], "--projections"),
+])
+def test_bad_values_are_refused_by_name_before_device_work(no_device_work, extra, flag):
+    with pytest.raises(SystemExit) as e:
+        decode.main(TINY + extra)
+    assert flag in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv", [["--synthetic", "nope"], ["--attention", "bogus"]])
+def test_unknown_choices_are_refused_by_the_parser(no_device_work, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        decode.main(argv)
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_checkpoint_runs_refuse_the_synthetic_only_flags(no_device_work, tmp_path):
+    for extra in (["--branch-scale", "0.1"], ["--seed", "3"], ["--sweep-branch-scale", "0.1"]):
+        with pytest.raises(SystemExit, match="synthetic weights"):
+            decode.main(["--model", DEMO, "--dtype", "fp32"] + extra)
+    with pytest.raises(SystemExit, match="no such folder"):
+        decode.main(["--model", str(tmp_path / "missing")])
+    args = build_parser("").parse_args(["--model", DEMO, "--batch", "1"])
+    check_run(args)  # a plain checkpoint run passes; the synthetic defaults are filled
+    assert args.branch_scale == 0.003 and args.batches == [1]
+
+
+def test_out_must_be_a_file_path(no_device_work, tmp_path):
+    with pytest.raises(SystemExit, match="is a folder"):
+        decode.main(TINY + ["--out", str(tmp_path)])
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit, match="is a file"):
+        decode.main(TINY + ["--out", str(tmp_path / "f" / "x.json")])
+
+
+def test_defaults_are_the_published_protocol():
+    args = build_parser("").parse_args([])
+    check_run(args)
+    assert (args.synthetic, args.dtype, args.prompt_len, args.new_tokens) == ("1.4b", "bf16", 128, 64)
+    assert (args.batches, args.ks, args.temps) == ([1, 8, 32, 64], [0, 2, 4], [0.0, 0.8])
+    assert args.branch_scale == 0.003 and args.draft_loops == 2
+
+
+def test_step_bytes_follow_the_dtype():
+    from ouro_jax.config import PRESETS
+    cfg = PRESETS["tiny-mha"]
+    assert decode.step_bytes(cfg, 1, 100, 4) == 2 * decode.step_bytes(cfg, 1, 100, 2)
+
+
+def test_a_tiny_run_writes_a_consistent_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda gbytes: 1e11)
+    out = tmp_path / "new" / "r.json"
+    out.parent.mkdir()
+    (tmp_path / "new" / "r.json.partial").write_text('{"stale": 1}\n')
+    assert decode.main(TINY + ["--batch", "1", "--k", "0,2", "--temperature", "0",
+                               "--repeats", "2", "--dtype", "fp32", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert not os.path.exists(str(out) + ".partial")  # the stale one is gone too
+    assert "--compile-cache ''" in rec["command"]
+    assert rec["branch_scale"] == 0.003
+    native, spec = rec["rows"]
+    for row in rec["rows"]:
+        assert row["timed_compile_s"] == 0.0 and row["compile_s"] > 0
+        assert row["decode_tok_s"] == pytest.approx(row["decode_tokens"] / row["decode_s"])
+        assert row["decode_tok_s_min"] <= row["decode_tok_s"] <= row["decode_tok_s_max"]
+    from ouro_jax.config import PRESETS
+    assert native["step_bytes"] == decode.step_bytes(PRESETS["tiny-mha"], 1, 8 + 4 / 2, 4)
+    assert spec["acceptance"] >= 0 and rec["greedy_token_match"][0]["identical_sequences"] == 1
+
+
+def test_a_missing_out_folder_is_made(tmp_path, monkeypatch):
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda gbytes: 1e11)
+    out = tmp_path / "a" / "b" / "r.json"
+    assert decode.main(TINY + ["--batch", "1", "--k", "0", "--temperature", "0",
+                               "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"][0]["batch"] == 1
