@@ -206,6 +206,10 @@ The shipped config keeps Ouro's `early_exit_threshold = 1.0` (all tokens use the
 pass a threshold to see early exits.
 
 ## Greedy samples (all loops)
+Each prompt is preceded by `<|endoftext|>` (id 0), as the training windows were; the
+engine adds no BOS to a text prompt, so give the ids to reproduce one, e.g. the first:
+`python -m ouro_jax.generate --prompt-ids 0,296,385,388 --max-tokens 40`.
+
 {samples}
 
 `demo_metrics.json` holds every figure above, plus the small subset that

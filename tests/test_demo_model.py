@@ -98,3 +98,20 @@ def test_exit_gate_depth_differs_across_tokens(demo):
     frac = stats["exit_fraction"]["0.5"]
     assert sum(f > 0.02 for f in frac) >= 2, frac  # at least two depths in real use
     assert stats["expected_depth"]["std"] > 0.05
+
+
+def test_card_samples_come_from_the_engine_with_the_bos_ids(demo):
+    """The card's first greedy sample is what the engine (the CLI's path) gives for the ids
+    the card names: BOS then the prompt (the engine adds no BOS to a text prompt)."""
+    import ast
+    from ouro_jax.api import Ouro, SamplingParams
+
+    loaded, tok, _, _ = demo
+    with open(os.path.join(FOLDER, "README.md")) as f:
+        card = f.read()
+    assert "--prompt-ids 0,296,385,388 --max-tokens 40" in card
+    sample = ast.literal_eval(card.split("## Greedy samples")[1].split("\n    ")[1].split("\n")[0])
+    ids = [demo_corpus.EOT_ID] + tok.encode("And God said").ids
+    assert ids == [0, 296, 385, 388]
+    res = Ouro(loaded.config, loaded.params, None).generate([ids], SamplingParams(max_tokens=40))
+    assert tok.decode(ids[1:] + list(res.outputs[0].token_ids)) == sample
