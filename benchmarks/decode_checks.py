@@ -78,6 +78,8 @@ def check_synthetic_only(args) -> None:
     if args.sweep_branch_scale is not None:
         args.sweep_scales = float_list("--sweep-branch-scale", args.sweep_branch_scale, 0.0,
                                        low_open=True)
+        if not 0.0 <= args.target_acceptance <= 1.0:
+            raise SystemExit(f"--target-acceptance {args.target_acceptance} is outside [0, 1]")
 
 
 def check_out(out) -> None:

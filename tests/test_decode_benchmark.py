@@ -34,6 +34,7 @@ def no_device_work(monkeypatch):
     (["--k", "2", "--draft-loops", "0"], "draft_loops"),
     (["--sweep-branch-scale", "0.1,x"], "--sweep-branch-scale"),
     (["--projections", "bogus"], "--projections"),
+    (["--sweep-branch-scale", "0.1", "--target-acceptance", "80"], "--target-acceptance"),
 ])
 def test_bad_values_are_refused_by_name_before_device_work(no_device_work, extra, flag):
     with pytest.raises(SystemExit) as e:
