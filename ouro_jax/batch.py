@@ -18,20 +18,23 @@ from ouro_jax.kv_cache import (PageAllocator, block_table_array, bucket_pages, n
 from ouro_jax.sampling import SamplingMode, sampling_arrays
 
 
-def _check_lengths(llm, ids, params, room):
+def _check_lengths(llm, ids, params):
+    """Every kept token within the model's positions. A speculative round's room (its pages)
+    is not counted: the draft positions past max_tokens are scratch that is never kept
+    (commit stops at max_tokens), and RoPE needs no table, so speculative decoding accepts
+    what native decoding does."""
     limit = llm.cfg.max_position_embeddings
     for i, (p, sp) in enumerate(zip(ids, params)):
-        need = len(p) + sp.max_tokens + room
+        need = len(p) + sp.max_tokens
         if need > limit:
             raise ValueError(
                 f"prompt {i} is too long: {len(p)} prompt tokens + max_tokens {sp.max_tokens}"
-                + (f" + {room} speculative slots" if room else "")
-                + f" = {need} positions, but the model supports {limit}")
+                f" = {need} positions, but the model supports {limit}")
 
 
 def admit(llm, ids, params, stops, room):
     """Allocates pages and builds the padded device state. Raises before any device work."""
-    _check_lengths(llm, ids, params, room)
+    _check_lengths(llm, ids, params)
     b = len(ids)
     bp = next_pow2(b)
     tokens_needed = [len(p) + sp.max_tokens + room for p, sp in zip(ids, params)]

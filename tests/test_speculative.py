@@ -35,6 +35,21 @@ def greedy_setup():
     return llm, prompts, sps, plain
 
 
+def test_speculative_takes_requests_up_to_the_models_last_position(greedy_setup):
+    """A request that ends at max_position_embeddings runs speculatively as natively (the
+    draft positions past it are scratch, never kept); one position more is refused by both."""
+    llm, _, _, _ = greedy_setup
+    short = Ouro(llm.cfg.replace(max_position_embeddings=24), llm.params, None, page_size=4)
+    prompt = ragged_prompts(llm.cfg.vocab_size, [12], seed=3)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = short.generate(prompt, sp).outputs[0]
+    spec = short.generate(prompt, sp, speculative=SpeculativeConfig(8, 2)).outputs[0]
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 12
+    for speculative in (None, SpeculativeConfig(8, 2)):
+        with pytest.raises(ValueError, match="12 prompt tokens \\+ max_tokens 13 = 25 positions"):
+            short.generate(prompt, SamplingParams(max_tokens=13), speculative=speculative)
+
+
 @pytest.mark.parametrize("k,d", list(itertools.product([1, 2, 4, 8], [1, 2, 3])))
 def test_greedy_speculative_is_token_identical(greedy_setup, k, d):
     llm, prompts, sps, plain = greedy_setup
