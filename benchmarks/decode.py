@@ -7,7 +7,7 @@ Protocol (the reference's, in the model notes ../shared/OURO.md): prompt 128 tok
 tokens, ignore_eos; decode-only time after every request's first token (prefill + first token
 excluded), and end-to-end time with prefill. Each configuration runs `--warmup` untimed calls
 (compiles happen there and are reported apart), then `--repeats` timed calls; the median
-run (by decode time) and the spread are reported. For native decode the roofline fraction is
+decode time and the spread are reported. For native decode the roofline fraction is
 computed from the bytes one decode step must read (weights once per loop, the LM head, and
 every loop's K/V, at the run's dtype) and the copy bandwidth measured first, in-run (an
 `a + 1` over 2 GiB on a GPU, 256 MiB elsewhere). The default model is the 1.4B shape with
@@ -106,15 +106,18 @@ def run_config(llm, batch, k, temp, args):
               f"in the timed runs", file=sys.stderr, flush=True)
     dec = [r.stats.decode_tok_s for r in runs]
     e2e = [r.stats.generated_tokens / (r.stats.prefill_s + r.stats.decode_s) for r in runs]
-    # the median run by decode time (the lower middle one for an even count), so that its
-    # tok/s, decode_s and roofline agree: medians taken apart do not for even repeats
-    mid = sorted(runs, key=lambda r: r.stats.decode_s)[(len(runs) - 1) // 2].stats
+    # tok/s from the median decode time, so that tok/s, decode_s and the roofline agree (the
+    # median of the rates is not the rate of the median time for even repeats); every run
+    # decodes the same number of tokens (ignore_eos)
+    decode_s = statistics.median(r.stats.decode_s for r in runs)
+    decode_tokens = runs[0].stats.decode_tokens
+    assert all(r.stats.decode_tokens == decode_tokens for r in runs), "runs decoded unequally"
     row = dict(batch=batch, mode="speculative" if k else "native", k=k,
                draft_loops=args.draft_loops if k else None, temperature=temp,
-               decode_tok_s=mid.decode_tok_s, decode_tok_s_min=min(dec),
+               decode_tok_s=decode_tokens / decode_s, decode_tok_s_min=min(dec),
                decode_tok_s_max=max(dec), e2e_tok_s=statistics.median(e2e),
                prefill_s=statistics.median(r.stats.prefill_s for r in runs),
-               decode_s=mid.decode_s, decode_tokens=mid.decode_tokens,
+               decode_s=decode_s, decode_tokens=decode_tokens,
                compile_s=compile_s, timed_compile_s=timed_compile_s,
                host_fetches=runs[-1].stats.host_fetches,
                # the tokens' digest: equal across runs of different kernel options means the

@@ -85,7 +85,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=64,
                    help="tokens generated per request (ignore_eos); the first is prefill's")
     p.add_argument("--warmup", type=int, default=1,
-                   help="untimed calls per configuration (>= 1: compiles happen there)")
+                   help="untimed calls per configuration (compiles happen there; with 0 they "
+                        "fall in the timed runs and are recorded as timed_compile_s)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed calls per configuration: median and spread are reported")
     p.add_argument("--sweep-branch-scale", default=None, metavar="S,...",

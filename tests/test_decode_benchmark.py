@@ -27,7 +27,7 @@ def no_device_work(monkeypatch):
     (["--batch", "1,,2"], "--batch"), (["--batch", "0"], "--batch"),
     (["--batch", "1,-1"], "--batch"), (["--k", "x"], "--k"), (["--k", "0,-1"], "--k"),
     (["--temperature", "-1"], "--temperature"), (["--temperature", "nan"], "--temperature"),
-    (["--repeats", "0"], "--repeats"), (["--warmup", "0"], "--warmup"),
+    (["--repeats", "0"], "--repeats"), (["--warmup", "-1"], "--warmup"),
     (["--new-tokens", "1"], "--new-tokens"), (["--prompt-len", "0"], "--prompt-len"),
     (["--page-size", "0"], "--page-size"), (["--prompt-len", "600"], "max_position_embeddings"),
     (["--k", "2", "--draft-loops", "4"], "draft_loops"),
@@ -83,21 +83,36 @@ def test_step_bytes_follow_the_dtype():
     assert decode.step_bytes(cfg, 1, 100, 4) == 2 * decode.step_bytes(cfg, 1, 100, 2)
 
 
+def test_a_rerun_starts_its_partial_rows_afresh(tmp_path, monkeypatch):
+    """OUT.partial keeps the rows of a run that dies before its record; a rerun's file holds
+    its own rows only."""
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda gbytes: 1e11)
+
+    def dies(*a, **k):
+        raise RuntimeError("killed before the record")
+    monkeypatch.setattr(decode, "save_record", dies)
+    out = tmp_path / "r.json"
+    (tmp_path / "r.json.partial").write_text('{"stale": 1}\n')
+    with pytest.raises(RuntimeError, match="killed"):
+        decode.main(TINY + ["--batch", "1", "--k", "0", "--temperature", "0", "--out", str(out)])
+    rows = [json.loads(x) for x in (tmp_path / "r.json.partial").read_text().splitlines()]
+    assert [r["batch"] for r in rows] == [1] and "stale" not in rows[0]
+
+
 def test_a_tiny_run_writes_a_consistent_record(tmp_path, monkeypatch):
     monkeypatch.setattr(decode, "copy_bandwidth", lambda gbytes: 1e11)
     out = tmp_path / "new" / "r.json"
-    out.parent.mkdir()
-    (tmp_path / "new" / "r.json.partial").write_text('{"stale": 1}\n')
     assert decode.main(TINY + ["--batch", "1", "--k", "0,2", "--temperature", "0",
                                "--repeats", "2", "--dtype", "fp32", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
-    assert not os.path.exists(str(out) + ".partial")  # the stale one is gone too
+    assert not os.path.exists(str(out) + ".partial")  # the record holds the rows
     assert "--compile-cache ''" in rec["command"]
     assert rec["branch_scale"] == 0.003
     native, spec = rec["rows"]
     for row in rec["rows"]:
         assert row["timed_compile_s"] == 0.0 and row["compile_s"] > 0
         assert row["decode_tok_s"] == pytest.approx(row["decode_tokens"] / row["decode_s"])
+        assert row["decode_tokens"] == 3  # 4 new tokens, the first is prefill's
         assert row["decode_tok_s_min"] <= row["decode_tok_s"] <= row["decode_tok_s_max"]
     from ouro_jax.config import PRESETS
     assert native["step_bytes"] == decode.step_bytes(PRESETS["tiny-mha"], 1, 8 + 4 / 2, 4)
