@@ -111,7 +111,8 @@ def run_config(llm, batch, k, temp, args):
     # decodes the same number of tokens (ignore_eos)
     decode_s = statistics.median(r.stats.decode_s for r in runs)
     decode_tokens = runs[0].stats.decode_tokens
-    assert all(r.stats.decode_tokens == decode_tokens for r in runs), "runs decoded unequally"
+    if any(r.stats.decode_tokens != decode_tokens for r in runs):
+        raise RuntimeError(f"batch {batch} k {k}: the timed runs decoded different token counts")
     row = dict(batch=batch, mode="speculative" if k else "native", k=k,
                draft_loops=args.draft_loops if k else None, temperature=temp,
                decode_tok_s=decode_tokens / decode_s, decode_tok_s_min=min(dec),
