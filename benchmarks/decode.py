@@ -228,8 +228,7 @@ def _run(args, argv, tuning) -> int:
     if partial:  # rows go here as they finish (a time-out keeps them); a rerun starts afresh
         os.makedirs(os.path.dirname(os.path.abspath(partial)), exist_ok=True)
         open(partial, "w").close()
-    gpu = jax.default_backend() == "gpu"
-    args.copy_bw = copy_bandwidth(2.0 if gpu else 0.25)
+    args.copy_bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth "
           f"{args.copy_bw / 1e9:.1f} GB/s", flush=True)
     sweep = sweep_branch_scale(args) if args.sweep_branch_scale else None

@@ -20,28 +20,16 @@ def _items(flag: str, text: str) -> list[str]:
     return items
 
 
-def int_list(flag: str, text: str, low: int) -> list[int]:
-    """'1,8,32' -> [1, 8, 32], each >= low, refused by the flag's name otherwise."""
+def number_list(flag: str, text: str, cast, low, low_open: bool = False) -> list:
+    """'1,8,32' -> [1, 8, 32] (cast int or float), each finite and >= low (> low with
+    low_open), refused by the flag's name otherwise."""
     out = []
     for x in _items(flag, text):
         try:
-            value = int(x)
+            value = cast(x)
         except ValueError:
-            raise SystemExit(f"{flag}: {x!r} is not an integer") from None
-        if value < low:
-            raise SystemExit(f"{flag}: {value} is below {low}")
-        out.append(value)
-    return out
-
-
-def float_list(flag: str, text: str, low: float, low_open: bool = False) -> list[float]:
-    """'0,0.8' -> [0.0, 0.8], finite and >= low (> low with low_open)."""
-    out = []
-    for x in _items(flag, text):
-        try:
-            value = float(x)
-        except ValueError:
-            raise SystemExit(f"{flag}: {x!r} is not a number") from None
+            raise SystemExit(f"{flag}: {x!r} is not {'an integer' if cast is int else 'a number'}") \
+                from None
         if not math.isfinite(value) or value < low or (low_open and value == low):
             raise SystemExit(f"{flag}: {x} must be finite and {'>' if low_open else '>='} {low}")
         out.append(value)
@@ -76,8 +64,8 @@ def check_synthetic_only(args) -> None:
         if getattr(args, key) is None:
             setattr(args, key, default)
     if args.sweep_branch_scale is not None:
-        args.sweep_scales = float_list("--sweep-branch-scale", args.sweep_branch_scale, 0.0,
-                                       low_open=True)
+        args.sweep_scales = number_list("--sweep-branch-scale", args.sweep_branch_scale,
+                                        float, 0.0, low_open=True)
         if not 0.0 <= args.target_acceptance <= 1.0:
             raise SystemExit(f"--target-acceptance {args.target_acceptance} is outside [0, 1]")
 
@@ -102,9 +90,9 @@ def check_values(args) -> None:
     from ouro_jax.sampling import SamplingParams
     from ouro_jax.speculative import SpeculativeConfig
     check_synthetic_only(args)
-    args.batches = int_list("--batch", args.batch, 1)
-    args.ks = int_list("--k", args.k, 0)
-    args.temps = float_list("--temperature", args.temperature, 0.0)
+    args.batches = number_list("--batch", args.batch, int, 1)
+    args.ks = number_list("--k", args.k, int, 0)
+    args.temps = number_list("--temperature", args.temperature, float, 0.0)
     for flag, value, low in (("--repeats", args.repeats, 1), ("--page-size", args.page_size, 1),
                              ("--prompt-len", args.prompt_len, 1),
                              # (0 is for profilers that count launches from the first

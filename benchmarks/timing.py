@@ -41,12 +41,15 @@ def pipelined_rate(fn, x, nbytes: float, calls: int = 10, trials: int = 5) -> fl
     return nbytes / pipelined_seconds(fn, x, calls=calls, trials=trials)
 
 
-def copy_bandwidth(gbytes: float = 2.0) -> float:
-    """Device copy bandwidth in bytes/s (read + write counted) of an XLA `a + 1` over `gbytes`,
-    launched back to back (pipelined_rate). Until session 3 every call was synced, which
-    timed the dispatch and sync with each ~1 ms copy and read 2.9-3.4 TB/s where the
+def copy_bandwidth(gbytes: float | None = None) -> float:
+    """Device copy bandwidth in bytes/s (read + write counted) of an XLA `a + 1` over `gbytes`
+    (default 2 GiB on a GPU; 0.25 elsewhere, where 2 GiB took 74 s and 4.4 GB of memory on
+    a CPU), launched back to back (pipelined_rate). Until session 3 every call was synced,
+    which timed the dispatch and sync with each ~1 ms copy and read 2.9-3.4 TB/s where the
     pipelined figure is ~4.2 TB/s."""
     import jax.numpy as jnp
+    if gbytes is None:
+        gbytes = 2.0 if jax.default_backend() == "gpu" else 0.25
     x = jnp.ones((int(gbytes * 2**30 / 4),), jnp.float32)
     return pipelined_rate(jax.jit(lambda a: a + 1), x, 2 * x.nbytes)
 

@@ -86,7 +86,7 @@ def test_step_bytes_follow_the_dtype():
 def test_a_rerun_starts_its_partial_rows_afresh(tmp_path, monkeypatch):
     """OUT.partial keeps the rows of a run that dies before its record; a rerun's file holds
     its own rows only."""
-    monkeypatch.setattr(decode, "copy_bandwidth", lambda gbytes: 1e11)
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda: 1e11)
 
     def dies(*a, **k):
         raise RuntimeError("killed before the record")
@@ -100,7 +100,7 @@ def test_a_rerun_starts_its_partial_rows_afresh(tmp_path, monkeypatch):
 
 
 def test_a_tiny_run_writes_a_consistent_record(tmp_path, monkeypatch):
-    monkeypatch.setattr(decode, "copy_bandwidth", lambda gbytes: 1e11)
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda: 1e11)
     out = tmp_path / "new" / "r.json"
     assert decode.main(TINY + ["--batch", "1", "--k", "0,2", "--temperature", "0",
                                "--repeats", "2", "--dtype", "fp32", "--out", str(out)]) == 0
@@ -120,7 +120,7 @@ def test_a_tiny_run_writes_a_consistent_record(tmp_path, monkeypatch):
 
 
 def test_a_missing_out_folder_is_made(tmp_path, monkeypatch):
-    monkeypatch.setattr(decode, "copy_bandwidth", lambda gbytes: 1e11)
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda: 1e11)
     out = tmp_path / "a" / "b" / "r.json"
     assert decode.main(TINY + ["--batch", "1", "--k", "0", "--temperature", "0",
                                "--out", str(out)]) == 0
