@@ -54,7 +54,8 @@ def make_engine(args):
               fuse_projections=not args.no_fuse, unroll_loops=args.unroll_loops,
               projections=getattr(args, "projections", "auto"),
               fused_kv_write=getattr(args, "kv_write", "fused") == "fused",
-              persistent_layers=getattr(args, "persistent_layers", False))
+              persistent_layers=getattr(args, "persistent_layers", False),
+              batch_invariant=getattr(args, "batch_invariant", False))
     if args.model:
         return Ouro.load(args.model, args.dtype, **kw)
     cfg = PRESETS[args.synthetic]

@@ -68,6 +68,11 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--kv-write", default="fused", choices=["fused", "xla"],
                    help="decode's RoPE and K/V write: inside the Pallas decode kernel "
                         "(fused, default) or as XLA kernels (xla: the pre-session-6 path)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the engine's batch-invariant kernels (ouro_jax.invariant: greedy "
+                        "speculative output bit-identical to native; slower); needs "
+                        "--attention pallas or auto, --projections auto, --kv-write fused "
+                        "(it writes K/V in XLA itself), no --decode-kernel or tiling overrides")
     p.add_argument("--persistent-layers", action="store_true",
                    help="batch-1 decode loops as one persistent Mosaic GPU kernel each "
                         "(ouro_jax.persistent; jax >= 0.11, bf16, --attention pallas)")
@@ -129,6 +134,7 @@ def check_run(args) -> dict:
     before any device work; leaves --batch, --k and --temperature parsed on args (batches,
     ks, temps); returns the --persistent-tiling overrides."""
     check_values(args)
+    check_invariant_run(args)
     check_pdl_run(args)
     check_fuse_o_run(args)
     check_flow_o_run(args)
@@ -141,6 +147,21 @@ def check_run(args) -> dict:
                          "with an 'mgpu' part (e.g. gemv+norms+stream+mgpu:down), or leave it "
                          "out")
     return persistent_tiling
+
+
+def check_invariant_run(args) -> None:
+    """--batch-invariant picks its own kernels: other kernel switches would not be taken."""
+    if not args.batch_invariant:
+        return
+    given = [flag for flag, on in (
+        ("--attention xla", args.attention == "xla"),
+        ("--projections", args.projections != "auto"), ("--kv-write xla", args.kv_write != "fused"),
+        ("--no-fuse", args.no_fuse), ("--persistent-layers", args.persistent_layers),
+        ("--pdl", args.pdl), ("--decode-kernel", bool(args.decode_kernel.strip())),
+        ("--stream-tiling", bool(getattr(args, "stream_tiling", ""))),
+        ("--mgpu-tiling", bool(args.mgpu_tiling))) if on]
+    if given:
+        raise SystemExit(f"--batch-invariant picks its own kernels; drop {', '.join(given)}")
 
 
 def check_pdl_run(args) -> None:

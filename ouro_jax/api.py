@@ -23,7 +23,8 @@ import numpy as np
 
 from ouro_jax import engine
 from ouro_jax.attention import resolve_backend
-from ouro_jax.api_checks import check_flags, check_layer_kernels, checked_exit, checked_sizes
+from ouro_jax.api_checks import (check_flags, check_invariant, check_layer_kernels, checked_exit,
+                                  checked_sizes)
 from ouro_jax.config import OuroConfig
 from ouro_jax.kv_cache import (KVPoolExhausted, bucket_pages, init_planes, kv_bytes_per_token,
                                next_pow2, pages_needed)
@@ -142,14 +143,19 @@ class Ouro:
                  kv_pool_tokens: Optional[int] = None, prefill_chunk: int = 256,
                  decode_chunk: int = 32, fuse_projections: bool = True,
                  unroll_loops: bool = False, projections: str = "auto",
-                 fused_kv_write: bool = True, persistent_layers: bool = False):
+                 fused_kv_write: bool = True, persistent_layers: bool = False,
+                 batch_invariant: bool = False):
         page_size, prefill_chunk, decode_chunk = checked_sizes(
             cfg, page_size, prefill_chunk, decode_chunk, kv_pool_tokens)
         from ouro_jax.model import unstack_layers
 
-        proj = parse_projections(projections)  # validated before anything is built
         check_flags(fused_kv_write=fused_kv_write, fuse_projections=fuse_projections,
-                    unroll_loops=unroll_loops, persistent_layers=persistent_layers)
+                    unroll_loops=unroll_loops, persistent_layers=persistent_layers,
+                    batch_invariant=batch_invariant)
+        if batch_invariant:  # ouro_jax.invariant: its own kernels, or a clear refusal
+            attention, projections = check_invariant(cfg, attention, projections,
+                                                     persistent_layers)
+        proj = parse_projections(projections)  # validated before anything is built
         # "+unroll": loops unrolled in the program rather than a device while loop;
         # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in
         # canonical form so equal settings give equal program keys; "+kvxla": decode's RoPE
@@ -171,8 +177,10 @@ class Ouro:
             from ouro_jax import persistent
             self.params = dataclasses.replace(self.params,
                                               persistent=persistent.pack(cfg, self.params))
+        self.batch_invariant = batch_invariant
         self.backend = (resolved + ("+unroll" if unroll_loops else "")
-                        + ("+kvxla" if kv_xla else "")
+                        + ("+kvxla" if kv_xla or batch_invariant else "")
+                        + ("+invariant" if batch_invariant else "")
                         + ("" if proj == XLAProjections() else "+" + proj.spec)
                         + ("+persistent" if persistent_layers else ""))
         self.prefill_chunk = next_pow2(prefill_chunk)

@@ -78,3 +78,21 @@ def check_layer_kernels(projections, attention, proj, resolved: str, kv_xla: boo
                          f"K/V write) inside the layer kernel: it needs "
                          f"attention='pallas' (got {attention!r}, i.e. {resolved!r}), "
                          f"fused_kv_write and fuse_projections")
+
+
+def check_invariant(cfg, attention: str, projections: str, persistent_layers: bool):
+    """batch_invariant's settings (ouro_jax.invariant) as (attention, projections): the Pallas
+    attention and the mode's own projections. Other kernel choices are refused by name, not
+    overridden: they would be silently not taken."""
+    from ouro_jax.invariant import check_model
+    if attention not in ("auto", "pallas"):
+        raise ValueError(f"batch_invariant runs the Pallas ragged attention kernel; got "
+                         f"attention={attention!r} (give 'pallas' or leave 'auto')")
+    if projections != "auto":
+        raise ValueError(f"batch_invariant runs every projection through its own Pallas GEMM; "
+                         f"got projections={projections!r} (leave 'auto')")
+    if persistent_layers:
+        raise ValueError("batch_invariant and persistent_layers exclude each other (the "
+                         "persistent kernel is a one-row decode path)")
+    check_model(cfg)
+    return "pallas", "xla"

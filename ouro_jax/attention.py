@@ -121,7 +121,7 @@ def _entry(loop, layer):
 
 def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.Array,
                       page_size: int, backend: str = "xla", fused_kv_write: bool = True,
-                      merge_splits: bool | None = None):
+                      merge_splits: bool | None = None, invariant: bool = False):
     """attend(q, k, v, planes, loop, layer) over query positions [B, C] (all rows have C).
 
     With the pallas backend, C == 1 (decode, draft) and `fused_kv_write`, the function also
@@ -134,32 +134,40 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     vs 7,498.5. fused_kv_write=False (engine option '+kvxla') keeps the XLA path.
     merge_splits: the decode kernel merges its splits itself (None: LAST_COMBINE or the
     kernel's TUNING); then `attend.qkv_stage` also gives the decode attention as a gemv_flow
-    stage ('+flow5')."""
+    stage ('+flow5').
+    invariant (ouro_jax.invariant; pallas only): every C, decode's included, through the
+    ragged kernel at one fixed tuning, the K/V written by XLA first."""
     page, slot = slot_indices(block_tables, positions, page_size)
+    if invariant and backend != "pallas":
+        raise ValueError(f"batch-invariant attention runs the Pallas ragged kernel, not "
+                         f"{backend!r}")
     if backend == "pallas":
         kv_lens = positions[:, -1] + 1
-        attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot)
-        if positions.shape[1] == 1 and fused_kv_write:
+        attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant)
+        if positions.shape[1] == 1 and fused_kv_write and not invariant:
             attend = _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page,
                                         slot, merge_splits)
         return attend
     return _xla_attend(cfg, block_tables, positions, page_size, page, slot)
 
 
-def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot):
-    """The Pallas kernels over K/V written by XLA: decode (C == 1) or ragged (C > 1)."""
+def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=False):
+    """The Pallas kernels over K/V written by XLA: decode (C == 1) or ragged (C > 1, or
+    any C when invariant, at ouro_jax.invariant's fixed tuning)."""
     import pallas_kernels as pk
 
     b, c = positions.shape
     num_layers = cfg.num_hidden_layers
     interpret = jax.default_backend() != "gpu"  # CPU: the kernels' interpret mode
+    from ouro_jax.invariant import ragged_tuning
+    fixed = ragged_tuning(cfg) if invariant else {}
 
     def attend(q, k, v, planes, loop, layer):
         planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
         # The kernels compute the plane from (loop, layer) themselves: handing them a
         # precomputed index costs one tiny XLA kernel per layer application on the GPU.
         plane = dict(entry=_entry(loop, layer), entry_stride=num_layers)
-        if c == 1:
+        if c == 1 and not invariant:
             out = trace_once.call(pk.paged_decode_attention, q[:, 0], planes[0], planes[1],
                                   block_tables=block_tables, kv_lens=kv_lens,
                                   interpret=interpret, **plane)[:, None]
@@ -167,7 +175,8 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot):
             cu = jnp.arange(b + 1, dtype=jnp.int32) * c
             out = trace_once.call(pk.ragged_paged_attention, q.reshape(b * c, *q.shape[2:]),
                                   planes[0], planes[1], block_tables=block_tables,
-                                  kv_lens=kv_lens, cu_q_lens=cu, interpret=interpret, **plane)
+                                  kv_lens=kv_lens, cu_q_lens=cu, interpret=interpret,
+                                  **plane, **fixed)
             out = out.reshape(q.shape)
         return out, planes
     return attend

@@ -104,7 +104,7 @@ def prefill(llm, planes, bt, state, ids, spec, mode, want_lp):
         planes, last_h, last_g = progs.call(
             engine.prefill_chunk, static, (1, 6, 7), llm.params, planes, bt, ids_chunk,
             start_arr, last_idx, last_h, last_g)
-    static = dict(cfg=cfg, spec=spec, mode=mode, want_logprobs=want_lp)
+    static = dict(cfg=cfg, spec=spec, mode=mode, want_logprobs=want_lp, backend=llm.backend)
     state, first = progs.call(engine.prefill_finish, static, (), llm.params, last_h, last_g, state)
     return planes, state, first
 

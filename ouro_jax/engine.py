@@ -16,11 +16,13 @@ from jax import lax
 
 from ouro_jax.attention import make_paged_attend
 from ouro_jax.config import OuroConfig
+from ouro_jax.invariant import OPTION as INVARIANT
+from ouro_jax.invariant import Invariant, head_for, logprobs_for
 from ouro_jax.model import ExitSpec, embed, rope_cos_sin, run_loops, select_exit
 from ouro_jax.params import OuroParams
 from ouro_jax.projection_spec import FLOW_PARTS
 from ouro_jax.projections import parse as parse_projections
-from ouro_jax.sampling import SamplingArrays, SamplingMode, sample, token_logprobs
+from ouro_jax.sampling import SamplingArrays, SamplingMode, sample
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 
@@ -52,21 +54,26 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     streaming GEMV kernel, "+mgpu[:names]" the Mosaic GPU one, "+flow[4|5]" o -> gate/up ->
     down [-> next qkv [-> its attention]] as one kernel, "+graph" a one-row loop's layers as
     one CUDA graph of our own: ouro_jax.graph_loop) with the Pallas GEMV /
-    skinny GEMM (ouro_jax.projections.parse). `h` overrides the embedding input
-    (verification starts from the draft's states)."""
+    skinny GEMM (ouro_jax.projections.parse); "+invariant" every kernel batch-invariant
+    (ouro_jax.invariant). `h` overrides the embedding input (verification starts from the
+    draft's states)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options
                if o.startswith(("gemv", "gemm", "pf", "mgpu"))
                or o in ("norms", "stream", "graph", *FLOW_PARTS)]
     # "+persistent" only labels the programs: the packed weights in params.persistent
     # select the path (ouro_jax.persistent)
-    unknown = [o for o in options if o not in ("unroll", "kvxla", "persistent")
+    unknown = [o for o in options if o not in ("unroll", "kvxla", "persistent", INVARIANT)
                and o not in kernels]
     if unknown:
         raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', "
                          f"'kvxla', 'gemv...', 'gemm...', 'norms', 'pfN', 'stream', 'mgpu...', "
-                         f"'flow', 'flow4', 'flow5', 'graph'")
-    proj = parse_projections("+".join(kernels) or "xla")
+                         f"'flow', 'flow4', 'flow5', 'graph', '{INVARIANT}'")
+    invariant = INVARIANT in options
+    if invariant and kernels:
+        raise ValueError(f"backend {backend!r}: '{INVARIANT}' chooses every projection "
+                         f"kernel itself; drop {kernels}")
+    proj = Invariant() if invariant else parse_projections("+".join(kernels) or "xla")
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, params.dtype)
     if h is None:
         h = embed(params, ids, params.dtype)
@@ -77,7 +84,7 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     _check_flow_o(proj)
     attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], attention,
                                fused_kv_write="kvxla" not in options,
-                               merge_splits=True if flow5 else None)
+                               merge_splits=True if flow5 else None, invariant=invariant)
     # Some attends carry extra state with the planes (the decode kernel's split counters).
     state = attend.wrap(planes) if hasattr(attend, "wrap") else planes
     hidden, gates, state = run_loops(params, h, cos, sin, cfg, attend, state, loops,
@@ -117,11 +124,13 @@ def prefill_chunk(params, planes, block_tables, ids, start, last_idx, last_h, la
 
 
 def choose_tokens(params, hidden, gates, sampling: SamplingArrays, positions, *,
-                  cfg: OuroConfig, spec: ExitSpec, mode: SamplingMode, want_logprobs: bool):
+                  cfg: OuroConfig, spec: ExitSpec, mode: SamplingMode, want_logprobs: bool,
+                  backend: str):
     """Exit selection + sampling for per-loop states hidden [T, B, D]."""
-    logits, steps = select_exit(params, hidden, gates, cfg, spec)
+    logits, steps = select_exit(params, hidden, gates, cfg, spec, head_for(backend))
     tokens = sample(logits, sampling, mode, positions)
-    lps = token_logprobs(logits, tokens) if want_logprobs else jnp.zeros(tokens.shape, jnp.float32)
+    lps = (logprobs_for(backend)(logits, tokens) if want_logprobs
+           else jnp.zeros(tokens.shape, jnp.float32))
     return tokens, steps, lps
 
 
@@ -155,7 +164,7 @@ def decode_step(params, planes, block_tables, state: RowState, *, cfg, spec, mod
                                           positions, cfg, range(cfg.total_ut_steps), backend)
     new, steps, lps = choose_tokens(params, hidden[:, :, 0], gates[:, :, 0], state.sampling,
                                     state.lengths + 1, cfg=cfg, spec=spec, mode=mode,
-                                    want_logprobs=want_logprobs)
+                                    want_logprobs=want_logprobs, backend=backend)
     state, active = commit_one(state, new)
     return planes, state, (new, steps, lps, active)
 
@@ -189,8 +198,10 @@ def decode_chunk(params, planes, block_tables, state: RowState, num_steps, *, bu
     return planes, state, (out_tok, out_exit, out_lp, steps_run)
 
 
-def prefill_finish(params, last_h, last_g, state: RowState, *, cfg, spec, mode, want_logprobs):
+def prefill_finish(params, last_h, last_g, state: RowState, *, cfg, spec, mode, want_logprobs,
+                   backend):
     """First generated token of every row from the prompt's last per-loop states."""
     tokens, steps, lps = choose_tokens(params, last_h, last_g, state.sampling, state.lengths,
-                                       cfg=cfg, spec=spec, mode=mode, want_logprobs=want_logprobs)
+                                       cfg=cfg, spec=spec, mode=mode, want_logprobs=want_logprobs,
+                                       backend=backend)
     return start_rows(state, tokens), (tokens, steps, lps)

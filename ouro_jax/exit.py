@@ -15,7 +15,7 @@ from ouro_jax.params import OuroParams
 from ouro_jax.sampling import as_bool, as_int, as_real
 
 
-def _lm_head(params: OuroParams, h: jax.Array) -> jax.Array:
+def _default_head(params: OuroParams, h: jax.Array) -> jax.Array:
     from ouro_jax.model import lm_head  # (model imports this module)
     return lm_head(params, h)
 
@@ -91,20 +91,22 @@ class ExitSpec(NamedTuple):
 
 
 def select_exit(params: OuroParams, hidden: jax.Array, gate_logits: jax.Array,
-                cfg: OuroConfig, spec: ExitSpec = ExitSpec()):
-    """Logits [..., V] and exit step [...] from per-loop states hidden [T, ..., D]."""
+                cfg: OuroConfig, spec: ExitSpec = ExitSpec(), head=None):
+    """Logits [..., V] and exit step [...] from per-loop states hidden [T, ..., D].
+    head(params, h): the LM head (default model.lm_head; ouro_jax.invariant has its own)."""
+    to_logits = head or _default_head
     mode = spec.mode()
     n = hidden.shape[0]
     if mode == "step":
         step = jnp.full(hidden.shape[1:-1], spec.exit_at_step, jnp.int32)
-        return _lm_head(params, hidden[spec.exit_at_step]), step
+        return to_logits(params, hidden[spec.exit_at_step]), step
     if mode == "weighted":
         probs = exit_probabilities(gate_logits)
         logits = sum(probs[t][..., None].astype(jnp.float32)
-                     * _lm_head(params, hidden[t]).astype(jnp.float32) for t in range(n))
+                     * to_logits(params, hidden[t]).astype(jnp.float32) for t in range(n))
         step = jnp.full(hidden.shape[1:-1], n - 1, jnp.int32)  # every loop contributes
         return logits.astype(hidden.dtype), step
     threshold = cfg.early_exit_threshold if spec.threshold is None else spec.threshold
     step = threshold_exit_step(gate_logits, threshold)
     chosen = jnp.take_along_axis(hidden, step[None, ..., None], axis=0)[0]
-    return _lm_head(params, chosen), step
+    return to_logits(params, chosen), step

@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-1 decode: each loop's layers as one persistent Mosaic GPU "
                         "kernel (jax >= 0.11, bf16, --attention pallas; experimental and slower: "
                         "113.7 against 205.0 tok/s on an H100, docs/performance.md)")
+    r.add_argument("--batch-invariant", action="store_true",
+                   help="kernels whose every row computes alike whatever shares the call "
+                        "(ouro_jax.invariant): in bf16 too, a request's tokens then do not "
+                        "depend on the batch, and greedy speculative output is bit-identical "
+                        "to native greedy; slower (the Pallas GEMM and ragged attention "
+                        "everywhere; needs --attention pallas or auto and --projections auto)")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
     r.add_argument("--kv-pool-tokens", type=int, default=None,
@@ -289,7 +295,8 @@ def main(argv=None) -> int:
                         attention=args.attention,
                         projections=args.projections,
                         decode_chunk=args.decode_chunk, kv_pool_tokens=args.kv_pool_tokens,
-                        persistent_layers=args.persistent_layers)
+                        persistent_layers=args.persistent_layers,
+                        batch_invariant=args.batch_invariant)
         load_s = time.perf_counter() - t0
         hint = "" if args.dtype or args.json else _dtype_hint(args.model)
         if hint:

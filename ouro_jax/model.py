@@ -281,12 +281,14 @@ def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = Fal
         raise ValueError(f"loops must be a contiguous range, got {loops}")
     if TRACE_HOOK is not None:
         TRACE_HOOK(tuple(loops), tuple(h.shape))
+    # (ouro_jax.invariant's projections compute the gate per row, not as a dot)
+    gate_logit = getattr(proj, "gate_logit", exit_gate_logit)
     if unroll:
         hs, gs = [], []
         for loop in loops:
             h, state = run_loop(params, h, cos, sin, cfg, attend, state, loop, proj)
             hs.append(h)
-            gs.append(exit_gate_logit(params, h))
+            gs.append(gate_logit(params, h))
         return jnp.stack(hs), jnp.stack(gs), state
     hs = jnp.zeros((n, *h.shape), h.dtype)
     gs = jnp.zeros((n, *h.shape[:-1]), h.dtype)
@@ -294,7 +296,7 @@ def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = Fal
     def body(i, carry):
         h, state, hs, gs = carry
         h, state = run_loop(params, h, cos, sin, cfg, attend, state, start + i, proj)
-        return h, state, hs.at[i].set(h), gs.at[i].set(exit_gate_logit(params, h))
+        return h, state, hs.at[i].set(h), gs.at[i].set(gate_logit(params, h))
 
     _, state, hs, gs = lax.fori_loop(0, n, body, (h, state, hs, gs))
     return hs, gs, state

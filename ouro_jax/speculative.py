@@ -31,9 +31,10 @@ from jax import lax
 
 from ouro_jax import engine
 from ouro_jax.config import OuroConfig
+from ouro_jax.invariant import head_for, logprobs_for
 from ouro_jax.model import lm_head, select_exit
 from ouro_jax.sampling import (PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_DRAFT, PURPOSE_RESIDUAL,
-                               as_int, processed_logits, row_keys, sample, token_logprobs)
+                               as_int, processed_logits, row_keys, sample)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _draft(params, planes, bt, state, *, cfg, sc, mode, backend):
     def body(j, carry):
         planes, tok, hs, gs, cands, qlp = carry
         planes, h, g, pos = step(j, planes, tok)
-        logits = lm_head(params, h[d - 1])
+        logits = (head_for(backend) or lm_head)(params, h[d - 1])
         cand = sample(logits, state.sampling, mode, pos + 1, PURPOSE_DRAFT)
         if mode.sample:
             qlp = qlp.at[j].set(jax.nn.log_softmax(processed_logits(logits, state.sampling, mode)))
@@ -129,7 +130,7 @@ def _verify(params, planes, bt, state, hs, gs, *, cfg, sc, spec, backend):
         h=shallow_h[d - 1])
     hidden = jnp.concatenate([shallow_h, deep_h], axis=0)
     gates = jnp.concatenate([shallow_g, deep_g], axis=0)
-    logits, steps = select_exit(params, hidden, gates, cfg, spec)
+    logits, steps = select_exit(params, hidden, gates, cfg, spec, head_for(backend))
     return planes, logits, steps
 
 
@@ -169,7 +170,8 @@ def _accept(logits, cands, qlp, state, *, sc, mode):
     return a, out
 
 
-def _commit(state, counters: SpecCounters, a, out, logits, steps, *, sc, want_logprobs):
+def _commit(state, counters: SpecCounters, a, out, logits, steps, *, sc, want_logprobs,
+            backend):
     """Commits out[:, :a+1] (truncated by stop ids and max_tokens); returns the new state,
     counters and this round's [B, k+1] buffers (-1 = nothing committed there)."""
     k = sc.k
@@ -193,7 +195,8 @@ def _commit(state, counters: SpecCounters, a, out, logits, steps, *, sc, want_lo
     counters = SpecCounters(counters.rounds + active, counters.drafted + jnp.where(active, useful, 0),
                             counters.accepted + jnp.where(active, jnp.minimum(a, useful), 0))
     written = j < m[:, None]
-    lps = (jax.vmap(token_logprobs, in_axes=(1, 1), out_axes=1)(logits, out) if want_logprobs
+    lps = (jax.vmap(logprobs_for(backend), in_axes=(1, 1), out_axes=1)(logits, out)
+           if want_logprobs
            else jnp.zeros(out.shape, jnp.float32))
     return new_state, counters, (jnp.where(written, out, -1), steps, lps)
 
@@ -206,7 +209,7 @@ def spec_round(params, planes, bt, state, counters, *, cfg, sc, spec, mode, want
                                     backend=backend)
     a, out = _accept(logits, cands, qlp, state, sc=sc, mode=mode)
     state, counters, bufs = _commit(state, counters, a, out, logits, steps, sc=sc,
-                                    want_logprobs=want_logprobs)
+                                    want_logprobs=want_logprobs, backend=backend)
     return planes, state, counters, bufs
 
 

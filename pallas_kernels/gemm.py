@@ -72,10 +72,13 @@ def check_supported(m: int, k: int, n_out: int, *, block_m: int, block_n: int, b
 
 
 def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = False,
-         **tuning) -> jax.Array:
+         fixed_rows: bool = False, **tuning) -> jax.Array:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation); gated: w = [gate; up]
     [2I, K] -> silu(x @ gate^T) * (x @ up^T) [M, I]. tuning: DEFAULTS' keys; block_m is cut
-    to the next power of two >= M (at least 16) so few-row calls do not compute empty rows."""
+    to the next power of two >= M (at least 16) so few-row calls do not compute empty rows.
+    fixed_rows: keep block_m whatever M is. The tile shapes, and so every row's arithmetic,
+    are then the same for any M (a shorter tile may lower to other tensor-core instructions
+    on a GPU): ouro_jax.invariant relies on it."""
     unknown = set(tuning) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown gemm tuning keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
@@ -87,7 +90,8 @@ def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
         raise ValueError(f"gated gemm needs w = [gate; up] with an even row count, got {n}")
     n_out = n // 2 if gated else n
     cfg = dict(DEFAULTS, **tuning)
-    cfg["block_m"] = min(cfg["block_m"], max(16, 1 << (m - 1).bit_length()))
+    if not fixed_rows:
+        cfg["block_m"] = min(cfg["block_m"], max(16, 1 << (m - 1).bit_length()))
     check_supported(m, k, n_out, block_m=cfg["block_m"], block_n=cfg["block_n"],
                     block_k=cfg["block_k"])
     kernel = functools.partial(_kernel, m=m, k=k, block_m=cfg["block_m"],

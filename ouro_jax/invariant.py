@@ -1,0 +1,141 @@
+"""Batch-invariant kernels (`Ouro(batch_invariant=True)`, the CLI's `--batch-invariant`):
+every row's arithmetic is the same whatever else shares the call.
+
+Why: greedy speculative decoding is exact in exact arithmetic, but in bf16 its verification
+runs k+1 positions per sequence through kernels that native decode runs with one, and the
+GPU kernels pick other tilings, split-K and instructions for other row counts. The rounding
+then differs, and near-tied argmaxes flip: on the H200 only 4 of 8, 21-22 of 32 and 40-44 of
+64 sequences came out identical to native greedy (docs/performance.md). The same effect makes
+a request's tokens depend on the batch it shares. In this mode:
+
+- every projection (qkv, o, gate/up, down) and the LM head go through the skinny Pallas GEMM
+  (pallas_kernels.gemm) at one tiling per weight and a fixed row block, whatever the row
+  count: a row's dot products then run the same tiles in the same order;
+- attention, decode (one query) included, goes through the ragged paged kernel with one
+  split and a fixed query tile (pallas_kernels.ragged): a query's keys are read in the same
+  blocks in the same order whether 1 or k+1 queries of its sequence share the tile, and
+  the keys a tile masks for that query add exact zeros;
+- the exit gate's logit is an fp32 product summed per row (no dot whose algorithm could
+  depend on the row count), so threshold exits pick the same loop;
+- RMSNorm, residual adds, RoPE and the K/V write stay XLA's elementwise and per-row code.
+
+It costs throughput (no one-row GEMVs, no fused decode kernel): it is opt-in. Output is
+not approximated: it is the same model in another summation order, as bf16 is anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ouro_jax import trace_once
+from ouro_jax.projection_tuning import GEMM_TUNING, fit_gemm_tuning
+from ouro_jax.projections import XLA
+
+# The LM head's GEMM tiling (qkv's, the widest measured: benchmarks/results/gemm_session5_*)
+HEAD_TUNING = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
+# The GEMM's smallest tile side: every projection's dims must be multiples of it
+TILE = 16
+OPTION = "invariant"  # the engine's backend option (ouro_jax.engine.forward_block)
+
+
+def applies(backend: str) -> bool:
+    """Whether an engine backend string ('pallas+kvxla+invariant') asks for this mode."""
+    return OPTION in backend.split("+")
+
+
+def head_for(backend: str):
+    """The LM head a program with this backend string uses (None: model.lm_head)."""
+    return Invariant.head if applies(backend) else None
+
+
+def logprobs_for(backend: str):
+    """The token log-prob function a program with this backend string uses."""
+    from ouro_jax.sampling import token_logprobs
+    return invariant_token_logprobs if applies(backend) else token_logprobs
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis in one fixed order: zero-padded to a power of two, then halves
+    added elementwise until one column is left. Elementwise adds are not reassociated, so
+    each row's bits depend on that row alone, unlike a reduction whose tree the compiler
+    may choose by shape."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
+
+
+def invariant_token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """sampling.token_logprobs with the log-sum-exp's sum in row_sum's order (the max is
+    exact in any order)."""
+    x = logits.astype(jnp.float32)
+    m = jnp.max(x, axis=-1)
+    lse = m + jnp.log(row_sum(jnp.exp(x - m[..., None])))
+    return jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - lse
+
+
+def _gemm(x, w, tuning: dict, gated: bool = False):
+    from pallas_kernels.gemm import gemm
+    n_out = w.shape[0] // 2 if gated else w.shape[0]
+    y = trace_once.call(gemm, x.reshape(-1, x.shape[-1]), w, gated=gated,
+                        interpret=jax.default_backend() != "gpu", fixed_rows=True,
+                        **fit_gemm_tuning(tuning, n_out, x.shape[-1]))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Invariant(XLA):
+    """Projections whose rows do not depend on each other (see the module docstring)."""
+
+    def project(self, name, x, w, next_weight=None):
+        x = x.merged() if hasattr(x, "merged") else x
+        return _gemm(x, w, GEMM_TUNING[name])
+
+    def gated(self, x, w, next_weight=None):
+        return _gemm(x, w, GEMM_TUNING["gate_up"], gated=True)
+
+    @staticmethod
+    def gate_logit(params, h):
+        """model.exit_gate_logit's value (fp32 products and sum, the bias added in fp32,
+        rounded once) as a per-row sum rather than a dot."""
+        w = params.exit_gate_w.astype(h.dtype).astype(jnp.float32)[0]
+        z = jnp.sum(h.astype(jnp.float32) * w, axis=-1)
+        return (z + params.exit_gate_b.astype(jnp.float32)[0]).astype(h.dtype)
+
+    @staticmethod
+    def head(params, h):
+        """The LM head through the GEMM; a vocabulary that is not a multiple of the tile is
+        padded with zero rows for the call and the padding sliced off (small test models:
+        real checkpoints' vocabularies are multiples of 16, so no copy)."""
+        w = params.lm_head.astype(h.dtype)
+        v = w.shape[0]
+        if v % TILE:
+            w = jnp.pad(w, ((0, TILE - v % TILE), (0, 0)))
+        return _gemm(h, w, HEAD_TUNING)[..., :v]
+
+
+def check_model(cfg) -> None:
+    """Raises, before anything is built, for a model whose projections the GEMM cannot tile."""
+    hd = cfg.head_dim
+    dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads * head_dim": cfg.num_attention_heads * hd,
+            "num_key_value_heads * head_dim": cfg.num_key_value_heads * hd}
+    bad = {k: v for k, v in dims.items() if v % TILE}
+    if bad:
+        raise ValueError(f"batch_invariant runs every projection through the Pallas GEMM, "
+                         f"whose tiles need multiples of {TILE}: "
+                         + ", ".join(f"{k} = {v}" for k, v in bad.items()))
+
+
+def ragged_tuning(cfg) -> dict:
+    """The ragged attention's fixed tuning: one split, and a query tile of 16 rows of M
+    (block_q * the padded GQA group), the tile its own default picks for short queries."""
+    from pallas_kernels._common import next_pow2
+    group_pad = next_pow2(cfg.num_attention_heads // cfg.num_key_value_heads)
+    return dict(num_splits=1, block_q=max(1, 16 // group_pad))
