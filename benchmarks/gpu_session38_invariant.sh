@@ -13,7 +13,7 @@ CAP=${CAP:-540}
 D="python3 -m benchmarks.decode --synthetic 1.4b --attention pallas --temperature 0 --repeats 2 --compile-cache /tmp/cc"
 show() { grep -E "^ *[0-9]+ +(native|spec)|rror|identical|bandwidth"; }
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL $(left 150) python3 -m pytest -q -p no:cacheprovider \
-  tests/test_invariant.py -x 2>&1 | tail -6
+  tests/test_invariant.py -n 4 2>&1 | tail -8
 timeout -s KILL $(left 300) $D --batch-invariant --batch 1,8,64 --k 0,4 \
   --out $OUT/decode_invariant_${S}_$G.json 2>&1 | show
 timeout -s KILL $(left 200) $D --batch 1,8,64 --k 0 --out $OUT/decode_default_${S}_$G.json 2>&1 | show
