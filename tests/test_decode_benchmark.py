@@ -35,6 +35,9 @@ def no_device_work(monkeypatch):
     (["--sweep-branch-scale", "0.1,x"], "--sweep-branch-scale"),
     (["--projections", "bogus"], "--projections"),
     (["--sweep-branch-scale", "0.1", "--target-acceptance", "80"], "--target-acceptance"),
+    (["--batch-invariant", "--projections", "gemv"], "--projections"),
+    (["--batch-invariant", "--attention", "xla"], "--attention xla"),
+    (["--batch-invariant", "--kv-write", "xla"], "--kv-write xla"),
 ])
 def test_bad_values_are_refused_by_name_before_device_work(no_device_work, extra, flag):
     with pytest.raises(SystemExit) as e:
@@ -125,3 +128,16 @@ def test_a_missing_out_folder_is_made(tmp_path, monkeypatch):
     assert decode.main(TINY + ["--batch", "1", "--k", "0", "--temperature", "0",
                                "--out", str(out)]) == 0
     assert json.loads(out.read_text())["rows"][0]["batch"] == 1
+
+
+def test_a_batch_invariant_run_is_labelled_and_matches(tmp_path, monkeypatch):
+    """--batch-invariant runs the engine's invariant kernels, says so in the record, and its
+    bf16 greedy speculative sequences all equal native ones."""
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda: 1e11)
+    out = tmp_path / "r.json"
+    assert decode.main(TINY + ["--batch", "3", "--k", "0,2", "--temperature", "0",
+                               "--attention", "pallas", "--batch-invariant",
+                               "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["backend"] == "pallas+kvxla+invariant" and rec["dtype"] == "bf16"
+    assert rec["greedy_token_match"][0]["identical_sequences"] == 3
