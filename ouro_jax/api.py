@@ -154,7 +154,7 @@ class Ouro:
                     batch_invariant=batch_invariant)
         if batch_invariant:  # ouro_jax.invariant: its own kernels, or a clear refusal
             attention, projections = check_invariant(cfg, attention, projections,
-                                                     persistent_layers)
+                                                     persistent_layers, fuse_projections)
         proj = parse_projections(projections)  # validated before anything is built
         # "+unroll": loops unrolled in the program rather than a device while loop;
         # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in

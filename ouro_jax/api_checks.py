@@ -80,7 +80,8 @@ def check_layer_kernels(projections, attention, proj, resolved: str, kv_xla: boo
                          f"fused_kv_write and fuse_projections")
 
 
-def check_invariant(cfg, attention: str, projections: str, persistent_layers: bool):
+def check_invariant(cfg, attention: str, projections: str, persistent_layers: bool,
+                    fuse_projections: bool):
     """batch_invariant's settings (ouro_jax.invariant) as (attention, projections): the Pallas
     attention and the mode's own projections. Other kernel choices are refused by name, not
     overridden: they would be silently not taken."""
@@ -94,5 +95,8 @@ def check_invariant(cfg, attention: str, projections: str, persistent_layers: bo
     if persistent_layers:
         raise ValueError("batch_invariant and persistent_layers exclude each other (the "
                          "persistent kernel is a one-row decode path)")
+    if not fuse_projections:
+        raise ValueError("batch_invariant needs fuse_projections=True (the unfused layer "
+                         "runs its MLP as XLA dots)")
     check_model(cfg)
     return "pallas", "xla"

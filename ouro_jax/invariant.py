@@ -15,9 +15,11 @@ a request's tokens depend on the batch it shares. In this mode:
   split and a fixed query tile (pallas_kernels.ragged): a query's keys are read in the same
   blocks in the same order whether 1 or k+1 queries of its sequence share the tile, and
   the keys a tile masks for that query add exact zeros;
-- the exit gate's logit is an fp32 product summed per row (no dot whose algorithm could
-  depend on the row count), so threshold exits pick the same loop;
-- RMSNorm, residual adds, RoPE and the K/V write stay XLA's elementwise and per-row code.
+- the sums XLA would reduce (RMSNorm's mean of squares, the exit gate's logit, the
+  log-probs' log-sum-exp) add halves elementwise in a fixed order (row_sum): a reduction's
+  tree, like a dot's algorithm, is the compiler's choice and may follow the shape;
+- residual adds, RoPE, the K/V write, maxima and argmaxes are elementwise or exact in any
+  order.
 
 It costs throughput (no one-row GEMVs, no fused decode kernel): it is opt-in. Output is
 not approximated: it is the same model in another summation order, as bf16 is anyway.
@@ -100,12 +102,19 @@ class Invariant(XLA):
     def gated(self, x, w, next_weight=None):
         return _gemm(x, w, GEMM_TUNING["gate_up"], gated=True)
 
+    def norm(self, x, w, eps):
+        """model.rms_norm with the mean of squares summed by row_sum."""
+        xf = x.astype(jnp.float32)
+        ms = row_sum(xf * xf) / x.shape[-1]
+        y = xf * jax.lax.rsqrt(ms[..., None] + eps)
+        return y.astype(x.dtype) * w.astype(x.dtype)
+
     @staticmethod
     def gate_logit(params, h):
         """model.exit_gate_logit's value (fp32 products and sum, the bias added in fp32,
-        rounded once) as a per-row sum rather than a dot."""
+        rounded once) with the sum by row_sum rather than a dot."""
         w = params.exit_gate_w.astype(h.dtype).astype(jnp.float32)[0]
-        z = jnp.sum(h.astype(jnp.float32) * w, axis=-1)
+        z = row_sum(h.astype(jnp.float32) * w)
         return (z + params.exit_gate_b.astype(jnp.float32)[0]).astype(h.dtype)
 
     @staticmethod

@@ -223,8 +223,9 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
                                      next_qkv=params.layers[(layer + 1) % n].qkv_proj,
                                      next_lp=params.layers[layer + 1] if layer + 1 < n
                                      else None)
-        h = (proj or XLA_PROJECTIONS).materialize(h, cfg.rms_norm_eps)
-        return rms_norm(h, params.norm, cfg.rms_norm_eps), state
+        proj = proj or XLA_PROJECTIONS
+        h = proj.materialize(h, cfg.rms_norm_eps)
+        return proj.norm(h, params.norm, cfg.rms_norm_eps), state
 
     def body(carry, xs):
         x, st = carry

@@ -103,10 +103,14 @@ class XLA:
         gu = _linear(x, w)
         return silu(gu[..., :i]) * gu[..., i:]
 
+    def norm(self, x, w, eps: float) -> jax.Array:
+        """model.rms_norm (ouro_jax.invariant sums its squares in a fixed order)."""
+        return _rms_norm(x, w, eps)
+
     def materialize(self, x, eps: float) -> jax.Array:
         """The residual stream as an array (a Residual is added up here)."""
         if isinstance(x, Residual):
-            return x.resid + _rms_norm(x.branch, x.weight, eps)
+            return x.resid + self.norm(x.branch, x.weight, eps)
         return x.x if isinstance(x, Prepared) else x
 
     def normed(self, name: str, x, norm_w, w, eps: float, gated: bool = False,
@@ -114,13 +118,13 @@ class XLA:
         """(projection of rms_norm(x, norm_w), x as an array); gated: the gated MLP input;
         next_weight as in project."""
         x = self.materialize(x, eps)
-        hx = _rms_norm(x, norm_w, eps)
+        hx = self.norm(x, norm_w, eps)
         return (self.gated(hx, w, next_weight=next_weight) if gated else
                 self.project(name, hx, w, next_weight=next_weight)), x
 
     def residual(self, h, m, w, eps: float):
         """The layer output h + rms_norm(m, w), now (XLA) or deferred (see Residual)."""
-        return h + _rms_norm(m, w, eps)
+        return h + self.norm(m, w, eps)
 
 
 @dataclasses.dataclass(frozen=True)

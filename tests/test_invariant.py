@@ -146,6 +146,7 @@ def test_bad_settings_are_refused_by_name(bf16_model):
     cases = [(dict(attention="xla"), "attention='xla'"),
              (dict(projections="gemv"), "projections='gemv'"),
              (dict(persistent_layers=True), "persistent_layers"),
+             (dict(fuse_projections=False), "fuse_projections=True"),
              (dict(batch_invariant="yes"), "batch_invariant must be True or False")]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
