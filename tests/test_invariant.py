@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import has_gpu, load, ragged_prompts, tiny_checkpoint
+from engine_helpers import has_gpu, host_reads, load, ragged_prompts, tiny_checkpoint
 from ouro_jax.api import Ouro
 from ouro_jax.config import TINY_GQA
 from ouro_jax.params import random_params
@@ -69,6 +69,21 @@ def test_threshold_exits_pick_the_same_loops(bf16_model):
     depths = {d for out in native for d in out.exit_depths}
     assert len(depths) > 1, depths  # the threshold does pick different loops here
     assert _same(native, spec) == [True] * len(prompts)
+
+
+def test_one_fetch_per_call_and_no_recompile(bf16_model, monkeypatch):
+    """The mode keeps the engine's contract: a speculative call is one host fetch, and a
+    second call of the same shapes compiles nothing."""
+    cfg, params, prompts = bf16_model
+    llm = Ouro(cfg, params, None, page_size=4, batch_invariant=True)
+    sc = SpeculativeConfig(k=3, draft_loops=2, rounds_per_fetch=64)
+    llm.generate(prompts, SP, speculative=sc)  # compiles
+    reads = host_reads(monkeypatch)
+    with jax.transfer_guard_device_to_host("disallow"):  # a no-op on CPU; `reads` counts
+        res = llm.generate(ragged_prompts(cfg.vocab_size, [4, 11, 2], seed=9), SP,
+                           speculative=sc)
+    assert reads.fetches == 1 and res.stats.host_fetches == 1 and reads.implicit == []
+    assert res.stats.compiles == 0
 
 
 def test_control_default_kernels_differ_here(bf16_model):
