@@ -71,8 +71,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action="store_true",
                    help="the engine's batch-invariant kernels (ouro_jax.invariant: greedy "
                         "speculative output bit-identical to native; slower); needs "
-                        "--attention pallas or auto, --projections auto, --kv-write fused "
-                        "(it writes K/V in XLA itself), no --decode-kernel or tiling overrides")
+                        "--attention pallas or auto and --projections auto, and takes no "
+                        "kernel tuning overrides (it writes K/V in XLA whatever --kv-write "
+                        "says)")
     p.add_argument("--persistent-layers", action="store_true",
                    help="batch-1 decode loops as one persistent Mosaic GPU kernel each "
                         "(ouro_jax.persistent; jax >= 0.11, bf16, --attention pallas)")
@@ -150,16 +151,19 @@ def check_run(args) -> dict:
 
 
 def check_invariant_run(args) -> None:
-    """--batch-invariant picks its own kernels: other kernel switches would not be taken."""
+    """--batch-invariant picks its own kernels and tunings: other kernel switches would not
+    be taken, or (--ragged-kernel) would be taken only in part."""
     if not args.batch_invariant:
         return
     given = [flag for flag, on in (
         ("--attention xla", args.attention == "xla"),
-        ("--projections", args.projections != "auto"), ("--kv-write xla", args.kv_write != "fused"),
-        ("--no-fuse", args.no_fuse), ("--persistent-layers", args.persistent_layers),
-        ("--pdl", args.pdl), ("--decode-kernel", bool(args.decode_kernel.strip())),
-        ("--stream-tiling", bool(getattr(args, "stream_tiling", ""))),
-        ("--mgpu-tiling", bool(args.mgpu_tiling))) if on]
+        ("--projections", args.projections != "auto"), ("--no-fuse", args.no_fuse),
+        ("--persistent-layers", args.persistent_layers), ("--pdl", args.pdl),
+        ("--decode-kernel", args.decode_kernel.strip()),
+        ("--ragged-kernel", args.ragged_kernel.strip()),
+        ("--stream-tiling", args.stream_tiling.strip()), ("--mgpu-tiling", args.mgpu_tiling),
+        ("--l2-prefetch", args.l2_prefetch), ("--l2-next", args.l2_next),
+        ("--stream-set", args.stream_set)) if on]
     if given:
         raise SystemExit(f"--batch-invariant picks its own kernels; drop {', '.join(given)}")
 

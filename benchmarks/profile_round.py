@@ -65,7 +65,8 @@ def profile(llm, batch, k, d, prompt_len, iters):
 
     def accept_commit(logits, cands, qlp, st, ctr, steps):
         a, out = sm._accept(logits, cands, qlp, st, sc=sc, mode=mode)
-        return sm._commit(st, ctr, a, out, logits, steps, sc=sc, want_logprobs=False)
+        return sm._commit(st, ctr, a, out, logits, steps, sc=sc, want_logprobs=False,
+                          backend=be)
     accept = jax.jit(accept_commit)
     rnd = jax.jit(lambda p, pl, st, c: sm.spec_round(p, pl, bt, st, c, sc=sc, **kw))
     parts = {

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernels whose every row computes alike whatever shares the call "
                         "(ouro_jax.invariant): in bf16 too, a request's tokens then do not "
                         "depend on the batch, and greedy speculative output is bit-identical "
-                        "to native greedy; slower (the Pallas GEMM and ragged attention "
+                        "to native greedy, at temperature 0 (verified on the CPU; not yet "
+                        "run on a GPU); slower (the Pallas GEMM and ragged attention "
                         "everywhere; needs --attention pallas or auto and --projections auto)")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")

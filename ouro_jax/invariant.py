@@ -19,10 +19,17 @@ a request's tokens depend on the batch it shares. In this mode:
   log-probs' log-sum-exp) add halves elementwise in a fixed order (row_sum): a reduction's
   tree, like a dot's algorithm, is the compiler's choice and may follow the shape;
 - residual adds, RoPE, the K/V write, maxima and argmaxes are elementwise or exact in any
-  order.
+  order; the programs compile with xla_allow_excess_precision off (ouro_jax.programs), so
+  XLA keeps every bf16 rounding the HLO asks for wherever it puts its fusion boundaries.
+  Assumed, not forced: that XLA contracts a*b + c into one FMA alike in the decode and the
+  verification program (its elementwise chains fuse whatever the shape).
 
-It costs throughput (no one-row GEMVs, no fused decode kernel): it is opt-in. Output is
-not approximated: it is the same model in another summation order, as bf16 is anyway.
+Verified in interpret mode on the CPU (tests/test_invariant.py); the compiled GPU test and
+benchmarks/gpu_session38_invariant.sh have not run yet. Not covered: sampling at
+temperature > 0 still sums top-p's softmax and speculative sampling's log-softmaxes with
+XLA's reductions. It costs throughput (no one-row GEMVs, no fused decode kernel): it is
+opt-in. Output is not approximated: it is the same model in another summation order, as
+bf16 is anyway.
 """
 
 from __future__ import annotations

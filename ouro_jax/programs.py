@@ -22,6 +22,16 @@ def _shape_key(args) -> tuple:
                            for x in leaves))
 
 
+def compiler_options(static: dict) -> dict | None:
+    """XLA options for a program: ouro_jax.invariant's programs keep every rounding their
+    HLO asks for (xla_allow_excess_precision off), so that which ops XLA fuses, which may
+    differ between the decode and the verification program, cannot change their bits."""
+    from ouro_jax.invariant import applies
+    backend = static.get("backend")
+    return ({"xla_allow_excess_precision": False}
+            if isinstance(backend, str) and applies(backend) else None)
+
+
 class ProgramCache:
     def __init__(self):
         self._programs: dict[Any, Any] = {}
@@ -45,7 +55,7 @@ class ProgramCache:
             try:
                 with trace_once.scope():  # each distinct kernel call traced once
                     lowered = jitted.lower(*args)
-                prog = lowered.compile()
+                prog = lowered.compile(compiler_options=compiler_options(static))
             except BaseException:
                 if self.on_compile is not None:
                     self.on_compile(name, float("nan"))
@@ -63,4 +73,4 @@ class ProgramCache:
         jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
         with trace_once.scope():
             lowered = jitted.lower(*args)
-        return lowered.compile().as_text()
+        return lowered.compile(compiler_options=compiler_options(static)).as_text()

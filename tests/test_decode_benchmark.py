@@ -37,7 +37,8 @@ def no_device_work(monkeypatch):
     (["--sweep-branch-scale", "0.1", "--target-acceptance", "80"], "--target-acceptance"),
     (["--batch-invariant", "--projections", "gemv"], "--projections"),
     (["--batch-invariant", "--attention", "xla"], "--attention xla"),
-    (["--batch-invariant", "--kv-write", "xla"], "--kv-write xla"),
+    (["--batch-invariant", "--ragged-kernel", "block_q=2"], "--ragged-kernel"),
+    (["--batch-invariant", "--l2-next", "o=2"], "--l2-next"),
 ])
 def test_bad_values_are_refused_by_name_before_device_work(no_device_work, extra, flag):
     with pytest.raises(SystemExit) as e:

@@ -24,7 +24,9 @@ SP = SamplingParams(max_tokens=14, ignore_eos=True, logprobs=True)
 @pytest.fixture(scope="module")
 def bf16_model():
     cfg, params = load(tiny_checkpoint("tiny-gqa", branch_scale=0.3), "bf16")
-    return cfg, params, ragged_prompts(cfg.vocab_size, [5, 12, 3], seed=4)
+    # 70 tokens: prefill in more than one chunk size across the tests' batches, and decode
+    # attention over more than one 64-key block
+    return cfg, params, ragged_prompts(cfg.vocab_size, [5, 70, 3], seed=4)
 
 
 def _same(a, b) -> list[bool]:
@@ -80,7 +82,7 @@ def test_one_fetch_per_call_and_no_recompile(bf16_model, monkeypatch):
     llm.generate(prompts, SP, speculative=sc)  # compiles
     reads = host_reads(monkeypatch)
     with jax.transfer_guard_device_to_host("disallow"):  # a no-op on CPU; `reads` counts
-        res = llm.generate(ragged_prompts(cfg.vocab_size, [4, 11, 2], seed=9), SP,
+        res = llm.generate(ragged_prompts(cfg.vocab_size, [5, 70, 3], seed=9), SP,
                            speculative=sc)
     assert reads.fetches == 1 and res.stats.host_fetches == 1 and reads.implicit == []
     assert res.stats.compiles == 0
@@ -107,15 +109,17 @@ def test_fp32_matches_the_default_engine(bf16_model):
 
 
 def test_gemm_fixed_rows_gives_every_row_the_same_bits():
+    """Compiled on a GPU (interpret mode elsewhere, where it cannot tell tile shapes apart):
+    contiguous and clamped row blocks, 1 to 320 rows."""
     from pallas_kernels.gemm import gemm
     kx, kw = jax.random.split(jax.random.PRNGKey(3))
-    x = jax.random.normal(kx, (40, 128), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(kw, (64, 128), jnp.float32) * 0.1).astype(jnp.bfloat16)
-    tiling = dict(block_m=64, block_n=32, block_k=32)
+    x = jax.random.normal(kx, (320, 256), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (128, 256), jnp.float32) * 0.1).astype(jnp.bfloat16)
+    tiling = dict(block_m=64, block_n=32, block_k=64, interpret=not has_gpu(), fixed_rows=True)
     for gated in (False, True):
-        full = np.asarray(gemm(x, w, gated=gated, interpret=True, fixed_rows=True, **tiling))
-        for rows in (slice(0, 1), slice(7, 12), slice(3, 40)):
-            part = gemm(x[rows], w, gated=gated, interpret=True, fixed_rows=True, **tiling)
+        full = np.asarray(gemm(x, w, gated=gated, **tiling))
+        for rows in (slice(0, 1), slice(7, 15), slice(3, 43), slice(0, 64), slice(1, 321)):
+            part = gemm(x[rows], w, gated=gated, **tiling)
             np.testing.assert_array_equal(np.asarray(part), full[rows])
 
 
@@ -133,27 +137,38 @@ def test_row_sum_and_logprobs_are_per_row_and_close_to_xla():
             for i in range(9)] == lp.tolist()
 
 
-def test_ragged_attention_one_query_equals_its_row_among_k_plus_1():
-    """At the mode's tuning, a decode query (one per sequence) gets the bits its row gets
-    when the k+1 queries of a verification share the tile."""
-    from ouro_jax.invariant import ragged_tuning
+def _one_vs_block(tune: dict) -> bool:
+    """Whether each of a verification block's 5 query rows equals the same query run alone
+    (one per sequence), bit for bit, under the ragged kernel's `tune`. The 512-key tables
+    let the default tuning split the keys, at boundaries cut from each tile's last key (so
+    the second sequence's alone and block splits differ); queries 61-63 see a key block of
+    64-65 that is fully masked for them in the block and absent alone."""
     from pallas_kernels import ragged_paged_attention
-    cfg = TINY_GQA
-    kvh, hd, group, page, b, c = 2, 8, 3, 4, 2, 5
+    kvh, hd, group, page, b, c = 2, 16, 2, 4, 2, 5
     key = jax.random.split(jax.random.PRNGKey(0), 3)
-    kc = jax.random.normal(key[0], (1, 16, page, kvh, hd), jnp.float32).astype(jnp.bfloat16)
-    vc = jax.random.normal(key[1], (1, 16, page, kvh, hd), jnp.float32).astype(jnp.bfloat16)
+    shape = (1, 256, page, kvh, hd)
+    kc = jax.random.normal(key[0], shape, jnp.float32).astype(jnp.bfloat16)
+    vc = jax.random.normal(key[1], shape, jnp.float32).astype(jnp.bfloat16)
     q = jax.random.normal(key[2], (b, c, kvh * group, hd), jnp.float32).astype(jnp.bfloat16)
-    bt = jnp.arange(16, dtype=jnp.int32).reshape(b, 8)
-    kv_lens = jnp.array([13, 22], jnp.int32)  # the block's last query sits at kv_len - 1
-    tune = dict(ragged_tuning(cfg), interpret=True)
+    bt = jnp.arange(256, dtype=jnp.int32).reshape(b, 128)
+    kv_lens = jnp.array([66, 259], jnp.int32)  # the block's last query sits at kv_len - 1
+    tune = dict(tune, interpret=not has_gpu())
     block = ragged_paged_attention(q.reshape(b * c, kvh * group, hd), kc, vc, jnp.int32(0),
                                    bt, kv_lens, jnp.arange(b + 1, dtype=jnp.int32) * c, **tune)
     block = np.asarray(block).reshape(b, c, kvh * group, hd)
-    for i in range(c):
-        one = ragged_paged_attention(q[:, i], kc, vc, jnp.int32(0), bt, kv_lens - (c - 1 - i),
-                                     jnp.arange(b + 1, dtype=jnp.int32), **tune)
-        np.testing.assert_array_equal(np.asarray(one), block[:, i])
+    return all(np.array_equal(np.asarray(ragged_paged_attention(
+        q[:, i], kc, vc, jnp.int32(0), bt, kv_lens - (c - 1 - i),
+        jnp.arange(b + 1, dtype=jnp.int32), **tune)), block[:, i]) for i in range(c))
+
+
+def test_ragged_attention_one_query_equals_its_row_among_k_plus_1():
+    """At the mode's tuning, a decode query gets the bits its row gets when the k+1 queries
+    of a verification share the tile; at the default tuning (splits chosen by the table,
+    cut by each tile's own last key) it does not."""
+    from ouro_jax.invariant import ragged_tuning
+    cfg = TINY_GQA.replace(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert _one_vs_block(ragged_tuning(cfg))
+    assert not _one_vs_block({})
 
 
 def test_bad_settings_are_refused_by_name(bf16_model):
@@ -192,12 +207,18 @@ def test_cli_flag(capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
-def test_gpu_bf16_batch8_speculative_is_bit_identical(bf16_model):
-    cfg, params, _ = bf16_model
-    prompts = ragged_prompts(cfg.vocab_size, [5, 12, 3, 9, 30, 1, 17, 8], seed=5)
-    llm = Ouro(cfg, params, None, page_size=4, batch_invariant=True)
-    native, specs = _native_and_spec(llm, prompts, [(4, 2), (2, 1)])
-    for spec in specs:
+def test_gpu_bf16_1p4b_width_speculative_is_bit_identical():
+    """Compiled, at the 1.4B shape's width (two layers, random bf16 weights): batch 8, native
+    against k=4 d=2 and k=2 d=1, and three requests alone against their batch."""
+    from ouro_jax.config import OURO_1_4B
+    cfg = OURO_1_4B.replace(num_hidden_layers=2)
+    params = random_params(cfg, 0, jnp.bfloat16, 0.003)
+    prompts = ragged_prompts(cfg.vocab_size, [5, 70, 3, 9, 30, 1, 17, 8], seed=5)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True)
+    llm = Ouro(cfg, params, None, batch_invariant=True)
+    native = llm.generate(prompts, sp).outputs
+    for k, d in ((4, 2), (2, 1)):
+        spec = llm.generate(prompts, sp, speculative=SpeculativeConfig(k, d)).outputs
         assert _same(native, spec) == [True] * len(prompts)
-    alone = [llm.generate([p], SP).outputs[0] for p in prompts[:3]]
+    alone = [llm.generate([p], sp).outputs[0] for p in prompts[:3]]
     assert _same(native[:3], alone) == [True] * 3
