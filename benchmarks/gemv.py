@@ -119,7 +119,11 @@ GEMM_VARIANTS = {
     for bm, bn, bk, w, st in [
         (64, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 5),
         (64, 64, 256, 4, 3), (64, 32, 256, 4, 3), (64, 128, 128, 8, 3), (64, 64, 128, 8, 4),
-        (64, 16, 256, 4, 4), (128, 64, 128, 8, 3), (64, 32, 64, 4, 6), (32, 64, 128, 4, 4)]
+        (64, 16, 256, 4, 4), (128, 64, 128, 8, 3), (64, 32, 64, 4, 6), (32, 64, 128, 4, 4),
+        # more programs per projection (for --fixed-rows: the batch-invariant mode at few
+        # rows runs 88-128 programs at GEMM_TUNING's tiles, docs/performance.md)
+        (64, 16, 128, 4, 4), (32, 16, 256, 4, 4), (16, 16, 256, 4, 4), (16, 16, 512, 4, 3),
+        (32, 32, 128, 4, 4)]
 }
 
 
@@ -145,13 +149,15 @@ def prologue_inputs(m: int, k: int, layers: int, seed: int = 0) -> list:
             for i in range(layers)]
 
 
-def chain_fn(impl, gated, shape, prologue=""):
+def chain_fn(impl, gated, shape, prologue="", fixed_rows=False):
     """One program: the projection of x with each weight in turn (outputs stacked). impl:
     "xla", "engine" (the tiling ouro_jax.projections uses for this shape), "engine_pfN" or a
     VARIANTS key. prologue="add_norm" (xla, engine and STREAM_VARIANTS only): x is then a
     list of (x_i, branch_i) pairs, one per weight (prologue_inputs), and each projection first
     computes rms_norm(x_i + rms_norm(branch_i)), the sandwich layer's residual add and norm,
-    in the streaming kernel (the engine's one-row path) or as XLA ops."""
+    in the streaming kernel (the engine's one-row path) or as XLA ops. fixed_rows: the GEMM
+    tilings keep their row block at any row count, as ouro_jax.invariant runs them;
+    impl "invariant" is that mode's own tiling for this shape (GEMM_TUNING)."""
     if prologue:
         from ouro_jax.model import rms_norm
         from ouro_jax.projections import STREAM_TUNING
@@ -174,8 +180,10 @@ def chain_fn(impl, gated, shape, prologue=""):
         one = lambda x, w: gemv_reference(x, w, gated=gated)
     elif impl in STREAM_VARIANTS:
         one = lambda x, w: gemv_stream(x, w, gated=gated, **STREAM_VARIANTS[impl])
-    elif impl in GEMM_VARIANTS:
-        one = lambda x, w: gemm(x, w, gated=gated, **GEMM_VARIANTS[impl])
+    elif impl in GEMM_VARIANTS or impl == "invariant":
+        from ouro_jax.projection_tuning import GEMM_TUNING
+        tuning = GEMM_TUNING[shape] if impl == "invariant" else GEMM_VARIANTS[impl]
+        one = lambda x, w: gemm(x, w, gated=gated, fixed_rows=fixed_rows, **tuning)
     else:
         tuning = engine_tuning(impl, shape) if impl.startswith("engine") else VARIANTS[impl]
         one = lambda x, w: gemv(x, w, gated=gated, **tuning)
@@ -193,7 +201,7 @@ def max_rel_error(fn, x, ws, ref) -> float:
 def run(args) -> list:
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.variants == "gemm":  # the skinny GEMM's tilings against XLA
-        impls = ["xla"] + list(GEMM_VARIANTS)
+        impls = ["xla"] + (["invariant"] if args.fixed_rows else []) + list(GEMM_VARIANTS)
     elif args.variants == "stream":  # the streaming GEMV's tilings against XLA and the engine
         impls = ["xla", "engine"] + list(STREAM_VARIANTS)
     elif args.prologue:  # only XLA, the engine and streaming tilings take a prologue here
@@ -216,9 +224,9 @@ def run(args) -> list:
             ref = chain_fn("xla", gated, name, args.prologue)(x, ws[:1])[0]  # once per shape
             for impl in impls:
                 row = dict(shape=name, rows=m, impl=impl, N=n, K=k, gated=gated,
-                           prologue=args.prologue or None)
+                           prologue=args.prologue or None, fixed_rows=args.fixed_rows)
                 try:
-                    fn = chain_fn(impl, gated, name, args.prologue)
+                    fn = chain_fn(impl, gated, name, args.prologue, args.fixed_rows)
                     t0 = time.perf_counter()
                     jax.block_until_ready(fn(x, ws))
                     row["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -282,6 +290,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device-time", action="store_true",
                     help="also the GPU's own kernel time per projection from a profiler trace "
                          "(device_us; the wall clock can be host-bound for short kernels)")
+    ap.add_argument("--fixed-rows", action="store_true",
+                    help="with --variants gemm: the GEMM keeps each tiling's row block at any "
+                         "row count, as the batch-invariant mode runs it (ouro_jax.invariant), "
+                         "and the mode's own tiling is timed as 'invariant'")
     ap.add_argument("--out", default="", help="JSON result path")
     ap.add_argument("--pick", default=None, metavar="RESULT.json",
                     help="print the fastest streaming tiling per shape in a saved run as a "
@@ -303,6 +315,9 @@ def main(argv=None) -> int:
             - {"stream", "xla", "engine"}:
         raise SystemExit("--prologue add_norm times XLA, the engine's tiling and streaming "
                          "tilings only: give --variants stream, engine or STREAM_VARIANTS keys")
+    if args.fixed_rows and args.variants != "gemm":
+        raise SystemExit("--fixed-rows changes the skinny GEMM's tilings only: give "
+                         "--variants gemm")
     if args.prologue and not args.variants:
         raise SystemExit("--prologue add_norm needs --variants (stream, engine or "
                          "STREAM_VARIANTS keys)")

@@ -237,6 +237,22 @@ def test_gemv_prologue_benchmark_refuses_what_it_cannot_time():
     assert not np.allclose(np.asarray(plain), np.asarray(got[0]))  # the prologue did something
 
 
+def test_gemv_fixed_rows_times_the_invariant_gemm_only(monkeypatch):
+    """--fixed-rows (the batch-invariant mode's GEMM) is refused with other variants; with
+    --variants gemm every GEMM tiling, and the mode's own as 'invariant', is built with
+    fixed_rows."""
+    from benchmarks import gemv as gb
+    with pytest.raises(SystemExit, match="--variants gemm"):
+        gb.main(["--fixed-rows", "--variants", "stream"])
+    seen = []
+    monkeypatch.setattr(gb, "gemm", lambda x, w, **kw: seen.append(kw) or x[:, :8])
+    for impl in ("invariant", next(iter(gb.GEMM_VARIANTS))):
+        gb.chain_fn(impl, False, "o", fixed_rows=True)(jnp.ones((2, 16)), [jnp.ones((8, 16))])
+    from ouro_jax.projection_tuning import GEMM_TUNING
+    assert seen[0] == dict(gated=False, fixed_rows=True, **GEMM_TUNING["o"])
+    assert all(kw["fixed_rows"] for kw in seen) and len(seen) == 2
+
+
 def test_pick_fastest_tiling_skips_errors_xla_and_disagreeing_rows(capsys):
     """benchmarks.gemv --pick: the fastest streaming tiling per shape, among rows that ran and
     agree with XLA; XLA and the engine's row are never picked. Session 9's H200 run picks
