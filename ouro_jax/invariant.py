@@ -44,9 +44,10 @@ from ouro_jax import trace_once
 from ouro_jax.projection_tuning import GEMM_TUNING, fit_gemm_tuning
 from ouro_jax.projections import XLA
 
-# The LM head's GEMM tiling (qkv's, the widest measured: benchmarks/results/gemm_session5_*)
-HEAD_TUNING = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
-# The GEMM's smallest tile side: every projection's dims must be multiples of it
+# The LM head's GEMM tiling: qkv's, the widest projection measured (gemm_session5_*)
+HEAD_TUNING = GEMM_TUNING["qkv"]
+# The GEMM's smallest tile side (pallas_kernels.gemm.check_supported): every projection's
+# dims must be multiples of it
 TILE = 16
 OPTION = "invariant"  # the engine's backend option (ouro_jax.engine.forward_block)
 
@@ -57,8 +58,9 @@ def applies(backend: str) -> bool:
 
 
 def head_for(backend: str):
-    """The LM head a program with this backend string uses (None: model.lm_head)."""
-    return Invariant.head if applies(backend) else None
+    """The LM head a program with this backend string uses."""
+    from ouro_jax.model import lm_head
+    return Invariant.head if applies(backend) else lm_head
 
 
 def logprobs_for(backend: str):
@@ -104,7 +106,7 @@ class Invariant(XLA):
     """Projections whose rows do not depend on each other (see the module docstring)."""
 
     def project(self, name, x, w, next_weight=None):
-        x = x.merged() if hasattr(x, "merged") else x
+        # (no SplitAttn reaches here: the mode runs no fused decode kernel to defer a merge)
         return _gemm(x, w, GEMM_TUNING[name])
 
     def gated(self, x, w, next_weight=None):
@@ -112,18 +114,14 @@ class Invariant(XLA):
 
     def norm(self, x, w, eps):
         """model.rms_norm with the mean of squares summed by row_sum."""
-        xf = x.astype(jnp.float32)
-        ms = row_sum(xf * xf) / x.shape[-1]
-        y = xf * jax.lax.rsqrt(ms[..., None] + eps)
-        return y.astype(x.dtype) * w.astype(x.dtype)
+        from ouro_jax.model import rms_norm
+        return rms_norm(x, w, eps, sum_rows=row_sum)
 
     @staticmethod
     def gate_logit(params, h):
-        """model.exit_gate_logit's value (fp32 products and sum, the bias added in fp32,
-        rounded once) with the sum by row_sum rather than a dot."""
-        w = params.exit_gate_w.astype(h.dtype).astype(jnp.float32)[0]
-        z = row_sum(h.astype(jnp.float32) * w)
-        return (z + params.exit_gate_b.astype(jnp.float32)[0]).astype(h.dtype)
+        """model.exit_gate_logit with its sum by row_sum rather than a dot."""
+        from ouro_jax.model import exit_gate_logit
+        return exit_gate_logit(params, h, sum_rows=row_sum)
 
     @staticmethod
     def head(params, h):

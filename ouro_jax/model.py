@@ -43,9 +43,13 @@ AttendFn = Callable[..., tuple[jax.Array, Any]]
 TRACE_HOOK: Optional[Callable[[int, tuple], None]] = None
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, sum_rows=None) -> jax.Array:
+    """sum_rows: a fixed-order sum over the last axis for the mean of squares instead of
+    XLA's reduction (ouro_jax.invariant.row_sum); the roundings stay these."""
     xf = x.astype(jnp.float32)
-    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    ms = (jnp.mean(xf * xf, axis=-1, keepdims=True) if sum_rows is None
+          else (sum_rows(xf * xf) / x.shape[-1])[..., None])
+    y = xf * lax.rsqrt(ms + eps)
     return y.astype(x.dtype) * weight.astype(x.dtype)
 
 
@@ -257,14 +261,18 @@ def unstack_layers(params: OuroParams, fuse: bool = False) -> OuroParams:
     return dataclasses.replace(params, layers=tuple(layers))
 
 
-def exit_gate_logit(params: OuroParams, h: jax.Array) -> jax.Array:
+def exit_gate_logit(params: OuroParams, h: jax.Array, sum_rows=None) -> jax.Array:
     """early_exit_gate(h) in the activation dtype: [...].
 
     The dot and the bias add stay in fp32 and are rounded once, as torch's nn.Linear does in
     bf16 (rounding the dot first, then the sum, differs in ~30% of bf16 gate logits, enough to
-    move threshold exits)."""
+    move threshold exits). sum_rows: the same fp32 products summed by a fixed-order sum
+    instead of a dot (ouro_jax.invariant.row_sum)."""
     w = params.exit_gate_w.astype(h.dtype)
-    z = jnp.einsum("...i,oi->...o", h, w, preferred_element_type=jnp.float32)
+    if sum_rows is None:
+        z = jnp.einsum("...i,oi->...o", h, w, preferred_element_type=jnp.float32)
+    else:
+        z = sum_rows(h.astype(jnp.float32) * w.astype(jnp.float32)[0])[..., None]
     return (z + params.exit_gate_b.astype(jnp.float32)).astype(h.dtype)[..., 0]
 
 

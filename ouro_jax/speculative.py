@@ -32,7 +32,7 @@ from jax import lax
 from ouro_jax import engine
 from ouro_jax.config import OuroConfig
 from ouro_jax.invariant import head_for, logprobs_for
-from ouro_jax.model import lm_head, select_exit
+from ouro_jax.model import select_exit
 from ouro_jax.sampling import (PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_DRAFT, PURPOSE_RESIDUAL,
                                as_int, processed_logits, row_keys, sample)
 
@@ -106,7 +106,7 @@ def _draft(params, planes, bt, state, *, cfg, sc, mode, backend):
     def body(j, carry):
         planes, tok, hs, gs, cands, qlp = carry
         planes, h, g, pos = step(j, planes, tok)
-        logits = (head_for(backend) or lm_head)(params, h[d - 1])
+        logits = head_for(backend)(params, h[d - 1])
         cand = sample(logits, state.sampling, mode, pos + 1, PURPOSE_DRAFT)
         if mode.sample:
             qlp = qlp.at[j].set(jax.nn.log_softmax(processed_logits(logits, state.sampling, mode)))
