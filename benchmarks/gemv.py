@@ -111,19 +111,31 @@ STREAM_VARIANTS.update({
 })
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))
 
+# GEMM tilings with more programs for few-row calls (--fixed-rows: the batch-invariant mode
+# runs 88-128 programs per projection at GEMM_TUNING's tiles on a card of 132 SMs,
+# docs/performance.md): smaller tiles, and split-K (its partials summed in a fixed order).
+# (block_m, block_n, block_k, warps, stages, k_splits); down's K = 5632 is 44 blocks of 128.
+FEW_ROW_TILINGS = [
+    (64, 16, 128, 4, 4, 1), (32, 16, 256, 4, 4, 1), (16, 16, 256, 4, 4, 1),
+    (16, 16, 512, 4, 3, 1), (32, 32, 128, 4, 4, 1),
+    (16, 16, 256, 4, 4, 2), (16, 16, 128, 4, 4, 4), (16, 32, 256, 4, 4, 2),
+    (16, 32, 128, 4, 4, 4), (16, 64, 128, 4, 4, 4), (32, 16, 128, 4, 4, 4),
+    (64, 16, 128, 4, 4, 4), (64, 64, 128, 4, 4, 4)]
+FEW_ROW_VARIANTS = ["mm{}_n{}_k{}_w{}_s{}".format(*t[:5]) + (f"_x{t[5]}" if t[5] > 1 else "")
+                    for t in FEW_ROW_TILINGS]
+
 # Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows): "mm" +
-# block_m, block_n, block_k, warps, stages.
+# block_m, block_n, block_k, warps, stages, and "_x" + k_splits where K is split.
 GEMM_VARIANTS = {
-    f"mm{bm}_n{bn}_k{bk}_w{w}_s{st}": dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w,
-                                          num_stages=st)
-    for bm, bn, bk, w, st in [
-        (64, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 5),
-        (64, 64, 256, 4, 3), (64, 32, 256, 4, 3), (64, 128, 128, 8, 3), (64, 64, 128, 8, 4),
-        (64, 16, 256, 4, 4), (128, 64, 128, 8, 3), (64, 32, 64, 4, 6), (32, 64, 128, 4, 4),
-        # more programs per projection (for --fixed-rows: the batch-invariant mode at few
-        # rows runs 88-128 programs at GEMM_TUNING's tiles, docs/performance.md)
-        (64, 16, 128, 4, 4), (32, 16, 256, 4, 4), (16, 16, 256, 4, 4), (16, 16, 512, 4, 3),
-        (32, 32, 128, 4, 4)]
+    f"mm{bm}_n{bn}_k{bk}_w{w}_s{st}" + (f"_x{sp}" if sp > 1 else ""): dict(
+        block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
+        **(dict(k_splits=sp) if sp > 1 else {}))
+    for bm, bn, bk, w, st, sp in [
+        (64, 64, 128, 4, 4, 1), (64, 32, 128, 4, 4, 1), (64, 128, 64, 4, 4, 1),
+        (64, 64, 64, 4, 5, 1), (64, 64, 256, 4, 3, 1), (64, 32, 256, 4, 3, 1),
+        (64, 128, 128, 8, 3, 1), (64, 64, 128, 8, 4, 1), (64, 16, 256, 4, 4, 1),
+        (128, 64, 128, 8, 3, 1), (64, 32, 64, 4, 6, 1), (32, 64, 128, 4, 4, 1),
+        *FEW_ROW_TILINGS]
 }
 
 
@@ -202,6 +214,9 @@ def run(args) -> list:
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.variants == "gemm":  # the skinny GEMM's tilings against XLA
         impls = ["xla"] + (["invariant"] if args.fixed_rows else []) + list(GEMM_VARIANTS)
+    elif args.fixed_rows:  # 'gemm_few' or GEMM_VARIANTS keys, beside the mode's own tiling
+        chosen = FEW_ROW_VARIANTS if args.variants == "gemm_few" else args.variants.split(",")
+        impls = ["xla", "invariant"] + [v for v in chosen if v not in ("xla", "invariant")]
     elif args.variants == "stream":  # the streaming GEMV's tilings against XLA and the engine
         impls = ["xla", "engine"] + list(STREAM_VARIANTS)
     elif args.prologue:  # only XLA, the engine and streaming tilings take a prologue here
@@ -291,7 +306,8 @@ def main(argv=None) -> int:
                     help="also the GPU's own kernel time per projection from a profiler trace "
                          "(device_us; the wall clock can be host-bound for short kernels)")
     ap.add_argument("--fixed-rows", action="store_true",
-                    help="with --variants gemm: the GEMM keeps each tiling's row block at any "
+                    help="with --variants gemm, gemm_few (the few-row tilings) or GEMM_VARIANTS "
+                         "keys: the GEMM keeps each tiling's row block at any "
                          "row count, as the batch-invariant mode runs it (ouro_jax.invariant), "
                          "and the mode's own tiling is timed as 'invariant'")
     ap.add_argument("--out", default="", help="JSON result path")
@@ -308,16 +324,19 @@ def main(argv=None) -> int:
     args.shapes = args.shapes or ("qkv,gate_up" if args.prologue else ",".join(SHAPES))
     args.rows = args.rows or ("1" if args.prologue else "1,8")
     unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS) - set(GEMM_VARIANTS) \
-        - set(STREAM_VARIANTS) - set(ENGINE_PF) - {"engine", "gemm", "stream"}
+        - set(STREAM_VARIANTS) - set(ENGINE_PF) - {"engine", "gemm", "gemm_few", "stream"}
     if unknown or set(args.shapes.split(",")) - set(SHAPES):
         raise SystemExit(f"unknown variants/shapes: {sorted(unknown)} {args.shapes}")
     if args.prologue and set(filter(None, args.variants.split(","))) - set(STREAM_VARIANTS) \
             - {"stream", "xla", "engine"}:
         raise SystemExit("--prologue add_norm times XLA, the engine's tiling and streaming "
                          "tilings only: give --variants stream, engine or STREAM_VARIANTS keys")
-    if args.fixed_rows and args.variants != "gemm":
+    if args.fixed_rows and (args.variants not in ("gemm", "gemm_few") and (
+            not args.variants or set(args.variants.split(",")) - set(GEMM_VARIANTS))):
         raise SystemExit("--fixed-rows changes the skinny GEMM's tilings only: give "
-                         "--variants gemm")
+                         "--variants gemm, gemm_few or GEMM_VARIANTS keys")
+    if args.variants == "gemm_few" and not args.fixed_rows:
+        raise SystemExit("--variants gemm_few is the few-row GEMM sweep: add --fixed-rows")
     if args.prologue and not args.variants:
         raise SystemExit("--prologue add_norm needs --variants (stream, engine or "
                          "STREAM_VARIANTS keys)")

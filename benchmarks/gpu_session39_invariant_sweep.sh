@@ -10,7 +10,7 @@ S=${SESSION:-session39}
 CAP=${CAP:-540}
 . benchmarks/gpu_call_setup.sh
 for shape in qkv gate_up down o; do
-  timeout -s KILL $(left 150) python3 -m benchmarks.gemv --variants gemm --fixed-rows \
+  timeout -s KILL $(left 150) python3 -m benchmarks.gemv --variants gemm_few --fixed-rows \
     --shapes $shape --rows 1,320 --device-time --out $OUT/gemm_invariant_${shape}_${S}_$G.json \
     2>&1 | grep -E "M= ?[0-9]+ " | sort -k5 -n | head -8
 done

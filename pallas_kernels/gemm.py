@@ -3,10 +3,11 @@
 At batch 64 a decode step's four GEMMs read 103 MB of weights per layer application; XLA's
 Triton GEMM fusions read them at ~2.4 TB/s with split-K and fp32 partials (a separate reduce
 kernel per GEMM, ~20 MB of partial traffic per layer; docs/performance.md, batch-64 profile).
-This kernel has no split-K: one program per (block_n output columns, block_m rows) streams
-its W columns over the whole K on the tensor cores (Triton pipelines the W tile loads,
-`num_stages` deep) and writes the activation dtype directly, so there is no partial buffer
-and no reduce kernel. `gated=True` takes W = [gate; up] and returns silu(gate) * up, rounded
+By default this kernel has no split-K: one program per (block_n output columns, block_m rows)
+streams its W columns over the whole K on the tensor cores (Triton pipelines the W tile
+loads, `num_stages` deep) and writes the activation dtype directly, so there is no partial
+buffer and no reduce kernel. `k_splits=S` opts into a split-K whose partials are added in a
+fixed order (for few-row calls that would leave SMs idle, ouro_jax.invariant). `gated=True` takes W = [gate; up] and returns silu(gate) * up, rounded
 as the model rounds (see pallas_kernels.gemv), so the SiLU kernel disappears as well.
 
 Rows: M need not divide block_m; the last row block clamps its row indices to M - 1 (the
@@ -25,16 +26,17 @@ from jax import lax
 from pallas_kernels._common import cdiv, compiler_params, dot, pl
 from pallas_kernels.gemv import _silu_mul
 
-DEFAULTS = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
+DEFAULTS = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4, k_splits=1)
 TRANS_B = ((1,), (1,))  # [bm, bk] x [bn, bk] -> [bm, bn]
 
 
 def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_m: int, block_n: int,
-            block_k: int, gated: bool, up_offset: int):
+            block_k: int, gated: bool, up_offset: int, k_splits: int):
     # Row blocks vary fastest, so the programs sharing a W tile run together and the tile
     # comes from HBM once (L2 serves the others).
-    i, j = pl.program_id(0), pl.program_id(1)
+    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dt = y_ref.dtype
+    chunks = k // block_k // k_splits  # this program's K blocks: [s * chunks, (s+1) * chunks)
     if m % block_m == 0:
         rows = pl.ds(pl.multiple_of(i * block_m, block_m), block_m)
     else:  # ragged last block: clamp (duplicate rows compute and store identical values)
@@ -43,7 +45,7 @@ def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_m: int, block_n: int,
     up_cols = pl.ds(pl.multiple_of(up_offset + j * block_n, block_n), block_n)
 
     def ks(c):
-        return pl.ds(pl.multiple_of(c * block_k, block_k), block_k)
+        return pl.ds(pl.multiple_of((s * chunks + c) * block_k, block_k), block_k)
 
     def body(c, accs):
         xc = x_ref[rows, ks(c)]
@@ -53,13 +55,23 @@ def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_m: int, block_n: int,
         return out
 
     init = (jnp.zeros((block_m, block_n), jnp.float32),) * (2 if gated else 1)
-    accs = lax.fori_loop(0, k // block_k, body, init)
+    accs = lax.fori_loop(0, chunks, body, init)
+    if k_splits > 1:  # fp32 partials, split s in columns [s * width, (s+1) * width)
+        width = up_offset * (2 if gated else 1)
+        y_ref[rows, pl.ds(pl.multiple_of(s * width + j * block_n, block_n), block_n)] = accs[0]
+        if gated:
+            y_ref[rows, pl.ds(pl.multiple_of(s * width + up_offset + j * block_n, block_n),
+                              block_n)] = accs[1]
+        return
     y = _silu_mul(accs[0], accs[1], dt) if gated else accs[0].astype(dt)
     y_ref[rows, gate_cols] = y
 
 
-def check_supported(m: int, k: int, n_out: int, *, block_m: int, block_n: int, block_k: int):
+def check_supported(m: int, k: int, n_out: int, *, block_m: int, block_n: int, block_k: int,
+                    k_splits: int = 1):
     """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
+    if not isinstance(k_splits, int) or k_splits < 1:
+        raise ValueError(f"gemm k_splits must be an integer >= 1, got {k_splits!r}")
     if m < 1:
         raise ValueError(f"gemm needs at least one row, got {m}")
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
@@ -69,6 +81,20 @@ def check_supported(m: int, k: int, n_out: int, *, block_m: int, block_n: int, b
     if n_out % block_n or k % block_k:
         raise ValueError(f"gemm: block_n={block_n} must divide N={n_out} and block_k={block_k} "
                          f"must divide K={k}")
+    if (k // block_k) % k_splits:
+        raise ValueError(f"gemm: k_splits={k_splits} must divide K / block_k = {k // block_k} "
+                         f"(K={k}, block_k={block_k})")
+
+
+def sum_splits(parts: jax.Array, k_splits: int) -> jax.Array:
+    """[M, S * W] fp32 partials -> [M, W], added left to right (p0 + p1, then + p2, ...):
+    elementwise adds, which XLA does not reassociate, so every row and every M sums the
+    same way, unlike a reduction whose tree the compiler picks by shape."""
+    width = parts.shape[1] // k_splits
+    acc = parts[:, :width]
+    for s in range(1, k_splits):
+        acc = acc + parts[:, s * width:(s + 1) * width]
+    return acc
 
 
 def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = False,
@@ -78,7 +104,10 @@ def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
     to the next power of two >= M (at least 16) so few-row calls do not compute empty rows.
     fixed_rows: keep block_m whatever M is. The tile shapes, and so every row's arithmetic,
     are then the same for any M (a shorter tile may lower to other tensor-core instructions
-    on a GPU): ouro_jax.invariant relies on it."""
+    on a GPU): ouro_jax.invariant relies on it.
+    k_splits: S > 1 splits K over S times the programs (few-row calls of a narrow weight
+    otherwise leave SMs idle); each writes fp32 partials and XLA adds them in a fixed order
+    (sum_splits), then rounds (and for gated applies the SiLU) as the one-split kernel does."""
     unknown = set(tuning) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown gemm tuning keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
@@ -92,16 +121,25 @@ def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
     cfg = dict(DEFAULTS, **tuning)
     if not fixed_rows:
         cfg["block_m"] = min(cfg["block_m"], max(16, 1 << (m - 1).bit_length()))
+    splits = cfg["k_splits"]
     check_supported(m, k, n_out, block_m=cfg["block_m"], block_n=cfg["block_n"],
-                    block_k=cfg["block_k"])
+                    block_k=cfg["block_k"], k_splits=splits)
     kernel = functools.partial(_kernel, m=m, k=k, block_m=cfg["block_m"],
                                block_n=cfg["block_n"], block_k=cfg["block_k"], gated=gated,
-                               up_offset=n_out)
-    return pl.pallas_call(
+                               up_offset=n_out, k_splits=splits)
+    width = n_out * (2 if gated and splits > 1 else 1)
+    y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n_out), x.dtype),
-        grid=(cdiv(m, cfg["block_m"]), n_out // cfg["block_n"]),
+        out_shape=jax.ShapeDtypeStruct((m, splits * width),
+                                       jnp.float32 if splits > 1 else x.dtype),
+        grid=(cdiv(m, cfg["block_m"]), n_out // cfg["block_n"], splits),
         compiler_params=compiler_params(cfg["num_warps"], cfg["num_stages"]),
         interpret=interpret,
         name="gemm_silu" if gated else "gemm",
     )(x, w.astype(x.dtype))
+    if splits == 1:
+        return y
+    acc = sum_splits(y, splits)
+    if gated:
+        return _silu_mul(acc[:, :n_out], acc[:, n_out:], x.dtype)
+    return acc.astype(x.dtype)

@@ -1,7 +1,7 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --stream | --flow | --flow-o | --prologue | --decode-b1 | --merge]
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --gemm-few | --stream | --flow | --flow-o | --prologue | --decode-b1 | --merge]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints
@@ -227,16 +227,23 @@ def check_prologue():
                              num_stages=1, counts=True)
 
 
-def check_gemm():
+def check_gemm(few: bool = False):
     """Every benchmarks/gemv.py GEMM_VARIANTS tiling of the skinny GEMM on the 1.4B projection
-    shapes at 64 and 192 rows (batch-64 decode and batch-64 k=2 verification)."""
-    from benchmarks.gemv import GEMM_VARIANTS, SHAPES
+    shapes at 64 and 192 rows (batch-64 decode and batch-64 k=2 verification). few
+    (--gemm-few): the few-row tilings (FEW_ROW_VARIANTS) with their row block fixed, as the
+    batch-invariant mode runs them, at 1 and 320 rows (batch-1 decode, batch-64 k=4
+    verification)."""
+    from benchmarks.gemv import FEW_ROW_VARIANTS, GEMM_VARIANTS, SHAPES
     from pallas_kernels.gemm import gemm
     S = jax.ShapeDtypeStruct
+    variants = {v: GEMM_VARIANTS[v] for v in FEW_ROW_VARIANTS} if few else GEMM_VARIANTS
     for name, (n, k, gated) in SHAPES.items():
-        for m in (64, 192):
-            for vname, kw in GEMM_VARIANTS.items():
-                f = jax.jit(functools.partial(gemm, gated=gated, **kw))
+        for m in ((1, 320) if few else (64, 192)):
+            for vname, kw in variants.items():
+                if (k // kw["block_k"]) % kw.get("k_splits", 1):
+                    print(f"gemm {name} M{m} {vname}: skipped (k_splits does not divide K)")
+                    continue
+                f = jax.jit(functools.partial(gemm, gated=gated, fixed_rows=few, **kw))
                 f.trace(S((m, k), jnp.bfloat16), S((n, k), jnp.bfloat16)).lower(
                     lowering_platforms=("cuda",))
                 compile_captured(f"gemm {name} M{m} {vname}", num_warps=kw["num_warps"],
@@ -313,8 +320,8 @@ def _main():
         return check_decode_b1()
     if "--gemv" in sys.argv:
         return check_gemv()
-    if "--gemm" in sys.argv:
-        return check_gemm()
+    if "--gemm" in sys.argv or "--gemm-few" in sys.argv:
+        return check_gemm(few="--gemm-few" in sys.argv)
     if "--stream" in sys.argv:
         return check_stream()
     if "--flow" in sys.argv or "--flow-o" in sys.argv:
