@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     tuning = apply_kernel_tuning(args.decode_kernel, args.ragged_kernel, args.stream_tiling,
                                  args.pdl, args.pdl_at, args.mgpu_tiling, args.l2_prefetch,
                                  args.l2_next, args.l2_next_at, args.stream_set,
-                                 args.graph_pdl)
+                                 args.graph_pdl, args.invariant_tiling)
     from ouro_jax import persistent
     shipped = dict(persistent.TILING)
     persistent.TILING.update(persistent_tiling)

@@ -117,6 +117,11 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                         "projection for this run, e.g. down=bn64_bk64_ks8_st4 (block_n, "
                         "block_k, k_splits, stages; _ov: prologue overlapped with the first "
                         "weight tiles)")
+    p.add_argument("--invariant-tiling", default="", metavar="NAME=VARIANT,...",
+                   help="with --batch-invariant: the mode's GEMM tiling per weight (qkv, o, "
+                        "gate_up, down, head) for this run, e.g. o=mm16_n16_k128_w4_s4_x4 "
+                        "(VARIANT: a benchmarks.gemv GEMM_VARIANTS key; any one tiling per "
+                        "weight keeps the mode's guarantee)")
     p.add_argument("--pdl", default="", metavar="NAME,...",
                    help="streaming projections whose GEMV lets the next kernel launch early "
                         "(programmatic dependent launch), e.g. qkv,o,gate_up; the decode "
@@ -154,6 +159,9 @@ def check_invariant_run(args) -> None:
     """--batch-invariant picks its own kernels and tunings: other kernel switches would not
     be taken, or (--ragged-kernel) would be taken only in part."""
     if not args.batch_invariant:
+        if args.invariant_tiling.strip():
+            raise SystemExit("--invariant-tiling tiles the batch-invariant mode's GEMM: add "
+                             "--batch-invariant, or leave it out")
         return
     given = [flag for flag, on in (
         ("--attention xla", args.attention == "xla"),

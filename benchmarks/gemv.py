@@ -169,7 +169,7 @@ def chain_fn(impl, gated, shape, prologue="", fixed_rows=False):
     computes rms_norm(x_i + rms_norm(branch_i)), the sandwich layer's residual add and norm,
     in the streaming kernel (the engine's one-row path) or as XLA ops. fixed_rows: the GEMM
     tilings keep their row block at any row count, as ouro_jax.invariant runs them;
-    impl "invariant" is that mode's own tiling for this shape (GEMM_TUNING)."""
+    impl "invariant" is that mode's own tiling for this shape (ouro_jax.invariant.TUNING)."""
     if prologue:
         from ouro_jax.model import rms_norm
         from ouro_jax.projections import STREAM_TUNING
@@ -193,8 +193,8 @@ def chain_fn(impl, gated, shape, prologue="", fixed_rows=False):
     elif impl in STREAM_VARIANTS:
         one = lambda x, w: gemv_stream(x, w, gated=gated, **STREAM_VARIANTS[impl])
     elif impl in GEMM_VARIANTS or impl == "invariant":
-        from ouro_jax.projection_tuning import GEMM_TUNING
-        tuning = GEMM_TUNING[shape] if impl == "invariant" else GEMM_VARIANTS[impl]
+        from ouro_jax.invariant import TUNING
+        tuning = TUNING[shape] if impl == "invariant" else GEMM_VARIANTS[impl]
         one = lambda x, w: gemm(x, w, gated=gated, fixed_rows=fixed_rows, **tuning)
     else:
         tuning = engine_tuning(impl, shape) if impl.startswith("engine") else VARIANTS[impl]
@@ -279,6 +279,30 @@ def pick_fastest(results: list, max_rel_err: float = 1e-2) -> str:
     return ",".join(f"{s}={r['impl']}" for s, r in sorted(best.items()))
 
 
+def pick_invariant(results: list, max_rel_err: float = 1e-2) -> str:
+    """The batch-invariant mode's GEMM tiling per weight from --fixed-rows runs, as a
+    benchmarks.decode --invariant-tiling spec (the LM head takes qkv's: the same K, the widest
+    N). The mode runs one tiling per weight at every row count, so each tiling is scored by
+    its time relative to the best at each row count the runs measured, summed; a tiling
+    missing a row count is out, as are errors and results off XLA's. 'invariant' (the
+    shipped tiling) is a candidate too: the spec then leaves that weight out."""
+    time_of = lambda r: r["device_us"] if "device_us" in r else r["us"]  # noqa: E731
+    ok = [r for r in results if r.get("fixed_rows") and "us" in r and "error" not in r
+          and r["impl"] != "xla" and r.get("rel_err_vs_xla", 1.0) < max_rel_err]
+    picks = {}
+    for shape in sorted({r["shape"] for r in ok}):
+        rows = sorted({r["rows"] for r in ok if r["shape"] == shape})
+        t = {(r["impl"], r["rows"]): time_of(r) for r in ok if r["shape"] == shape}
+        best = {m: min(v for (_, mm), v in t.items() if mm == m) for m in rows}
+        scores = {impl: sum(t[impl, m] / best[m] for m in rows)
+                  for impl in {i for i, _ in t} if all((impl, m) in t for m in rows)}
+        if scores:
+            picks[shape] = min(sorted(scores), key=scores.get)
+    if picks.get("qkv", "invariant") != "invariant":
+        picks["head"] = picks["qkv"]
+    return ",".join(f"{s}={v}" for s, v in sorted(picks.items()) if v != "invariant")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gemv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -314,10 +338,21 @@ def main(argv=None) -> int:
     ap.add_argument("--pick", default=None, metavar="RESULT.json",
                     help="print the fastest streaming tiling per shape in a saved run as a "
                          "--stream-tiling spec (benchmarks.decode), and exit")
+    ap.add_argument("--pick-invariant", default=None, metavar="RESULT.json[,...]",
+                    help="print the batch-invariant mode's GEMM tiling per weight from saved "
+                         "--fixed-rows runs as a --invariant-tiling spec (benchmarks.decode; "
+                         "pick_invariant says how), and exit")
     args = ap.parse_args(argv)
     if args.pick:
         with open(args.pick) as f:
             print(pick_fastest(json.load(f)["results"]))
+        return 0
+    if args.pick_invariant:
+        rows = []
+        for path in args.pick_invariant.split(","):
+            with open(path) as f:
+                rows += json.load(f)["results"]
+        print(pick_invariant(rows))
         return 0
     if args.variants == "none":
         args.variants = "engine"

@@ -77,6 +77,36 @@ def parse_stream_tiling(spec: str) -> dict:
 
 
 _MGPU_DEFAULTS = None  # projections.MGPU_TUNING as shipped, for restoring
+_INVARIANT_DEFAULTS = None  # invariant.TUNING as shipped, for restoring
+
+
+def parse_invariant_tiling(spec: str) -> dict:
+    """'qkv=mm16_n16_k256_w4_s4_x2,head=...' -> {weight: GEMM tiling} for the batch-invariant
+    mode (ouro_jax.invariant.TUNING; weights qkv, o, gate_up, down, head), from
+    benchmarks.gemv.GEMM_VARIANTS. A tiling must fit the 1.4B/2.6B weight it is given for
+    as it is (the engine would otherwise shrink it, and the record would not name what ran)."""
+    from benchmarks.gemv import GEMM_VARIANTS, SHAPES
+    from ouro_jax.invariant import NAMES
+    from pallas_kernels.gemm import check_supported
+    shapes = dict(SHAPES, head=(49152, 2048, False))  # the LM head: vocabulary x hidden
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, variant = item.partition("=")
+        if not sep or name not in NAMES or variant not in GEMM_VARIANTS:
+            raise SystemExit(f"--invariant-tiling: {item!r} is not NAME=VARIANT with NAME in "
+                             f"{NAMES} and VARIANT a benchmarks.gemv GEMM_VARIANTS key")
+        if name in out:
+            raise SystemExit(f"--invariant-tiling: {name} is given twice")
+        t = GEMM_VARIANTS[variant]
+        n, k, gated = shapes[name]
+        try:
+            check_supported(1, k, n // 2 if gated else n, **{key: t[key] for key in (
+                "block_m", "block_n", "block_k")}, k_splits=t.get("k_splits", 1))
+        except ValueError as e:
+            raise SystemExit(f"--invariant-tiling: {variant} does not fit {name} ({n} x {k}): "
+                             f"{e}") from None
+        out[name] = dict(t)
+    return out
 
 
 def parse_mgpu_tiling(spec: str) -> dict:
@@ -241,20 +271,22 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
                         pdl_spec: str = "", pdl_at: str = "start", mgpu_spec: str = "",
                         l2_spec: str = "", l2_next_spec: str = "",
                         l2_next_at: str = "end", stream_set: str = "",
-                        graph_pdl: str = "start") -> dict:
+                        graph_pdl: str = "start", invariant_spec: str = "") -> dict:
     """Sets the kernels' process-wide tuning overrides (before anything is compiled). Every
     spec is parsed before anything is set, so a bad one changes nothing."""
     import importlib
 
     from ouro_jax import projections
-    global _STREAM_DEFAULTS, _MGPU_DEFAULTS
+    from ouro_jax import invariant
+    global _STREAM_DEFAULTS, _MGPU_DEFAULTS, _INVARIANT_DEFAULTS
     tuning = {"decode": parse_tuning(decode_spec, DECODE_TUNING_KEYS),
               "ragged": parse_tuning(ragged_spec, RAGGED_TUNING_KEYS),
               "stream": parse_stream_tiling(stream_spec), "pdl": parse_pdl(pdl_spec),
               "mgpu": parse_mgpu_tiling(mgpu_spec),
               "l2_prefetch": parse_l2(l2_spec, "--l2-prefetch", True),
               "l2_next": parse_l2(l2_next_spec, "--l2-next", False),
-              "stream_set": parse_stream_set(stream_set)}
+              "stream_set": parse_stream_set(stream_set),
+              "invariant": parse_invariant_tiling(invariant_spec)}
     if l2_next_at not in ("start", "end"):
         raise SystemExit(f"--l2-next-at is start or end, got {l2_next_at!r}")
     if pdl_at not in ("start", "end"):
@@ -290,6 +322,11 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
         _MGPU_DEFAULTS = dict(projections.MGPU_TUNING)
     projections.MGPU_TUNING.clear()
     projections.MGPU_TUNING.update(_MGPU_DEFAULTS, **tuning["mgpu"])
+    if _INVARIANT_DEFAULTS is None:
+        _INVARIANT_DEFAULTS = {k: dict(v) for k, v in invariant.TUNING.items()}
+    invariant.TUNING.clear()
+    invariant.TUNING.update({k: dict(v) for k, v in _INVARIANT_DEFAULTS.items()},
+                            **tuning["invariant"])
     return tuning
 
 

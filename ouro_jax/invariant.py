@@ -44,8 +44,12 @@ from ouro_jax import trace_once
 from ouro_jax.projection_tuning import GEMM_TUNING, fit_gemm_tuning
 from ouro_jax.projections import XLA
 
-# The LM head's GEMM tiling: qkv's, the widest projection measured (gemm_session5_*)
-HEAD_TUNING = GEMM_TUNING["qkv"]
+# The mode's GEMM tiling per weight. Any one tiling per weight keeps the guarantee (a row's
+# arithmetic then never depends on the row count); the speed is what differs. Process-wide,
+# so benchmarks.decode --invariant-tiling can try others before anything compiles. The LM
+# head takes qkv's, the widest projection measured (gemm_session5_*).
+TUNING = {**{name: dict(t) for name, t in GEMM_TUNING.items()}, "head": dict(GEMM_TUNING["qkv"])}
+NAMES = ("qkv", "o", "gate_up", "down", "head")
 # The GEMM's smallest tile side (pallas_kernels.gemm.check_supported): every projection's
 # dims must be multiples of it
 TILE = 16
@@ -107,10 +111,10 @@ class Invariant(XLA):
 
     def project(self, name, x, w, next_weight=None):
         # (no SplitAttn reaches here: the mode runs no fused decode kernel to defer a merge)
-        return _gemm(x, w, GEMM_TUNING[name])
+        return _gemm(x, w, TUNING[name])
 
     def gated(self, x, w, next_weight=None):
-        return _gemm(x, w, GEMM_TUNING["gate_up"], gated=True)
+        return _gemm(x, w, TUNING["gate_up"], gated=True)
 
     def norm(self, x, w, eps):
         """model.rms_norm with the mean of squares summed by row_sum."""
@@ -132,7 +136,7 @@ class Invariant(XLA):
         v = w.shape[0]
         if v % TILE:
             w = jnp.pad(w, ((0, TILE - v % TILE), (0, 0)))
-        return _gemm(h, w, HEAD_TUNING)[..., :v]
+        return _gemm(h, w, TUNING["head"])[..., :v]
 
 
 def check_model(cfg) -> None:

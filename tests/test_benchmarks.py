@@ -151,7 +151,7 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
         assert apply_kernel_tuning("num_splits=3,num_warps=2,num_stages=3", "num_splits=1") == {
             "decode": {"num_splits": 3, "num_warps": 2, "num_stages": 3},
             "ragged": {"num_splits": 1}, "stream": {}, "pdl": (), "mgpu": {},
-            "l2_prefetch": {}, "l2_next": {}, "stream_set": {}}
+            "l2_prefetch": {}, "l2_next": {}, "stream_set": {}, "invariant": {}}
         assert call_params(decode) == ((2, 2, 3), 2, 3)
         assert call_params(decode, num_splits=2, num_warps=4) == ((2, 2, 2), 4, 3)
         assert call_params(ragged)[0][2] == 1
@@ -248,9 +248,53 @@ def test_gemv_fixed_rows_times_the_invariant_gemm_only(monkeypatch):
     monkeypatch.setattr(gb, "gemm", lambda x, w, **kw: seen.append(kw) or x[:, :8])
     for impl in ("invariant", next(iter(gb.GEMM_VARIANTS))):
         gb.chain_fn(impl, False, "o", fixed_rows=True)(jnp.ones((2, 16)), [jnp.ones((8, 16))])
-    from ouro_jax.projection_tuning import GEMM_TUNING
-    assert seen[0] == dict(gated=False, fixed_rows=True, **GEMM_TUNING["o"])
+    from ouro_jax.invariant import TUNING
+    assert seen[0] == dict(gated=False, fixed_rows=True, **TUNING["o"])
     assert all(kw["fixed_rows"] for kw in seen) and len(seen) == 2
+
+
+def test_gemv_fixed_rows_few_row_sweep_runs_split_k(monkeypatch):
+    """--variants gemm_few --fixed-rows: XLA, the mode's own tiling and the few-row tilings,
+    split-K ones included, each timed (here in interpret mode, one tiny shape and a stub
+    timer); gemm_few without --fixed-rows, or a non-GEMM variant with it, is refused."""
+    from benchmarks import gemv as gb
+    for bad in (["--variants", "gemm_few"], ["--fixed-rows", "--variants", "dot16_k256_w4_s4"]):
+        with pytest.raises(SystemExit):
+            gb.main(bad)
+    monkeypatch.setitem(gb.SHAPES, "o", (64, 512, False))
+    monkeypatch.setattr(gb, "pipelined_seconds", lambda *a, **k: 1e-6)
+    real = gb.gemm
+    monkeypatch.setattr(gb, "gemm", lambda x, w, **kw: real(x, w, interpret=True, **{
+        **kw, "block_n": 16, "block_k": min(kw["block_k"], 128)}))
+    import argparse
+    args = argparse.Namespace(variants="gemm_few", fixed_rows=True, shapes="o", rows="1,3",
+                              layers=1, prologue="", calls=1, trials=1, device_time=False)
+    rows = gb.run(args)
+    assert [r["impl"] for r in rows[:2]] == ["xla", "invariant"]
+    assert {r["impl"] for r in rows} == {"xla", "invariant", *gb.FEW_ROW_VARIANTS}
+    assert all("error" not in r and r["rel_err_vs_xla"] < 1e-2 for r in rows
+               if r["impl"] != "xla"), [r for r in rows if "error" in r][:2]
+
+
+def test_pick_invariant_scores_each_tiling_over_every_row_count():
+    """The mode runs one tiling per weight at every row count: the pick sums each tiling's
+    time over the best at each row count, drops errors, rows off XLA and tilings missing a
+    row count; the head follows qkv; a weight whose best is the shipped tiling is left out."""
+    from benchmarks.gemv import pick_invariant
+
+    def r(shape, impl, rows, us, **kw):
+        return dict(dict(shape=shape, impl=impl, rows=rows, us=us, fixed_rows=True,
+                         rel_err_vs_xla=1e-3), **kw)
+    res = [r("qkv", "xla", 1, 1.0), r("qkv", "xla", 320, 1.0),  # XLA is never picked
+           r("qkv", "invariant", 1, 40.0), r("qkv", "invariant", 320, 50.0),
+           r("qkv", "a", 1, 10.0), r("qkv", "a", 320, 100.0),  # 1 + 2 = 3
+           r("qkv", "b", 1, 15.0), r("qkv", "b", 320, 55.0),  # 1.5 + 1.1 = 2.6: picked
+           r("qkv", "c", 1, 5.0),  # no 320-row time: out
+           r("qkv", "d", 1, 9.0, rel_err_vs_xla=0.5), r("qkv", "d", 320, 9.0),  # wrong: out
+           r("o", "invariant", 1, 10.0), r("o", "invariant", 320, 20.0),
+           r("o", "e", 1, 9.0), dict(shape="o", impl="e", rows=320, error="boom",
+                                     fixed_rows=True)]
+    assert pick_invariant(res) == "head=b,qkv=b"
 
 
 def test_pick_fastest_tiling_skips_errors_xla_and_disagreeing_rows(capsys):

@@ -39,6 +39,11 @@ def no_device_work(monkeypatch):
     (["--batch-invariant", "--attention", "xla"], "--attention xla"),
     (["--batch-invariant", "--ragged-kernel", "block_q=2"], "--ragged-kernel"),
     (["--batch-invariant", "--l2-next", "o=2"], "--l2-next"),
+    (["--invariant-tiling", "o=mm16_n16_k256_w4_s4"], "--batch-invariant"),
+    (["--batch-invariant", "--invariant-tiling", "o=bogus"], "--invariant-tiling"),
+    (["--batch-invariant", "--invariant-tiling", "lm=mm16_n16_k256_w4_s4"], "--invariant-tiling"),
+    (["--batch-invariant", "--invariant-tiling", "o=mm16_n16_k256_w4_s4,o=mm16_n16_k256_w4_s4"],
+     "given twice"),
 ])
 def test_bad_values_are_refused_by_name_before_device_work(no_device_work, extra, flag):
     with pytest.raises(SystemExit) as e:
@@ -136,9 +141,16 @@ def test_a_batch_invariant_run_is_labelled_and_matches(tmp_path, monkeypatch):
     bf16 greedy speculative sequences all equal native ones."""
     monkeypatch.setattr(decode, "copy_bandwidth", lambda: 1e11)
     out = tmp_path / "r.json"
+    from ouro_jax import invariant
+    shipped = {k: dict(v) for k, v in invariant.TUNING.items()}
+    tiling = "o=mm16_n16_k128_w4_s4_x4,gate_up=mm16_n32_k256_w4_s4_x2"
     assert decode.main(TINY + ["--batch", "3", "--k", "0,2", "--temperature", "0",
                                "--attention", "pallas", "--batch-invariant",
-                               "--out", str(out)]) == 0
+                               "--invariant-tiling", tiling, "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["backend"] == "pallas+kvxla+invariant" and rec["dtype"] == "bf16"
     assert rec["greedy_token_match"][0]["identical_sequences"] == 3
+    # the record names the split-K tilings that ran, and the process gets the shipped ones back
+    ran = rec["kernel_tuning"]["invariant"]
+    assert ran["o"]["k_splits"] == 4 and ran["gate_up"]["k_splits"] == 2
+    assert invariant.TUNING == shipped
