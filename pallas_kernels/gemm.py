@@ -10,9 +10,9 @@ buffer and no reduce kernel. `k_splits=S` opts into a split-K whose partials are
 fixed order (for few-row calls that would leave SMs idle, ouro_jax.invariant). `gated=True` takes W = [gate; up] and returns silu(gate) * up, rounded
 as the model rounds (see pallas_kernels.gemv), so the SiLU kernel disappears as well.
 
-Rows: M need not divide block_m; the last row block clamps its row indices to M - 1 (the
-duplicates load and store identical values), so no pad or slice kernel is needed. A row's
-result does not depend on the other rows in the call.
+Rows: M need not divide block_m; the last row block masks the rows past M (loaded as zeros,
+not stored), so no pad or slice kernel is needed on a GPU. A row's result does not depend
+on the other rows in the call.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import cdiv, compiler_params, dot, pl
 from pallas_kernels.gemv import _silu_mul
@@ -35,36 +37,46 @@ def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_m: int, block_n: int,
     # Row blocks vary fastest, so the programs sharing a W tile run together and the tile
     # comes from HBM once (L2 serves the others).
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    dt = y_ref.dtype
     chunks = k // block_k // k_splits  # this program's K blocks: [s * chunks, (s+1) * chunks)
-    if m % block_m == 0:
-        rows = pl.ds(pl.multiple_of(i * block_m, block_m), block_m)
-    else:  # ragged last block: clamp (duplicate rows compute and store identical values)
-        rows = jnp.minimum(i * block_m + lax.iota(jnp.int32, block_m), m - 1)
-    gate_cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
-    up_cols = pl.ds(pl.multiple_of(up_offset + j * block_n, block_n), block_n)
+    rows = pl.ds(pl.multiple_of(i * block_m, block_m), block_m)
+    # A ragged last row block masks its missing rows: they load as zeros and are not stored.
+    # (Clamping their indices to row M-1 instead made every load a gather that Triton does
+    # not pipeline: a one-row call at block_m=64 ran 2-5x slower than at 16, session 39.)
+    # A row's dot products do not see the other rows of its tile, so this changes no bits.
+    live = None if m % block_m == 0 else (i * block_m + lax.iota(jnp.int32, block_m)) < m
 
     def ks(c):
         return pl.ds(pl.multiple_of((s * chunks + c) * block_k, block_k), block_k)
 
+    def cols(offset):
+        return pl.ds(pl.multiple_of(offset + j * block_n, block_n), block_n)
+
     def body(c, accs):
-        xc = x_ref[rows, ks(c)]
-        out = (accs[0] + dot(xc, w_ref[gate_cols, ks(c)], TRANS_B),)
+        if live is None:
+            xc = x_ref[rows, ks(c)]
+        else:
+            xc = plt.load(x_ref.at[rows, ks(c)], mask=live[:, None], other=0)
+        out = (accs[0] + dot(xc, w_ref[cols(0), ks(c)], TRANS_B),)
         if gated:
-            out += (accs[1] + dot(xc, w_ref[up_cols, ks(c)], TRANS_B),)
+            out += (accs[1] + dot(xc, w_ref[cols(up_offset), ks(c)], TRANS_B),)
         return out
+
+    def store(col, y):
+        if live is None:
+            y_ref[rows, col] = y
+        else:
+            plt.store(y_ref.at[rows, col], y, mask=live[:, None])
 
     init = (jnp.zeros((block_m, block_n), jnp.float32),) * (2 if gated else 1)
     accs = lax.fori_loop(0, chunks, body, init)
     if k_splits > 1:  # fp32 partials, split s in columns [s * width, (s+1) * width)
         width = up_offset * (2 if gated else 1)
-        y_ref[rows, pl.ds(pl.multiple_of(s * width + j * block_n, block_n), block_n)] = accs[0]
+        store(cols(s * width), accs[0])
         if gated:
-            y_ref[rows, pl.ds(pl.multiple_of(s * width + up_offset + j * block_n, block_n),
-                              block_n)] = accs[1]
+            store(cols(s * width + up_offset), accs[1])
         return
-    y = _silu_mul(accs[0], accs[1], dt) if gated else accs[0].astype(dt)
-    y_ref[rows, gate_cols] = y
+    dt = y_ref.dtype
+    store(cols(0), _silu_mul(accs[0], accs[1], dt) if gated else accs[0].astype(dt))
 
 
 def check_supported(m: int, k: int, n_out: int, *, block_m: int, block_n: int, block_k: int,
@@ -128,15 +140,18 @@ def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
                                block_n=cfg["block_n"], block_k=cfg["block_k"], gated=gated,
                                up_offset=n_out, k_splits=splits)
     width = n_out * (2 if gated and splits > 1 else 1)
+    # The interpreter slices a row block out of x rather than masking it, and a slice past
+    # the end would not fit: it gets x padded to whole row blocks (on a GPU nothing is).
+    m_call = cdiv(m, cfg["block_m"]) * cfg["block_m"] if interpret else m
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, splits * width),
+        out_shape=jax.ShapeDtypeStruct((m_call, splits * width),
                                        jnp.float32 if splits > 1 else x.dtype),
         grid=(cdiv(m, cfg["block_m"]), n_out // cfg["block_n"], splits),
         compiler_params=compiler_params(cfg["num_warps"], cfg["num_stages"]),
         interpret=interpret,
         name="gemm_silu" if gated else "gemm",
-    )(x, w.astype(x.dtype))
+    )(jnp.pad(x, ((0, m_call - m), (0, 0))) if m_call > m else x, w.astype(x.dtype))[:m]
     if splits == 1:
         return y
     acc = sum_splits(y, splits)
