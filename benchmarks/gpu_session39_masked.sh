@@ -5,18 +5,18 @@
 #      test with its control);
 #   2. the mode's tilings at 1 and 320 rows, fixed row block, device time: its shipped tiling
 #      ('invariant'), the block_m=64 ones with split-K, and session 39's first pick;
-#   3. the pick (benchmarks.gemv --pick-invariant) end to end at batch 1 and 64, native and
-#      k=4 d=2, and the shipped tiling's native rows (now masked) beside it.
+#   3. the pick (benchmarks.gemv --pick-invariant) end to end: batch 1 native and k=4 d=2,
+#      the shipped tiling's batch-1 native row (now masked) beside it, then batch 64 native.
 # Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=540] bash benchmarks/gpu_session39_masked.sh
 S=${SESSION:-session39}
 CAP=${CAP:-540}
 . benchmarks/gpu_call_setup.sh
-timeout -s KILL $(left 90) python3 -m pytest -q -p no:cacheprovider tests/test_gemm.py \
+timeout -s KILL $(left 80) python3 -m pytest -q -p no:cacheprovider tests/test_gemm.py \
   tests/test_invariant.py -k "on_the_gpu or gemm_fixed" 2>&1 | tail -4
 V=mm64_n16_k128_w4_s4,mm64_n16_k128_w4_s4_x4,mm64_n32_k128_w4_s4_x4,mm64_n64_k128_w4_s4_x4
 V=$V,mm16_n64_k128_w4_s4_x4,mm32_n32_k128_w4_s4
 for shape in qkv gate_up down o; do
-  timeout -s KILL $(left 70) python3 -m benchmarks.gemv --variants $V --fixed-rows \
+  timeout -s KILL $(left 50) python3 -m benchmarks.gemv --variants $V --fixed-rows \
     --shapes $shape --rows 1,320 --device-time --out $OUT/gemm_masked_${shape}_${S}_$G.json \
     2>&1 | grep -E "M= ?[0-9]+ "
 done
@@ -24,8 +24,10 @@ PICK=$(python3 -m benchmarks.gemv --pick-invariant $(ls $OUT/gemm_masked_*_${S}_
 echo "pick: $PICK"
 D="python3 -m benchmarks.decode --synthetic 1.4b --attention pallas --temperature 0 --repeats 2 --compile-cache /tmp/cc"
 show() { grep -E "^ *[0-9]+ +(native|spec)|rror|identical|bandwidth"; }
-timeout -s KILL $(left 230) $D --batch-invariant --invariant-tiling "$PICK" --batch 1,64 --k 0,4 \
-  --out $OUT/decode_masked_pick_${S}_$G.json 2>&1 | show
-timeout -s KILL $(left 100) $D --batch-invariant --batch 1,64 --k 0 \
-  --out $OUT/decode_masked_shipped_${S}_$G.json 2>&1 | show
+timeout -s KILL $(left 90) $D --batch-invariant --invariant-tiling "$PICK" --batch 1 --k 0,4 \
+  --out $OUT/decode_masked_pick_b1_${S}_$G.json 2>&1 | show
+timeout -s KILL $(left 45) $D --batch-invariant --batch 1 --k 0 \
+  --out $OUT/decode_masked_shipped_b1_${S}_$G.json 2>&1 | show
+timeout -s KILL $(left 90) $D --batch-invariant --invariant-tiling "$PICK" --batch 64 --k 0 \
+  --out $OUT/decode_masked_pick_b64_${S}_$G.json 2>&1 | show
 echo "elapsed ${SECONDS}s"
