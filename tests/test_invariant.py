@@ -51,6 +51,17 @@ def test_bf16_greedy_speculative_is_bit_identical_to_native(bf16_model):
         assert _same(native, spec) == [True] * len(prompts)
 
 
+def test_the_tests_model_runs_the_split_k_tiling(bf16_model):
+    """The mode's o tiling splits K (session 39); at this model's width it still does (3
+    splits), so the bit-identity tests above cover the fixed-order sum of the partials."""
+    from ouro_jax.invariant import TUNING
+    from ouro_jax.projection_tuning import fit_gemm_tuning
+    cfg = bf16_model[0]
+    width = cfg.num_attention_heads * cfg.head_dim
+    assert TUNING["o"]["k_splits"] > 1
+    assert fit_gemm_tuning(TUNING["o"], cfg.hidden_size, width)["k_splits"] > 1
+
+
 def test_bf16_request_output_does_not_depend_on_its_batch(bf16_model):
     cfg, params, prompts = bf16_model
     llm = Ouro(cfg, params, None, page_size=4, batch_invariant=True)
