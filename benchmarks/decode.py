@@ -213,6 +213,9 @@ def main(argv=None) -> int:
     persistent.TILING.update(persistent_tiling)
     if args.persistent_layers:  # the record names the kernel's tiling
         tuning = dict(tuning, persistent=dict(persistent.TILING))
+    if args.batch_invariant:  # the mode's whole tiling, not only the run's overrides
+        from ouro_jax import invariant
+        tuning = dict(tuning, invariant={k: dict(v) for k, v in invariant.TUNING.items()})
     try:
         return _run(args, argv, tuning)
     finally:  # the overrides are process-wide: leave none behind for other callers

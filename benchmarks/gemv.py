@@ -20,6 +20,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks.gemm_tilings import (  # noqa: F401 (GEMM_VARIANTS: re-exported)
+    FEW_ROW_VARIANTS, GEMM_VARIANTS, pick_invariant)
 from benchmarks.record import save_record
 from benchmarks.timing import device_seconds, pipelined_seconds
 from pallas_kernels.gemm import gemm
@@ -110,34 +112,6 @@ STREAM_VARIANTS.update({
                           (2, 2048, 2, 8)]
 })
 ENGINE_PF = tuple(f"engine_pf{p}" for p in (1, 2, 3))
-
-# GEMM tilings with more programs for few-row calls (--fixed-rows: the batch-invariant mode
-# runs 88-128 programs per projection at GEMM_TUNING's tiles on a card of 132 SMs,
-# docs/performance.md): smaller tiles, and split-K (its partials summed in a fixed order).
-# (block_m, block_n, block_k, warps, stages, k_splits); down's K = 5632 is 44 blocks of 128.
-FEW_ROW_TILINGS = [
-    (64, 16, 128, 4, 4, 1), (32, 16, 256, 4, 4, 1), (16, 16, 256, 4, 4, 1),
-    (16, 16, 512, 4, 3, 1), (32, 32, 128, 4, 4, 1),
-    (16, 16, 256, 4, 4, 2), (16, 16, 128, 4, 4, 4), (16, 32, 256, 4, 4, 2),
-    (16, 32, 128, 4, 4, 4), (16, 64, 128, 4, 4, 4), (32, 16, 128, 4, 4, 4),
-    (64, 16, 128, 4, 4, 4), (64, 64, 128, 4, 4, 4), (64, 32, 128, 4, 4, 4)]
-FEW_ROW_VARIANTS = ["mm{}_n{}_k{}_w{}_s{}".format(*t[:5]) + (f"_x{t[5]}" if t[5] > 1 else "")
-                    for t in FEW_ROW_TILINGS]
-
-# Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows): "mm" +
-# block_m, block_n, block_k, warps, stages, and "_x" + k_splits where K is split.
-GEMM_VARIANTS = {
-    f"mm{bm}_n{bn}_k{bk}_w{w}_s{st}" + (f"_x{sp}" if sp > 1 else ""): dict(
-        block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
-        **(dict(k_splits=sp) if sp > 1 else {}))
-    for bm, bn, bk, w, st, sp in [
-        (64, 64, 128, 4, 4, 1), (64, 32, 128, 4, 4, 1), (64, 128, 64, 4, 4, 1),
-        (64, 64, 64, 4, 5, 1), (64, 64, 256, 4, 3, 1), (64, 32, 256, 4, 3, 1),
-        (64, 128, 128, 8, 3, 1), (64, 64, 128, 8, 4, 1), (64, 16, 256, 4, 4, 1),
-        (128, 64, 128, 8, 3, 1), (64, 32, 64, 4, 6, 1), (32, 64, 128, 4, 4, 1),
-        *FEW_ROW_TILINGS]
-}
-
 
 def engine_tuning(impl: str, shape: str) -> dict:
     """'engine' (ouro_jax.projections' tiling for this shape) or 'engine_pfN' (the same with
@@ -279,31 +253,7 @@ def pick_fastest(results: list, max_rel_err: float = 1e-2) -> str:
     return ",".join(f"{s}={r['impl']}" for s, r in sorted(best.items()))
 
 
-def pick_invariant(results: list, max_rel_err: float = 1e-2) -> str:
-    """The batch-invariant mode's GEMM tiling per weight from --fixed-rows runs, as a
-    benchmarks.decode --invariant-tiling spec (the LM head takes qkv's: the same K, the widest
-    N). The mode runs one tiling per weight at every row count, so each tiling is scored by
-    its time relative to the best at each row count the runs measured, summed; a tiling
-    missing a row count is out, as are errors and results off XLA's. 'invariant' (the
-    shipped tiling) is a candidate too: the spec then leaves that weight out."""
-    time_of = lambda r: r["device_us"] if "device_us" in r else r["us"]  # noqa: E731
-    ok = [r for r in results if r.get("fixed_rows") and "us" in r and "error" not in r
-          and r["impl"] != "xla" and r.get("rel_err_vs_xla", 1.0) < max_rel_err]
-    picks = {}
-    for shape in sorted({r["shape"] for r in ok}):
-        rows = sorted({r["rows"] for r in ok if r["shape"] == shape})
-        t = {(r["impl"], r["rows"]): time_of(r) for r in ok if r["shape"] == shape}
-        best = {m: min(v for (_, mm), v in t.items() if mm == m) for m in rows}
-        scores = {impl: sum(t[impl, m] / best[m] for m in rows)
-                  for impl in {i for i, _ in t} if all((impl, m) in t for m in rows)}
-        if scores:
-            picks[shape] = min(sorted(scores), key=scores.get)
-    if picks.get("qkv", "invariant") != "invariant":
-        picks["head"] = picks["qkv"]
-    return ",".join(f"{s}={v}" for s, v in sorted(picks.items()) if v != "invariant")
-
-
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gemv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=None,
@@ -342,18 +292,11 @@ def main(argv=None) -> int:
                     help="print the batch-invariant mode's GEMM tiling per weight from saved "
                          "--fixed-rows runs as a --invariant-tiling spec (benchmarks.decode; "
                          "pick_invariant says how), and exit")
-    args = ap.parse_args(argv)
-    if args.pick:
-        with open(args.pick) as f:
-            print(pick_fastest(json.load(f)["results"]))
-        return 0
-    if args.pick_invariant:
-        rows = []
-        for path in args.pick_invariant.split(","):
-            with open(path) as f:
-                rows += json.load(f)["results"]
-        print(pick_invariant(rows))
-        return 0
+    return ap
+
+
+def check_args(args) -> None:
+    """Fills the defaults of --variants/--shapes/--rows and refuses what cannot be timed."""
     if args.variants == "none":
         args.variants = "engine"
     args.shapes = args.shapes or ("qkv,gate_up" if args.prologue else ",".join(SHAPES))
@@ -369,7 +312,8 @@ def main(argv=None) -> int:
     if args.fixed_rows and (args.variants not in ("gemm", "gemm_few") and (
             not args.variants or set(args.variants.split(",")) - set(GEMM_VARIANTS))):
         raise SystemExit("--fixed-rows changes the skinny GEMM's tilings only: give "
-                         "--variants gemm, gemm_few or GEMM_VARIANTS keys")
+                         "--variants gemm, gemm_few, or a list of GEMM_VARIANTS keys "
+                         "(gemm and gemm_few are not list items)")
     if args.variants == "gemm_few" and not args.fixed_rows:
         raise SystemExit("--variants gemm_few is the few-row GEMM sweep: add --fixed-rows")
     if args.prologue and not args.variants:
@@ -379,6 +323,22 @@ def main(argv=None) -> int:
     if args.prologue and max(int(r) for r in args.rows.split(",")) > MAX_ROWS:
         raise SystemExit(f"--prologue add_norm: the streaming GEMV takes 1..{MAX_ROWS} rows, "
                          f"got --rows {args.rows}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.pick:
+        with open(args.pick) as f:
+            print(pick_fastest(json.load(f)["results"]))
+        return 0
+    if args.pick_invariant:
+        rows = []
+        for path in args.pick_invariant.split(","):
+            with open(path) as f:
+                rows += json.load(f)["results"]
+        print(pick_invariant(rows))
+        return 0
+    check_args(args)
     results = run(args)
     save_record("benchmarks.gemv", argv, args.out, results=results)
     return 0

@@ -136,9 +136,15 @@ def fit_gemm_tuning(tuning: dict, n_out: int, k: int) -> dict:
     out = dict(tuning)
     out["block_n"] = pow2_divisor(n_out, tuning["block_n"], floor=16) or tuning["block_n"]
     out["block_k"] = pow2_divisor(k, tuning["block_k"], floor=16) or tuning["block_k"]
-    if tuning.get("k_splits", 1) > 1:  # the most splits, up to the tiling's, that divide K's blocks
-        blocks = k // out["block_k"]
-        out["k_splits"] = max(d for d in range(1, tuning["k_splits"] + 1) if blocks % d == 0)
+    if tuning.get("k_splits", 1) > 1:
+        # the most splits, up to the tiling's, that divide K's blocks; where K is one block,
+        # smaller blocks (not below 16), so that a small test model still runs split-K
+        def splits(bk):
+            return max(d for d in range(1, tuning["k_splits"] + 1) if (k // bk) % d == 0)
+        while (splits(out["block_k"]) == 1 and out["block_k"] >= 32
+               and k % (out["block_k"] // 2) == 0):
+            out["block_k"] //= 2
+        out["k_splits"] = splits(out["block_k"])
     return out
 
 

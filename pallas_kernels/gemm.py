@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax.experimental.pallas import triton as plt
@@ -40,9 +41,11 @@ def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_m: int, block_n: int,
     chunks = k // block_k // k_splits  # this program's K blocks: [s * chunks, (s+1) * chunks)
     rows = pl.ds(pl.multiple_of(i * block_m, block_m), block_m)
     # A ragged last row block masks its missing rows: they load as zeros and are not stored.
-    # (Clamping their indices to row M-1 instead made every load a gather that Triton does
-    # not pipeline: a one-row call at block_m=64 ran 2-5x slower than at 16, session 39.)
-    # A row's dot products do not see the other rows of its tile, so this changes no bits.
+    # (Until session 39 their indices were clamped to row M-1, so a one-row call at
+    # block_m=64 loaded 64 copies of x per K step, as many bytes from L2 as its weight tile
+    # or more: the likely reason it ran 2-5x slower than at block_m=16. Not yet measured
+    # masked.) A row's dot products do not see the other rows of its tile: no bit changes.
+    # (Pallas' interpreter pads a block that runs past the array, so the CPU runs this too.)
     live = None if m % block_m == 0 else (i * block_m + lax.iota(jnp.int32, block_m)) < m
 
     def ks(c):
@@ -82,7 +85,8 @@ def _kernel(x_ref, w_ref, y_ref, *, m: int, k: int, block_m: int, block_n: int,
 def check_supported(m: int, k: int, n_out: int, *, block_m: int, block_n: int, block_k: int,
                     k_splits: int = 1):
     """Raises ValueError naming what the kernel cannot do for this shape and tiling."""
-    if not isinstance(k_splits, int) or k_splits < 1:
+    if isinstance(k_splits, bool) or not isinstance(k_splits, (int, np.integer)) \
+            or k_splits < 1:
         raise ValueError(f"gemm k_splits must be an integer >= 1, got {k_splits!r}")
     if m < 1:
         raise ValueError(f"gemm needs at least one row, got {m}")
@@ -102,6 +106,9 @@ def sum_splits(parts: jax.Array, k_splits: int) -> jax.Array:
     """[M, S * W] fp32 partials -> [M, W], added left to right (p0 + p1, then + p2, ...):
     elementwise adds, which XLA does not reassociate, so every row and every M sums the
     same way, unlike a reduction whose tree the compiler picks by shape."""
+    if parts.shape[1] % k_splits:
+        raise ValueError(f"sum_splits: {parts.shape[1]} partial columns are not {k_splits} "
+                         f"equal splits")
     width = parts.shape[1] // k_splits
     acc = parts[:, :width]
     for s in range(1, k_splits):
@@ -133,25 +140,22 @@ def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
     cfg = dict(DEFAULTS, **tuning)
     if not fixed_rows:
         cfg["block_m"] = min(cfg["block_m"], max(16, 1 << (m - 1).bit_length()))
-    splits = cfg["k_splits"]
     check_supported(m, k, n_out, block_m=cfg["block_m"], block_n=cfg["block_n"],
-                    block_k=cfg["block_k"], k_splits=splits)
+                    block_k=cfg["block_k"], k_splits=cfg["k_splits"])
+    splits = int(cfg["k_splits"])
     kernel = functools.partial(_kernel, m=m, k=k, block_m=cfg["block_m"],
                                block_n=cfg["block_n"], block_k=cfg["block_k"], gated=gated,
                                up_offset=n_out, k_splits=splits)
     width = n_out * (2 if gated and splits > 1 else 1)
-    # The interpreter slices a row block out of x rather than masking it, and a slice past
-    # the end would not fit: it gets x padded to whole row blocks (on a GPU nothing is).
-    m_call = cdiv(m, cfg["block_m"]) * cfg["block_m"] if interpret else m
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_call, splits * width),
+        out_shape=jax.ShapeDtypeStruct((m, splits * width),
                                        jnp.float32 if splits > 1 else x.dtype),
         grid=(cdiv(m, cfg["block_m"]), n_out // cfg["block_n"], splits),
         compiler_params=compiler_params(cfg["num_warps"], cfg["num_stages"]),
         interpret=interpret,
         name="gemm_silu" if gated else "gemm",
-    )(jnp.pad(x, ((0, m_call - m), (0, 0))) if m_call > m else x, w.astype(x.dtype))[:m]
+    )(x, w.astype(x.dtype))
     if splits == 1:
         return y
     acc = sum_splits(y, splits)

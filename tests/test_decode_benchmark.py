@@ -40,8 +40,9 @@ def no_device_work(monkeypatch):
     (["--batch-invariant", "--ragged-kernel", "block_q=2"], "--ragged-kernel"),
     (["--batch-invariant", "--l2-next", "o=2"], "--l2-next"),
     (["--invariant-tiling", "o=mm16_n16_k256_w4_s4"], "--batch-invariant"),
-    (["--batch-invariant", "--invariant-tiling", "o=bogus"], "--invariant-tiling"),
-    (["--batch-invariant", "--invariant-tiling", "lm=mm16_n16_k256_w4_s4"], "--invariant-tiling"),
+    (["--batch-invariant", "--invariant-tiling", "o=bogus"], "'bogus' is not a benchmarks"),
+    (["--batch-invariant", "--invariant-tiling", "lm=mm16_n16_k256_w4_s4"], "unknown weight 'lm'"),
+    (["--batch-invariant", "--invariant-tiling", "o"], "is not NAME=VARIANT"),
     (["--batch-invariant", "--invariant-tiling", "o=mm16_n16_k256_w4_s4,o=mm16_n16_k256_w4_s4"],
      "given twice"),
 ])
@@ -150,7 +151,14 @@ def test_a_batch_invariant_run_is_labelled_and_matches(tmp_path, monkeypatch):
     rec = json.loads(out.read_text())
     assert rec["backend"] == "pallas+kvxla+invariant" and rec["dtype"] == "bf16"
     assert rec["greedy_token_match"][0]["identical_sequences"] == 3
-    # the record names the split-K tilings that ran, and the process gets the shipped ones back
+    # the record names the mode's whole tiling (the overrides and the shipped rest), the
+    # tiny model still splits K for o (fitted: 2 splits of K = 32), and the process gets the
+    # shipped tilings back
+    from ouro_jax.config import PRESETS
+    from ouro_jax.projection_tuning import fit_gemm_tuning
     ran = rec["kernel_tuning"]["invariant"]
     assert ran["o"]["k_splits"] == 4 and ran["gate_up"]["k_splits"] == 2
+    assert ran["qkv"] == shipped["qkv"] and set(ran) == set(shipped)
+    cfg = PRESETS["tiny-mha"]
+    assert fit_gemm_tuning(ran["o"], cfg.hidden_size, cfg.hidden_size)["k_splits"] == 2
     assert invariant.TUNING == shipped

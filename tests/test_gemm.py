@@ -25,7 +25,7 @@ def _xw(m, k, n, dtype=jnp.float32):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("m,block_m", [(2, 16), (16, 16), (40, 32), (64, 64), (70, 32)])
 def test_gemm_matches_the_model_projection_fp32(m, block_m, gated):
-    """Full and ragged row blocks (40 and 70 rows clamp their last block)."""
+    """Full and ragged row blocks (40 and 70 rows mask the rows their last block lacks)."""
     x, w = _xw(m, 256, 128)
     y = gemm(x, w, gated=gated, interpret=True, block_m=block_m, block_n=32, block_k=64)
     ref = gemv_reference(x, w, gated=gated)
@@ -52,7 +52,8 @@ def test_gemm_bf16_within_one_rounding_and_rows_independent():
 def test_split_k_matches_the_model_projection_and_keeps_rows_independent(splits, gated):
     """k_splits: fp32 partials added in a fixed order. fp32 within accumulation-order noise
     of XLA; bf16 within one rounding; with a fixed row block a row's bits are the same
-    alone, among 40 rows, and among 70 (two ragged row blocks)."""
+    alone, among 40 and 64 rows, and among 70 (the last of three row blocks ragged); the fp32
+    bits too, where bf16's rounding could hide a split that depends on the row count."""
     x, w = _xw(70, 512, 128)
     tiling = dict(block_m=32, block_n=32, block_k=64, k_splits=splits, fixed_rows=True,
                   interpret=True)
@@ -65,18 +66,50 @@ def test_split_k_matches_the_model_projection_and_keeps_rows_independent(splits,
     refb = gemv_reference(xb, wb, gated=gated).astype(jnp.float32)
     assert float(jnp.max(jnp.abs(yb.astype(jnp.float32) - refb))) <= \
         2 ** -7 * float(jnp.max(jnp.abs(refb)))
-    for rows in (slice(17, 18), slice(0, 40)):
-        part = gemm(xb[rows], wb, gated=gated, **tiling)
-        np.testing.assert_array_equal(np.asarray(part), np.asarray(yb[rows]))
+    for rows in (slice(17, 18), slice(0, 40), slice(0, 64)):
+        for a, whole in ((xb, yb), (x, y)):
+            part = gemm(a[rows], w.astype(a.dtype), gated=gated, **tiling)
+            np.testing.assert_array_equal(np.asarray(part), np.asarray(whole[rows]))
+
+
+@pytest.mark.parametrize("m", [1, 33, 40])
+def test_ragged_row_block_writes_no_row_past_m(m):
+    """The kernel itself, its output pre-filled with a sentinel and longer than M: rows past M
+    must keep it (on a GPU they would be other memory), the rows before are the product.
+    (Not NaN: the interpreter pads x with NaN, so a row past M would compute NaN too.)
+    (gemm() hands the kernel an output of exactly M rows, so this is the only place a mask
+    that let one row too many through would show on a CPU.)"""
+    import functools
+
+    from pallas_kernels import gemm as gm
+    x, w = _xw(m, 128, 64)
+    rows_out = 64  # two 32-row blocks' worth
+    kernel = functools.partial(gm._kernel, m=m, k=128, block_m=32, block_n=32, block_k=64,
+                               gated=False, up_offset=64, k_splits=1)
+    y = gm.pl.pallas_call(
+        lambda x_ref, w_ref, _, y_ref: kernel(x_ref, w_ref, y_ref),
+        out_shape=jax.ShapeDtypeStruct((rows_out, 64), jnp.float32),
+        grid=(gm.cdiv(m, 32), 2, 1), input_output_aliases={2: 0}, interpret=True,
+    )(x, w, jnp.full((rows_out, 64), 7.0, jnp.float32))
+    assert (np.asarray(y[m:]) == 7.0).all()
+    np.testing.assert_allclose(np.asarray(y[:m]), np.asarray(gemv_reference(x, w)),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_sum_splits_adds_left_to_right():
-    """The partials' order is fixed: (p0 + p1) + p2, not a tree; 1 + 2^-24 twice rounds away
-    in float32 when added to 1 first, and survives when the small terms meet first."""
+    """The partials' order is fixed: ((p0 + p1) + p2) + p3, compiled. With 1 and three
+    2^-24: left to right each small term rounds away against 1 (result 1); a pairwise tree
+    or a reversed order lets small terms meet first and the result exceeds 1."""
     from pallas_kernels.gemm import sum_splits
-    parts = jnp.asarray([[1.0, 2.0 ** -24, 2.0 ** -24]], jnp.float32)
-    assert float(sum_splits(parts, 3)[0, 0]) == 1.0
-    assert float(sum_splits(parts[:, ::-1], 3)[0, 0]) == 1.0 + 2.0 ** -23
+    p = [1.0, 2.0 ** -24, 2.0 ** -24, 2.0 ** -24]
+    parts = jnp.asarray([p], jnp.float32)
+    summed = jax.jit(sum_splits, static_argnums=1)
+    assert float(summed(parts, 4)[0, 0]) == 1.0
+    assert float(summed(parts[:, ::-1], 4)[0, 0]) > 1.0
+    tree = (np.float32(p[0]) + np.float32(p[1])) + (np.float32(p[2]) + np.float32(p[3]))
+    assert tree > 1.0  # (so a tree-shaped sum would fail the first check)
+    with pytest.raises(ValueError, match="not 3 equal splits"):
+        sum_splits(parts, 3)
 
 
 @pytest.mark.parametrize("bad,msg", [
@@ -84,6 +117,7 @@ def test_sum_splits_adds_left_to_right():
     (dict(block_n=128), "must divide"), (dict(block_k=512), "must divide"),
     (dict(block_q=16), "unknown gemm tuning"), (dict(block_k=64, k_splits=3), "k_splits=3"),
     (dict(k_splits=0), "k_splits must be an integer"),
+    (dict(k_splits=True), "k_splits must be an integer"),
 ])
 def test_gemm_rejects_bad_tilings(bad, msg):
     x, w = _xw(8, 256, 64)

@@ -121,7 +121,7 @@ def test_fp32_matches_the_default_engine(bf16_model):
 
 def test_gemm_fixed_rows_gives_every_row_the_same_bits():
     """Compiled on a GPU (interpret mode elsewhere, where it cannot tell tile shapes apart):
-    contiguous and clamped row blocks, 1 to 320 rows."""
+    full and masked (ragged) row blocks, 1 to 320 rows."""
     from pallas_kernels.gemm import gemm
     kx, kw = jax.random.split(jax.random.PRNGKey(3))
     x = jax.random.normal(kx, (320, 256), jnp.float32).astype(jnp.bfloat16)

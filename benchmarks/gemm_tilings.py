@@ -1,0 +1,70 @@
+"""The skinny GEMM's tilings for benchmarks.gemv (GEMM_VARIANTS, FEW_ROW_VARIANTS) and the
+batch-invariant mode's pick among them (`python -m benchmarks.gemv --pick-invariant`)."""
+
+from __future__ import annotations
+
+# GEMM tilings with more programs for few-row calls (--fixed-rows: the batch-invariant mode
+# runs 88-128 programs per projection at GEMM_TUNING's tiles on a card of 132 SMs,
+# docs/performance.md): smaller tiles, and split-K (its partials summed in a fixed order).
+# (block_m, block_n, block_k, warps, stages, k_splits); down's K = 5632 is 44 blocks of 128.
+FEW_ROW_TILINGS = [
+    (64, 16, 128, 4, 4, 1), (32, 16, 256, 4, 4, 1), (16, 16, 256, 4, 4, 1),
+    (16, 16, 512, 4, 3, 1), (32, 32, 128, 4, 4, 1),
+    (16, 16, 256, 4, 4, 2), (16, 16, 128, 4, 4, 4), (16, 32, 256, 4, 4, 2),
+    (16, 32, 128, 4, 4, 4), (16, 64, 128, 4, 4, 4), (32, 16, 128, 4, 4, 4),
+    (64, 16, 128, 4, 4, 4), (64, 64, 128, 4, 4, 4), (64, 32, 128, 4, 4, 4)]
+FEW_ROW_VARIANTS = ["mm{}_n{}_k{}_w{}_s{}".format(*t[:5]) + (f"_x{t[5]}" if t[5] > 1 else "")
+                    for t in FEW_ROW_TILINGS]
+
+# Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows): "mm" +
+# block_m, block_n, block_k, warps, stages, and "_x" + k_splits where K is split.
+GEMM_VARIANTS = {
+    f"mm{bm}_n{bn}_k{bk}_w{w}_s{st}" + (f"_x{sp}" if sp > 1 else ""): dict(
+        block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
+        **(dict(k_splits=sp) if sp > 1 else {}))
+    for bm, bn, bk, w, st, sp in [
+        (64, 64, 128, 4, 4, 1), (64, 32, 128, 4, 4, 1), (64, 128, 64, 4, 4, 1),
+        (64, 64, 64, 4, 5, 1), (64, 64, 256, 4, 3, 1), (64, 32, 256, 4, 3, 1),
+        (64, 128, 128, 8, 3, 1), (64, 64, 128, 8, 4, 1), (64, 16, 256, 4, 4, 1),
+        (128, 64, 128, 8, 3, 1), (64, 32, 64, 4, 6, 1), (32, 64, 128, 4, 4, 1),
+        *FEW_ROW_TILINGS]
+}
+
+
+
+def pick_invariant(results: list, max_rel_err: float = 1e-2) -> str:
+    """The batch-invariant mode's GEMM tiling per weight from --fixed-rows runs, as a
+    benchmarks.decode --invariant-tiling spec naming every measured weight (the LM head
+    takes qkv's: the same K, the widest N). The mode runs one tiling per weight at every row
+    count, so a candidate is a tiling with a good result (no error, within max_rel_err of
+    XLA) at every row count the runs measured; each is scored by its time relative to the
+    best candidate's at each row count, summed. 'invariant' (the tiling the mode ran) is a
+    candidate too, named in the spec by its GEMM_VARIANTS key."""
+    time_of = lambda r: r["device_us"] if "device_us" in r else r["us"]  # noqa: E731
+    ok = [r for r in results if r.get("fixed_rows") and "us" in r and "error" not in r
+          and r["impl"] != "xla" and r.get("rel_err_vs_xla", 1.0) < max_rel_err]
+    picks = {}
+    for shape in sorted({r["shape"] for r in ok}):
+        rows = sorted({r["rows"] for r in results if r["shape"] == shape})
+        t = {(r["impl"], r["rows"]): time_of(r) for r in ok if r["shape"] == shape}
+        complete = sorted(i for i in {i for i, _ in t} if all((i, m) in t for m in rows))
+        if not complete:
+            continue
+        best = {m: min(t[i, m] for i in complete) for m in rows}
+        picks[shape] = min(complete, key=lambda i: sum(t[i, m] / best[m] for m in rows))
+    if "qkv" in picks:
+        picks["head"] = picks["qkv"]
+    return ",".join(f"{s}={_variant_key(s, v)}" for s, v in sorted(picks.items()))
+
+
+def _variant_key(shape: str, impl: str) -> str:
+    """'invariant' -> the GEMM_VARIANTS key of the tiling the mode runs for that weight."""
+    if impl != "invariant":
+        return impl
+    from ouro_jax.invariant import TUNING
+    want = dict(TUNING[shape], k_splits=TUNING[shape].get("k_splits", 1))
+    for key, tiling in GEMM_VARIANTS.items():
+        if dict(tiling, k_splits=tiling.get("k_splits", 1)) == want:
+            return key
+    raise SystemExit(f"--pick-invariant: the mode's {shape} tiling {TUNING[shape]} is no "
+                     f"GEMM_VARIANTS key; add it there")
