@@ -4,16 +4,17 @@
 #   1. the GEMM's GPU tests (tests/test_gemm.py -m gpu; test_invariant's compiled row-bit
 #      test with its control);
 #   2. the mode's tilings at 1 and 320 rows, fixed row block, device time: its shipped tiling
-#      ('invariant'), the block_m=64 ones with split-K, and session 39's first pick;
+#      ('invariant': since session 39 o and down at mm16_n64_k128_w4_s4_x4), the
+#      block_m=64 ones with split-K, and session 38's for o and down (mm64_n16_k256_w4_s4);
 #   3. the pick (benchmarks.gemv --pick-invariant) end to end: batch 1 native and k=4 d=2,
-#      the shipped tiling's batch-1 native row (now masked) beside it, then batch 64 native.
+#      the shipped tiling's batch-1 native row beside it, then the pick's batch 64 native.
 # Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=540] bash benchmarks/gpu_session39_masked.sh
 S=${SESSION:-session39}
 CAP=${CAP:-540}
 . benchmarks/gpu_call_setup.sh
 timeout -s KILL $(left 80) python3 -m pytest -q -p no:cacheprovider tests/test_gemm.py \
   tests/test_invariant.py -k "on_the_gpu or gemm_fixed" 2>&1 | tail -4
-V=mm64_n16_k128_w4_s4,mm64_n16_k128_w4_s4_x4,mm64_n32_k128_w4_s4_x4,mm64_n64_k128_w4_s4_x4
+V=mm64_n16_k256_w4_s4,mm64_n16_k128_w4_s4_x4,mm64_n32_k128_w4_s4_x4,mm64_n64_k128_w4_s4_x4
 V=$V,mm16_n64_k128_w4_s4_x4,mm32_n32_k128_w4_s4
 for shape in qkv gate_up down o; do
   timeout -s KILL $(left 50) python3 -m benchmarks.gemv --variants $V --fixed-rows \

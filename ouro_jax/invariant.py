@@ -10,7 +10,9 @@ a request's tokens depend on the batch it shares. In this mode:
 
 - every projection (qkv, o, gate/up, down) and the LM head go through the skinny Pallas GEMM
   (pallas_kernels.gemm) at one tiling per weight and a fixed row block, whatever the row
-  count: a row's dot products then run the same tiles in the same order;
+  count: a row's dot products then run the same tiles in the same order; where a tiling
+  splits K, XLA adds the fp32 partials left to right (gemm.sum_splits), also the same
+  order at any row count;
 - attention, decode (one query) included, goes through the ragged paged kernel with one
   split and a fixed query tile (pallas_kernels.ragged): a query's keys are read in the same
   blocks in the same order whether 1 or k+1 queries of its sequence share the tile, and
@@ -51,7 +53,8 @@ from ouro_jax.projections import XLA
 # the pick of session 39's sweep at 1 and 320 rows on an H100 (gemm_inv_*_session39_h100:
 # o 5.11 / 32.14 us against 18.89 / 28.47, down 10.22 / 60.26 against 44.24 / 56.87); end
 # to end batch-1 native 71.0 -> 105.4 tok/s, batch 64 5,165 -> 4,908
-# (decode_inv_{shipped,pick}_session39_h100.json). qkv and gate/up keep the 64-row tiles of
+# (decode_inv_{shipped,pick}_session39_h100.json; measured with the row block's missing rows
+# clamped, before the kernel masked them). qkv and gate/up keep the 64-row tiles of
 # GEMM_TUNING (a 16-row block costs them 2x at 320 rows), and the LM head takes qkv's, the
 # widest projection measured (gemm_session5_*).
 _FEW_ROWS = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, k_splits=4)
