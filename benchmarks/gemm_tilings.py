@@ -13,15 +13,20 @@ FEW_ROW_TILINGS = [
     (16, 16, 256, 4, 4, 2), (16, 16, 128, 4, 4, 4), (16, 32, 256, 4, 4, 2),
     (16, 32, 128, 4, 4, 4), (16, 64, 128, 4, 4, 4), (32, 16, 128, 4, 4, 4),
     (64, 16, 128, 4, 4, 4), (64, 64, 128, 4, 4, 4), (64, 32, 128, 4, 4, 4)]
-FEW_ROW_VARIANTS = ["mm{}_n{}_k{}_w{}_s{}".format(*t[:5]) + (f"_x{t[5]}" if t[5] > 1 else "")
-                    for t in FEW_ROW_TILINGS]
 
-# Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows): "mm" +
-# block_m, block_n, block_k, warps, stages, and "_x" + k_splits where K is split.
+
+def _key(bm, bn, bk, w, st, sp=1) -> str:
+    """A tiling's GEMM_VARIANTS key: "mm" + block_m, block_n, block_k, warps, stages, and
+    "_x" + k_splits where K is split."""
+    return f"mm{bm}_n{bn}_k{bk}_w{w}_s{st}" + (f"_x{sp}" if sp > 1 else "")
+
+
+FEW_ROW_VARIANTS = [_key(*t) for t in FEW_ROW_TILINGS]
+
+# Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows)
 GEMM_VARIANTS = {
-    f"mm{bm}_n{bn}_k{bk}_w{w}_s{st}" + (f"_x{sp}" if sp > 1 else ""): dict(
-        block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
-        **(dict(k_splits=sp) if sp > 1 else {}))
+    _key(bm, bn, bk, w, st, sp): dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w,
+                                      num_stages=st, **(dict(k_splits=sp) if sp > 1 else {}))
     for bm, bn, bk, w, st, sp in [
         (64, 64, 128, 4, 4, 1), (64, 32, 128, 4, 4, 1), (64, 128, 64, 4, 4, 1),
         (64, 64, 64, 4, 5, 1), (64, 64, 256, 4, 3, 1), (64, 32, 256, 4, 3, 1),
@@ -29,7 +34,6 @@ GEMM_VARIANTS = {
         (128, 64, 128, 8, 3, 1), (64, 32, 64, 4, 6, 1), (32, 64, 128, 4, 4, 1),
         *FEW_ROW_TILINGS]
 }
-
 
 
 def pick_invariant(results: list, max_rel_err: float = 1e-2) -> str:

@@ -85,10 +85,13 @@ def parse_invariant_tiling(spec: str) -> dict:
     mode (ouro_jax.invariant.TUNING; weights qkv, o, gate_up, down, head), from
     benchmarks.gemv.GEMM_VARIANTS. A tiling must fit the 1.4B/2.6B weight it is given for
     as it is (the engine would otherwise shrink it, and the record would not name what ran)."""
-    from benchmarks.gemv import GEMM_VARIANTS, SHAPES
+    from benchmarks.gemm_tilings import GEMM_VARIANTS
+    from benchmarks.gemv import SHAPES
+    from ouro_jax.config import PRESETS
     from ouro_jax.invariant import NAMES
     from pallas_kernels.gemm import check_supported
-    shapes = dict(SHAPES, head=(49152, 2048, False))  # the LM head: vocabulary x hidden
+    cfg = PRESETS["1.4b"]  # the LM head: vocabulary x hidden
+    shapes = dict(SHAPES, head=(cfg.vocab_size, cfg.hidden_size, False))
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, sep, variant = (part.strip() for part in item.partition("="))
@@ -104,8 +107,9 @@ def parse_invariant_tiling(spec: str) -> dict:
         t = GEMM_VARIANTS[variant]
         n, k, gated = shapes[name]
         try:
-            check_supported(1, k, n // 2 if gated else n, **{key: t[key] for key in (
-                "block_m", "block_n", "block_k")}, k_splits=t.get("k_splits", 1))
+            check_supported(1, k, n // 2 if gated else n, block_m=t["block_m"],
+                            block_n=t["block_n"], block_k=t["block_k"],
+                            k_splits=t.get("k_splits", 1))
         except ValueError as e:
             raise SystemExit(f"--invariant-tiling: {variant} does not fit {name} ({n} x {k}): "
                              f"{e}") from None

@@ -7,8 +7,9 @@ By default this kernel has no split-K: one program per (block_n output columns, 
 streams its W columns over the whole K on the tensor cores (Triton pipelines the W tile
 loads, `num_stages` deep) and writes the activation dtype directly, so there is no partial
 buffer and no reduce kernel. `k_splits=S` opts into a split-K whose partials are added in a
-fixed order (for few-row calls that would leave SMs idle, ouro_jax.invariant). `gated=True` takes W = [gate; up] and returns silu(gate) * up, rounded
-as the model rounds (see pallas_kernels.gemv), so the SiLU kernel disappears as well.
+fixed order (for few-row calls that would leave SMs idle, ouro_jax.invariant). `gated=True`
+takes W = [gate; up] and returns silu(gate) * up, rounded as the model rounds (see
+pallas_kernels.gemv), so the SiLU kernel disappears as well.
 
 Rows: M need not divide block_m; the last row block masks the rows past M (loaded as zeros,
 not stored), so no pad or slice kernel is needed on a GPU. A row's result does not depend
@@ -23,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import cdiv, compiler_params, dot, pl

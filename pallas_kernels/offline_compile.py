@@ -234,14 +234,18 @@ def check_gemm(few: bool = False):
     batch-invariant mode runs them, at 1 and 320 rows (batch-1 decode, batch-64 k=4
     verification)."""
     from benchmarks.gemv import FEW_ROW_VARIANTS, GEMM_VARIANTS, SHAPES
-    from pallas_kernels.gemm import gemm
+    from pallas_kernels.gemm import check_supported, gemm
     S = jax.ShapeDtypeStruct
     variants = {v: GEMM_VARIANTS[v] for v in FEW_ROW_VARIANTS} if few else GEMM_VARIANTS
     for name, (n, k, gated) in SHAPES.items():
         for m in ((1, 320) if few else (64, 192)):
             for vname, kw in variants.items():
-                if (k // kw["block_k"]) % kw.get("k_splits", 1):
-                    print(f"gemm {name} M{m} {vname}: skipped (k_splits does not divide K)")
+                try:
+                    check_supported(m, k, n // 2 if gated else n, block_m=kw["block_m"],
+                                    block_n=kw["block_n"], block_k=kw["block_k"],
+                                    k_splits=kw.get("k_splits", 1))
+                except ValueError as e:
+                    print(f"gemm {name} M{m} {vname}: skipped ({e})")
                     continue
                 f = jax.jit(functools.partial(gemm, gated=gated, fixed_rows=few, **kw))
                 f.trace(S((m, k), jnp.bfloat16), S((n, k), jnp.bfloat16)).lower(
