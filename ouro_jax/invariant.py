@@ -49,17 +49,17 @@ from ouro_jax.projections import XLA
 # The mode's GEMM tiling per weight. Any one tiling per weight keeps the guarantee (a row's
 # arithmetic then never depends on the row count); the speed is what differs. Process-wide,
 # so benchmarks.decode --invariant-tiling can try others before anything compiles.
-# o and down: 16-row blocks, 64 columns, K split in four (more programs for one-row calls),
-# the pick of session 39's sweep at 1 and 320 rows on an H100 (gemm_inv_*_session39_h100:
-# o 5.11 / 32.14 us against 18.89 / 28.47, down 10.22 / 60.26 against 44.24 / 56.87); end
-# to end batch-1 native 71.0 -> 105.4 tok/s, batch 64 5,165 -> 4,908
-# (decode_inv_{shipped,pick}_session39_h100.json; measured with the row block's missing rows
-# clamped, before the kernel masked them). qkv and gate/up keep the 64-row tiles of
-# GEMM_TUNING (a 16-row block costs them 2x at 320 rows), and the LM head takes qkv's, the
-# widest projection measured (gemm_session5_*).
-_FEW_ROWS = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, k_splits=4)
-TUNING = {"qkv": dict(GEMM_TUNING["qkv"]), "o": dict(_FEW_ROWS),
-          "gate_up": dict(GEMM_TUNING["gate_up"]), "down": dict(_FEW_ROWS),
+# o and down: 64-row blocks, 64 columns, K split in four (more programs for one-row calls).
+# The pick of session 40's sweep at 1 and 320 rows on an H100, after the kernel masked the
+# ragged row block (gemm_masked_*_session40_h100): o 5.18 / 22.45 us, down 10.12 / 34.67,
+# against session 39's 16-row split-K 4.93 / 31.82 and 10.06 / 59.97 and XLA 3.14 / 13.85,
+# 9.08 / 28.71. End to end, batch-1 native 140.4 tok/s (142.6 with the 16-row tiles) and
+# batch 64 5,355.8 (decode_masked_{pick,shipped}_b*_session40_h100.json; session 39, rows
+# clamped: 105.4 and 4,908.4). qkv and gate/up keep GEMM_TUNING's 64-row tiles, which the
+# same pick kept, and the LM head takes qkv's, the widest projection measured (gemm_session5_*).
+_SPLIT_K = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4, k_splits=4)
+TUNING = {"qkv": dict(GEMM_TUNING["qkv"]), "o": dict(_SPLIT_K),
+          "gate_up": dict(GEMM_TUNING["gate_up"]), "down": dict(_SPLIT_K),
           "head": dict(GEMM_TUNING["qkv"])}
 NAMES = ("qkv", "o", "gate_up", "down", "head")
 # The GEMM's smallest tile side (pallas_kernels.gemm.check_supported): every projection's

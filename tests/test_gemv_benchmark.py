@@ -104,8 +104,8 @@ def test_pick_invariant_scores_each_tiling_over_every_row_count():
            r("o", "invariant", 1, 10.0), r("o", "invariant", 320, 20.0),
            r("o", "e", 1, 9.0), dict(shape="o", impl="e", rows=320, error="boom",
                                      fixed_rows=True)]
-    o_key = "mm16_n64_k128_w4_s4_x4"
-    assert TUNING["o"]["k_splits"] == 4 and TUNING["o"]["block_m"] == 16  # (o_key's tiling)
+    o_key = "mm64_n64_k128_w4_s4_x4"
+    assert TUNING["o"]["k_splits"] == 4 and TUNING["o"]["block_m"] == 64  # (o_key's tiling)
     assert pick_invariant(res) == f"down=f,head=b,o={o_key},qkv=b"
 
 
