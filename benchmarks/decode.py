@@ -73,6 +73,8 @@ def add_model_args(ap, attention: str = "xla") -> None:
     ap.add_argument("--projections", default="auto", help=PROJECTIONS_HELP)
     ap.add_argument("--kv-write", default="fused", choices=["fused", "xla"],
                     help="decode's RoPE and K/V write in the Pallas decode kernel or in XLA")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the engine's batch-invariant kernels (ouro_jax.invariant)")
 
 
 def engine_for(args, new_tokens: int, unroll_loops: bool = False):
@@ -81,7 +83,8 @@ def engine_for(args, new_tokens: int, unroll_loops: bool = False):
                             attention=args.attention, page_size=16, new_tokens=new_tokens,
                             seed=0, branch_scale=0.003, norm_jitter=0.0, no_fuse=False,
                             unroll_loops=unroll_loops, projections=args.projections,
-                            kv_write=args.kv_write)
+                            kv_write=args.kv_write,
+                            batch_invariant=getattr(args, "batch_invariant", False))
     return make_engine(ns)
 
 
