@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from ouro_jax import trace_once
 from ouro_jax.projection_tuning import GEMM_TUNING, fit_gemm_tuning
-from ouro_jax.projections import XLA
+from ouro_jax.projections import XLA, Residual
 
 # The mode's GEMM tiling per weight. Any one tiling per weight keeps the guarantee (a row's
 # arithmetic then never depends on the row count); the speed is what differs. Process-wide,
@@ -108,30 +108,63 @@ def invariant_token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - lse
 
 
-def _gemm(x, w, tuning: dict, gated: bool = False):
+# The projections whose output only feeds a residual branch (Residual.branch): with split-K
+# their fp32 partials go to the next add_norm kernel unsummed, which adds them in gemm's order
+# (one XLA kernel fewer per projection).
+BRANCHES = ("o", "down")
+
+
+def _gemm(x, w, tuning: dict, gated: bool = False, partials: bool = False):
     from pallas_kernels.gemm import gemm
     n_out = w.shape[0] // 2 if gated else w.shape[0]
     y = trace_once.call(gemm, x.reshape(-1, x.shape[-1]), w, gated=gated,
                         interpret=jax.default_backend() != "gpu", fixed_rows=True,
-                        **fit_gemm_tuning(tuning, n_out, x.shape[-1]))
+                        partials=partials, **fit_gemm_tuning(tuning, n_out, x.shape[-1]))
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _add_norm(x, norm_w, eps, branch=None, branch_w=None):
+    """pallas_kernels.add_norm over any leading shape: (h, rms_norm(h, norm_w) or None)."""
+    from pallas_kernels.add_norm import add_norm
+    lead, k = x.shape[:-1], x.shape[-1]
+    b = None if branch is None else branch.reshape(-1, branch.shape[-1])
+    h, y = trace_once.call(add_norm, x.reshape(-1, k), norm_w, eps=eps, branch=b,
+                           branch_w=branch_w, interpret=jax.default_backend() != "gpu")
+    return h.reshape(*lead, k), (None if y is None else y.reshape(*lead, k))
 
 
 @dataclasses.dataclass(frozen=True)
 class Invariant(XLA):
-    """Projections whose rows do not depend on each other (see the module docstring)."""
+    """Projections whose rows do not depend on each other (see the module docstring). The
+    sandwich layer's residual adds are deferred (residual() gives a Residual) and done with
+    the next norm in one add_norm kernel, as the default's GEMV prologues do."""
 
     def project(self, name, x, w, next_weight=None):
         # (no SplitAttn reaches here: the mode runs no fused decode kernel to defer a merge)
-        return _gemm(x, w, TUNING[name])
+        return _gemm(x, w, TUNING[name], partials=name in BRANCHES)
 
     def gated(self, x, w, next_weight=None):
         return _gemm(x, w, TUNING["gate_up"], gated=True)
 
     def norm(self, x, w, eps):
-        """model.rms_norm with the mean of squares summed by row_sum."""
-        from ouro_jax.model import rms_norm
-        return rms_norm(x, w, eps, sum_rows=row_sum)
+        """model.rms_norm, one row per program (pallas_kernels.add_norm)."""
+        return _add_norm(x, w, eps)[1]
+
+    def materialize(self, x, eps):
+        if isinstance(x, Residual):
+            return _add_norm(x.resid, None, eps, x.branch, x.weight)[0]
+        return super().materialize(x, eps)
+
+    def normed(self, name, x, norm_w, w, eps, gated=False, next_weight=None):
+        if isinstance(x, Residual):
+            h, hx = _add_norm(x.resid, norm_w, eps, x.branch, x.weight)
+        else:
+            h = super().materialize(x, eps)
+            hx = _add_norm(h, norm_w, eps)[1]
+        return (self.gated(hx, w) if gated else self.project(name, hx, w)), h
+
+    def residual(self, h, m, w, eps):
+        return Residual(h, m, w)
 
     @staticmethod
     def gate_logit(params, h):

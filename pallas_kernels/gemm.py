@@ -117,7 +117,7 @@ def sum_splits(parts: jax.Array, k_splits: int) -> jax.Array:
 
 
 def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = False,
-         fixed_rows: bool = False, **tuning) -> jax.Array:
+         fixed_rows: bool = False, partials: bool = False, **tuning) -> jax.Array:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation); gated: w = [gate; up]
     [2I, K] -> silu(x @ gate^T) * (x @ up^T) [M, I]. tuning: DEFAULTS' keys; block_m is cut
     to the next power of two >= M (at least 16) so few-row calls do not compute empty rows.
@@ -126,7 +126,9 @@ def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
     on a GPU): ouro_jax.invariant relies on it.
     k_splits: S > 1 splits K over S times the programs (few-row calls of a narrow weight
     otherwise leave SMs idle); each writes fp32 partials and XLA adds them in a fixed order
-    (sum_splits), then rounds (and for gated applies the SiLU) as the one-split kernel does."""
+    (sum_splits), then rounds (and for gated applies the SiLU) as the one-split kernel does.
+    partials: with k_splits > 1 (not gated), return the fp32 partials [M, S*N] unsummed, for a
+    later kernel to add in the same order (pallas_kernels.add_norm)."""
     unknown = set(tuning) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown gemm tuning keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
@@ -137,6 +139,8 @@ def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
     if gated and n % 2:
         raise ValueError(f"gated gemm needs w = [gate; up] with an even row count, got {n}")
     n_out = n // 2 if gated else n
+    if partials and gated:
+        raise ValueError("gemm: partials=True is for plain projections, not gated ones")
     cfg = dict(DEFAULTS, **tuning)
     if not fixed_rows:
         cfg["block_m"] = min(cfg["block_m"], max(16, 1 << (m - 1).bit_length()))
@@ -157,6 +161,8 @@ def gemm(x: jax.Array, w: jax.Array, *, gated: bool = False, interpret: bool = F
         name="gemm_silu" if gated else "gemm",
     )(x, w.astype(x.dtype))
     if splits == 1:
+        return y
+    if partials:
         return y
     acc = sum_splits(y, splits)
     if gated:

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import has_gpu, host_reads, load, ragged_prompts, tiny_checkpoint
+from engine_helpers import (has_gpu, host_reads, load, pallas_call_names, ragged_prompts,
+                            tiny_checkpoint)
 from ouro_jax.api import Ouro
 from ouro_jax.config import TINY_GQA
 from ouro_jax.params import random_params
@@ -60,6 +61,70 @@ def test_the_tests_model_runs_the_split_k_tiling(bf16_model):
     width = cfg.num_attention_heads * cfg.head_dim
     assert TUNING["o"]["k_splits"] > 1
     assert fit_gemm_tuning(TUNING["o"], cfg.hidden_size, width)["k_splits"] > 1
+
+
+def _primitives_outside_kernels(jaxpr) -> set:
+    """The primitive names of a jaxpr and its sub-jaxprs, pallas_calls' bodies left out."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for value in eqn.params.values():
+            for v in (value if isinstance(value, (tuple, list)) else (value,)):
+                sub = v if hasattr(v, "eqns") else getattr(v, "jaxpr", None)
+                if hasattr(sub, "eqns"):
+                    out |= _primitives_outside_kernels(sub)
+    return out
+
+
+def test_layer_norms_and_adds_run_in_add_norm_kernels(bf16_model):
+    """The sandwich layer after attention, as decoder_layer calls the mode's projections:
+    o's split-K partials go unsummed (fp32, 3 splits here) into one add_norm kernel with the
+    residual add and the next norm; the layer output stays deferred (a Residual) into the
+    next qkv's add_norm. No XLA reduction sums a row, and the results equal the unfused
+    path's (gemm's own sum, model.rms_norm) bit for bit on the CPU."""
+    from ouro_jax.invariant import TUNING, Invariant
+    from ouro_jax.model import rms_norm
+    from ouro_jax.projection_tuning import fit_gemm_tuning
+    from ouro_jax.projections import Residual
+    from pallas_kernels.gemm import gemm, sum_splits
+    cfg = bf16_model[0]
+    k, width, inter = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    ks = iter(jax.random.split(jax.random.PRNGKey(7), 12))
+
+    def rnd(*shape, scale=1.0):
+        return (jax.random.normal(next(ks), shape, jnp.float32) * scale).astype(jnp.bfloat16)
+    x, attn = rnd(5, k), rnd(5, width)
+    w_o, w_gu, w_d, w_qkv = rnd(k, width, scale=0.2), rnd(2 * inter, k, scale=0.2), \
+        rnd(k, inter, scale=0.2), rnd(width + 2 * 16, k, scale=0.2)
+    norms = [1 + rnd(k, scale=0.1) for _ in range(4)]
+    proj, eps = Invariant(), cfg.rms_norm_eps
+
+    def tail(x, attn):
+        o = proj.project("o", attn, w_o)
+        m, h = proj.normed("gate_up", Residual(x, o, norms[0]), norms[1], w_gu, eps, gated=True)
+        out = proj.residual(h, proj.project("down", m, w_d), norms[2], eps)
+        assert isinstance(out, Residual)
+        q, h2 = proj.normed("qkv", out, norms[3], w_qkv, eps)
+        return o, q, h2
+
+    assert pallas_call_names(tail, x, attn) == ["gemm", "add_norm", "gemm_silu", "gemm",
+                                                "add_norm", "gemm"]
+    assert "reduce_sum" not in _primitives_outside_kernels(jax.make_jaxpr(tail)(x, attn).jaxpr)
+    o, q, h2 = tail(x, attn)
+    assert o.dtype == jnp.float32 and o.shape == (5, 3 * k)  # the partials, unsummed
+    o_ref = sum_splits(o, 3).astype(jnp.bfloat16)
+    h = x + rms_norm(o_ref, norms[0], eps)
+    m = proj.gated(rms_norm(h, norms[1], eps), w_gu)
+    d = proj.project("down", m, w_d)
+    d = d if d.shape[-1] == k else sum_splits(d, d.shape[-1] // k).astype(jnp.bfloat16)
+    h2_ref = h + rms_norm(d, norms[2], eps)
+    np.testing.assert_array_equal(np.asarray(h2), np.asarray(h2_ref))
+    q_ref = gemm(rms_norm(h2_ref, norms[3], eps), w_qkv, interpret=True, fixed_rows=True,
+                 **fit_gemm_tuning(TUNING["qkv"], w_qkv.shape[0], k))
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(q_ref))
 
 
 def test_bf16_request_output_does_not_depend_on_its_batch(bf16_model):
