@@ -19,12 +19,13 @@ PY312 := $(shell for p in python3.12 $(wildcard /root/.pyenv/versions/3.12*/bin/
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo $$p && break; done)
 endif
 MOSAIC_VENV := .venv-mosaic
-# (test_gemm.py and test_add_norm.py also run here: the skinny GEMM's masked loads and stores
-# and the add_norm kernel under jax 0.11.2, the GPU machine's version, as well as 0.10.2)
+# (test_gemm.py, test_add_norm.py and test_rope_kv.py also run here: the skinny GEMM's masked
+# loads and stores and the batch-invariant mode's kernels under jax 0.11.2, the GPU machine's
+# version, as well as 0.10.2)
 MOSAIC_TESTS := tests/test_chain_attention.py tests/test_chain_mgpu.py tests/test_decode_mgpu.py \
 	tests/test_decode_mgpu_paged.py tests/test_gemv_mgpu.py tests/test_gemv_mgpu_areg.py \
 	tests/test_persistent.py tests/test_projections_mgpu.py \
-	tests/test_gemm.py tests/test_add_norm.py
+	tests/test_gemm.py tests/test_add_norm.py tests/test_rope_kv.py
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

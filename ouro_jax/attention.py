@@ -136,7 +136,8 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     kernel's TUNING); then `attend.qkv_stage` also gives the decode attention as a gemv_flow
     stage ('+flow5').
     invariant (ouro_jax.invariant; pallas only): every C, decode's included, through the
-    ragged kernel at one fixed tuning, the K/V written by XLA first."""
+    ragged kernel at one fixed tuning; with the fused qkv weight `attend.qkv` applies RoPE
+    and writes the K/V in one Pallas kernel first (pallas_kernels.rope_kv), else XLA does."""
     page, slot = slot_indices(block_tables, positions, page_size)
     if invariant and backend != "pallas":
         raise ValueError(f"batch-invariant attention runs the Pallas ragged kernel, not "
@@ -172,14 +173,38 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=
                                   block_tables=block_tables, kv_lens=kv_lens,
                                   interpret=interpret, **plane)[:, None]
         else:
-            cu = jnp.arange(b + 1, dtype=jnp.int32) * c
-            out = trace_once.call(pk.ragged_paged_attention, q.reshape(b * c, *q.shape[2:]),
-                                  planes[0], planes[1], block_tables=block_tables,
-                                  kv_lens=kv_lens, cu_q_lens=cu, interpret=interpret,
-                                  **plane, **fixed)
-            out = out.reshape(q.shape)
+            out = ragged(q.reshape(b * c, *q.shape[2:]), planes, loop, layer, b, c)[0]
         return out, planes
+
+    def ragged(q, planes, loop, layer, b, c):
+        """The ragged kernel on packed queries q [B*C, H, hd] -> ([B, C, H, hd], planes)."""
+        cu = jnp.arange(b + 1, dtype=jnp.int32) * c
+        out = trace_once.call(pk.ragged_paged_attention, q, planes[0], planes[1],
+                              block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu,
+                              interpret=interpret, entry=_entry(loop, layer),
+                              entry_stride=num_layers, **fixed)
+        return out.reshape(b, c, *q.shape[1:]), planes
+    attend.ragged = ragged
+    if invariant:
+        attend.qkv = _invariant_attend_qkv(attend, cfg, page, slot, interpret)
     return attend
+
+
+def _invariant_attend_qkv(attend, cfg, page, slot, interpret):
+    """attend.qkv for the batch-invariant mode: RoPE and the K/V write of every token in one
+    kernel (pallas_kernels.rope_kv, one token per program), then the ragged kernel as
+    `attend` runs it, minus its XLA write."""
+    from pallas_kernels.rope_kv import rope_kv_write
+
+    def attend_qkv(qkv, cos, sin, planes, loop, layer):
+        b, c, rows, hd = qkv.shape
+        q, kc, vc = trace_once.call(
+            rope_kv_write, qkv.reshape(b * c, rows, hd), cos.reshape(b * c, hd),
+            sin.reshape(b * c, hd), planes[0], planes[1], _entry(loop, layer),
+            page.reshape(-1), slot.reshape(-1), n_kv=cfg.num_key_value_heads,
+            trash_page=TRASH_PAGE, entry_stride=cfg.num_hidden_layers, interpret=interpret)
+        return attend.ragged(q, (kc, vc, *planes[2:]), loop, layer, b, c)
+    return attend_qkv
 
 
 def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot,
