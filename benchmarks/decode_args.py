@@ -107,7 +107,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="override the Pallas decode kernel's tuning defaults for this run, "
                         "e.g. block_t=32,num_warps=2 (keys: %s)" % ",".join(DECODE_TUNING_KEYS))
     p.add_argument("--ragged-kernel", default="", metavar="K=V,...",
-                   help="the same for the ragged (verification/prefill) kernel (keys: %s)"
+                   help="the same for the ragged (verification/prefill) kernel (keys: %s; "
+                        "with --batch-invariant only block_t, num_warps, num_stages)"
                         % ",".join(RAGGED_TUNING_KEYS))
     p.add_argument("--stream-tiling", default="", metavar="NAME=VARIANT,...",
                    help="override the streaming GEMV's tiling per projection for this run, e.g. "
@@ -155,20 +156,32 @@ def check_run(args) -> dict:
     return persistent_tiling
 
 
+# The ragged kernel's settings the batch-invariant mode fixes itself; its block_t, num_warps
+# and num_stages come from --ragged-kernel (pallas_kernels.ragged.TUNING) like any run's, and
+# any fixed values keep the mode's guarantee.
+INVARIANT_FIXED_RAGGED = ("num_splits", "block_q")
+
+
 def check_invariant_run(args) -> None:
     """--batch-invariant picks its own kernels and tunings: other kernel switches would not
-    be taken, or (--ragged-kernel) would be taken only in part."""
+    be taken; --ragged-kernel may tune what the mode leaves open."""
     if not args.batch_invariant:
         if args.invariant_tiling.strip():
             raise SystemExit("--invariant-tiling tiles the batch-invariant mode's GEMM: add "
                              "--batch-invariant, or leave it out")
         return
+    ragged = {item.partition("=")[0].strip() for item in args.ragged_kernel.split(",")
+              if item.strip()}
+    fixed = sorted(ragged & set(INVARIANT_FIXED_RAGGED))
+    if fixed:
+        raise SystemExit(f"--batch-invariant fixes the ragged kernel's {', '.join(fixed)} "
+                         f"(ouro_jax.invariant.ragged_tuning); --ragged-kernel may set only "
+                         f"block_t, num_warps, num_stages with it")
     given = [flag for flag, on in (
         ("--attention xla", args.attention == "xla"),
         ("--projections", args.projections != "auto"), ("--no-fuse", args.no_fuse),
         ("--persistent-layers", args.persistent_layers), ("--pdl", args.pdl),
         ("--decode-kernel", args.decode_kernel.strip()),
-        ("--ragged-kernel", args.ragged_kernel.strip()),
         ("--stream-tiling", args.stream_tiling.strip()), ("--mgpu-tiling", args.mgpu_tiling),
         ("--l2-prefetch", args.l2_prefetch), ("--l2-next", args.l2_next),
         ("--stream-set", args.stream_set)) if on]

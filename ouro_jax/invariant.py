@@ -11,28 +11,33 @@ a request's tokens depend on the batch it shares. In this mode:
 - every projection (qkv, o, gate/up, down) and the LM head go through the skinny Pallas GEMM
   (pallas_kernels.gemm) at one tiling per weight and a fixed row block, whatever the row
   count: a row's dot products then run the same tiles in the same order; where a tiling
-  splits K, XLA adds the fp32 partials left to right (gemm.sum_splits), also the same
-  order at any row count;
+  splits K, the fp32 partials are added left to right (gemm.sum_splits, or for o and down
+  inside the next add_norm kernel), also the same order at any row count;
 - attention, decode (one query) included, goes through the ragged paged kernel with one
   split and a fixed query tile (pallas_kernels.ragged): a query's keys are read in the same
   blocks in the same order whether 1 or k+1 queries of its sequence share the tile, and
-  the keys a tile masks for that query add exact zeros;
-- the sums XLA would reduce (RMSNorm's mean of squares, the exit gate's logit, the
+  the keys a tile masks for that query add exact zeros; RoPE and the K/V write before it
+  run in one kernel, one token per program (pallas_kernels.rope_kv);
+- the RMSNorms and the sandwich layer's residual adds run in one kernel per norm pair, one
+  row per program (pallas_kernels.add_norm): a row's sum of squares then runs the same
+  code at any row count. The other sums XLA would reduce (the exit gate's logit, the
   log-probs' log-sum-exp) add halves elementwise in a fixed order (row_sum): a reduction's
   tree, like a dot's algorithm, is the compiler's choice and may follow the shape;
-- residual adds, RoPE, the K/V write, maxima and argmaxes are elementwise or exact in any
-  order; the programs compile with xla_allow_excess_precision off (ouro_jax.programs), so
-  XLA keeps every bf16 rounding the HLO asks for wherever it puts its fusion boundaries.
-  Assumed, not forced: that XLA contracts a*b + c into one FMA alike in the decode and the
-  verification program (its elementwise chains fuse whatever the shape).
+- maxima and argmaxes are exact in any order, and the elementwise rest runs with
+  xla_allow_excess_precision off (ouro_jax.programs), so XLA keeps every bf16 rounding the
+  HLO asks for wherever it puts its fusion boundaries. Assumed, not forced: that XLA
+  contracts a*b + c into one FMA alike in the decode and the verification program (its
+  elementwise chains fuse whatever the shape).
 
 Tested in interpret mode on the CPU and compiled on an H100 (tests/test_invariant.py; at
 the 1.4B shape greedy k=4 output equalled native's in every sequence at batch 1, 8, 32 and
 64: benchmarks/results/decode_invariant*_session38_h100.json). Not covered: sampling at
 temperature > 0 still sums top-p's softmax and speculative sampling's log-softmaxes with
 XLA's reductions. It costs throughput (no one-row GEMVs, no fused decode kernel): it is
-opt-in. Output is not approximated: it is the same model in another summation order, as
-bf16 is anyway.
+opt-in. On an H100, session 40: batch-1 native 164.9 tok/s and k=4 d=2 227.8, batch 64
+6,353.4 and 5,942.1 (decode_inv_rope_kv_b{1,64}_session40_h100.json), against the
+default's 207.5 and 6,386.5 (session 38, another H100). Output is not approximated: it is
+the same model in another summation order, as bf16 is anyway.
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ gemm.sum_splits and gemm's rounding do, so the branch has the bits gemm would re
 Why a kernel: a row's sum of squares in XLA is a reduction whose tree the compiler may choose
 by shape, so ouro_jax.invariant summed it in a fixed order with elementwise halvings
 (invariant.row_sum). XLA ran those, the split-K sums, the adds and the scalings as small
-kernels: about 19 per layer application at one row, ~31 us of its ~78 (session 40's trace,
-kernel_trace_inv_b1_session40_h100.json). Here each program reads one row, so a row's sums
-run the same instructions whatever the row count: the same guarantee in one kernel per norm
-pair. The roundings are model.rms_norm's, through the GEMV prologue's helpers.
+kernels: with RoPE's and the K/V write's, about 18 per layer application at one row, ~24 us
+of its ~78 (session 40's trace, kernel_trace_inv_b1_session40_h100.json). Here each program
+reads one row, so a row's sums run the same instructions whatever the row count: the same
+guarantee in one kernel per norm pair (two per layer application: they replaced ~10). The roundings are model.rms_norm's, through the GEMV prologue's helpers.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ nothing, as kv_cache.write_kv drops it. RoPE rounds as model.apply_rope
 (pallas_kernels.new_token._rope), and it is elementwise, so a token's bits never depend on
 the others.
 
-Why: in XLA the slices, RoPE's rotate-half and products, and the two scatters were ~7 small
-kernels per layer application at one row (~9 us of ~69; session 40's trace,
-kernel_trace_inv_add_norm_b1_session40_h100.json). The default engine does this inside its
+Why: in XLA the slices, RoPE's rotate-half and products, and the two scatters were ~6 small
+kernels per layer application at one row (~8 us of ~69; session 40's traces,
+kernel_trace_inv_{add_norm,rope_kv}_b1_session40_h100.json: one 3.0 us kernel replaced ~5). The default engine does this inside its
 decode kernel, which the mode does not run (its decode goes through the ragged kernel).
 """
 

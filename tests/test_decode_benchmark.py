@@ -37,7 +37,8 @@ def no_device_work(monkeypatch):
     (["--sweep-branch-scale", "0.1", "--target-acceptance", "80"], "--target-acceptance"),
     (["--batch-invariant", "--projections", "gemv"], "--projections"),
     (["--batch-invariant", "--attention", "xla"], "--attention xla"),
-    (["--batch-invariant", "--ragged-kernel", "block_q=2"], "--ragged-kernel"),
+    (["--batch-invariant", "--ragged-kernel", "block_q=2"], "fixes the ragged kernel's block_q"),
+    (["--batch-invariant", "--ragged-kernel", "block_t=128,num_splits=2"], "num_splits"),
     (["--batch-invariant", "--l2-next", "o=2"], "--l2-next"),
     (["--invariant-tiling", "o=mm16_n16_k256_w4_s4"], "--batch-invariant"),
     (["--batch-invariant", "--invariant-tiling", "o=bogus"], "'bogus' is not a benchmarks"),
@@ -139,7 +140,8 @@ def test_a_missing_out_folder_is_made(tmp_path, monkeypatch):
 
 def test_a_batch_invariant_run_is_labelled_and_matches(tmp_path, monkeypatch):
     """--batch-invariant runs the engine's invariant kernels, says so in the record, and its
-    bf16 greedy speculative sequences all equal native ones."""
+    bf16 greedy speculative sequences all equal native ones, with the GEMM tiling and the
+    ragged kernel's key block overridden."""
     monkeypatch.setattr(decode, "copy_bandwidth", lambda: 1e11)
     out = tmp_path / "r.json"
     from ouro_jax import invariant
@@ -147,8 +149,13 @@ def test_a_batch_invariant_run_is_labelled_and_matches(tmp_path, monkeypatch):
     tiling = "o=mm16_n16_k128_w4_s4_x4,gate_up=mm16_n32_k256_w4_s4_x2"
     assert decode.main(TINY + ["--batch", "3", "--k", "0,2", "--temperature", "0",
                                "--attention", "pallas", "--batch-invariant",
-                               "--invariant-tiling", tiling, "--out", str(out)]) == 0
+                               "--invariant-tiling", tiling, "--ragged-kernel", "block_t=16",
+                               "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
+    # the ragged kernel's open settings are taken (and recorded), the mode's own kept
+    assert rec["kernel_tuning"]["ragged"] == {"block_t": 16}
+    import pallas_kernels.ragged as ragged
+    assert ragged.TUNING == {}
     assert rec["backend"] == "pallas+kvxla+invariant" and rec["dtype"] == "bf16"
     assert rec["greedy_token_match"][0]["identical_sequences"] == 3
     # the record names the mode's whole tiling (the overrides and the shipped rest), the
