@@ -161,7 +161,7 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=
     num_layers = cfg.num_hidden_layers
     interpret = jax.default_backend() != "gpu"  # CPU: the kernels' interpret mode
     from ouro_jax.invariant import ragged_tuning
-    fixed = ragged_tuning(cfg) if invariant else {}
+    fixed = ragged_tuning(cfg) if invariant else {}  # (num_splits, block_q: fixed)
 
     def attend(q, k, v, planes, loop, layer):
         planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
@@ -186,25 +186,9 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=
         return out.reshape(b, c, *q.shape[1:]), planes
     attend.ragged = ragged
     if invariant:
-        attend.qkv = _invariant_attend_qkv(attend, cfg, page, slot, interpret)
+        from ouro_jax.invariant import attend_qkv
+        attend.qkv = attend_qkv(attend, cfg, page, slot, interpret)
     return attend
-
-
-def _invariant_attend_qkv(attend, cfg, page, slot, interpret):
-    """attend.qkv for the batch-invariant mode: RoPE and the K/V write of every token in one
-    kernel (pallas_kernels.rope_kv, one token per program), then the ragged kernel as
-    `attend` runs it, minus its XLA write."""
-    from pallas_kernels.rope_kv import rope_kv_write
-
-    def attend_qkv(qkv, cos, sin, planes, loop, layer):
-        b, c, rows, hd = qkv.shape
-        q, kc, vc = trace_once.call(
-            rope_kv_write, qkv.reshape(b * c, rows, hd), cos.reshape(b * c, hd),
-            sin.reshape(b * c, hd), planes[0], planes[1], _entry(loop, layer),
-            page.reshape(-1), slot.reshape(-1), n_kv=cfg.num_key_value_heads,
-            trash_page=TRASH_PAGE, entry_stride=cfg.num_hidden_layers, interpret=interpret)
-        return attend.ragged(q, (kc, vc, *planes[2:]), loop, layer, b, c)
-    return attend_qkv
 
 
 def _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page, slot,

@@ -208,3 +208,24 @@ def ragged_tuning(cfg) -> dict:
     from pallas_kernels._common import next_pow2
     group_pad = next_pow2(cfg.num_attention_heads // cfg.num_key_value_heads)
     return dict(num_splits=1, block_q=max(1, 16 // group_pad))
+
+
+def attend_qkv(attend, cfg, page, slot, interpret: bool):
+    """attention.make_paged_attend's `attend.qkv` in this mode: RoPE and the K/V write of
+    every token in one kernel (pallas_kernels.rope_kv, one token per program), then the
+    ragged kernel as `attend` runs it (attend.ragged), minus its XLA write. page, slot
+    [B, C]: each token's cache slot."""
+    from ouro_jax.attention import _entry
+    from ouro_jax.kv_cache import TRASH_PAGE
+    from pallas_kernels.rope_kv import rope_kv_write
+
+    def qkv_attend(qkv, cos, sin, planes, loop, layer):
+        b, c, rows, hd = qkv.shape
+        q, kc, vc = trace_once.call(
+            rope_kv_write, qkv.reshape(b * c, rows, hd), cos.reshape(b * c, hd),
+            sin.reshape(b * c, hd), planes[0], planes[1], _entry(loop, layer),
+            page.reshape(-1), slot.reshape(-1), n_kv=cfg.num_key_value_heads,
+            trash_page=TRASH_PAGE, entry_stride=cfg.num_hidden_layers, interpret=interpret)
+        return attend.ragged(q, (kc, vc, *planes[2:]), loop, layer, b, c)
+    return qkv_attend
+
