@@ -72,8 +72,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="the engine's batch-invariant kernels (ouro_jax.invariant: greedy "
                         "speculative output bit-identical to native; slower); needs "
                         "--attention pallas or auto and --projections auto, and takes no "
-                        "kernel tuning overrides (it writes K/V in XLA whatever --kv-write "
-                        "says)")
+                        "kernel tuning overrides but --invariant-tiling and --ragged-kernel's "
+                        "block_t, num_warps, num_stages; --kv-write xla moves its RoPE and "
+                        "K/V write from a Pallas kernel to XLA")
     p.add_argument("--persistent-layers", action="store_true",
                    help="batch-1 decode loops as one persistent Mosaic GPU kernel each "
                         "(ouro_jax.persistent; jax >= 0.11, bf16, --attention pallas)")

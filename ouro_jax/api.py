@@ -179,7 +179,7 @@ class Ouro:
                                               persistent=persistent.pack(cfg, self.params))
         self.batch_invariant = batch_invariant
         self.backend = (resolved + ("+unroll" if unroll_loops else "")
-                        + ("+kvxla" if kv_xla or batch_invariant else "")
+                        + ("+kvxla" if kv_xla else "")
                         + ("+invariant" if batch_invariant else "")
                         + ("" if proj == XLAProjections() else "+" + proj.spec)
                         + ("+persistent" if persistent_layers else ""))

@@ -5,7 +5,8 @@ of query positions [B, C] (C = 1 for decode, k+1 for verification, a chunk for p
 new tokens' K/V are written first, so a query reads its own key from the cache like any other.
 The exception is pallas decode (C = 1): `attend.qkv` hands the unrotated fused projection to the
 decode kernel, which applies RoPE, writes the K/V and attends to the new key from registers
-(fewer kernels per layer; see make_paged_attend).
+(fewer kernels per layer; see make_paged_attend). In the batch-invariant mode `attend.qkv`
+(any C) applies RoPE and writes the K/V in one Pallas kernel before the ragged kernel.
 
 Backends:
 - "xla": gather each sequence's pages through its block table, mask by position, dense
@@ -136,15 +137,16 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     kernel's TUNING); then `attend.qkv_stage` also gives the decode attention as a gemv_flow
     stage ('+flow5').
     invariant (ouro_jax.invariant; pallas only): every C, decode's included, through the
-    ragged kernel at one fixed tuning; with the fused qkv weight `attend.qkv` applies RoPE
-    and writes the K/V in one Pallas kernel first (pallas_kernels.rope_kv), else XLA does."""
+    ragged kernel at one fixed tuning; with fused_kv_write `attend.qkv` applies RoPE and
+    writes the K/V in one Pallas kernel first (pallas_kernels.rope_kv), else XLA does."""
     page, slot = slot_indices(block_tables, positions, page_size)
     if invariant and backend != "pallas":
         raise ValueError(f"batch-invariant attention runs the Pallas ragged kernel, not "
                          f"{backend!r}")
     if backend == "pallas":
         kv_lens = positions[:, -1] + 1
-        attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant)
+        attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant,
+                                fused_kv_write)
         if positions.shape[1] == 1 and fused_kv_write and not invariant:
             attend = _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page,
                                         slot, merge_splits)
@@ -152,9 +154,12 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     return _xla_attend(cfg, block_tables, positions, page_size, page, slot)
 
 
-def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=False):
+def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=False,
+                   fused_kv_write=True):
     """The Pallas kernels over K/V written by XLA: decode (C == 1) or ragged (C > 1, or
-    any C when invariant, at ouro_jax.invariant's fixed tuning)."""
+    any C when invariant, at ouro_jax.invariant's fixed tuning). Invariant with
+    fused_kv_write: also attend.qkv, whose RoPE and K/V write are one Pallas kernel
+    (ouro_jax.invariant.attend_qkv)."""
     import pallas_kernels as pk
 
     b, c = positions.shape
@@ -167,25 +172,25 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=
         planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
         # The kernels compute the plane from (loop, layer) themselves: handing them a
         # precomputed index costs one tiny XLA kernel per layer application on the GPU.
-        plane = dict(entry=_entry(loop, layer), entry_stride=num_layers)
         if c == 1 and not invariant:
             out = trace_once.call(pk.paged_decode_attention, q[:, 0], planes[0], planes[1],
                                   block_tables=block_tables, kv_lens=kv_lens,
-                                  interpret=interpret, **plane)[:, None]
+                                  interpret=interpret, entry=_entry(loop, layer),
+                                  entry_stride=num_layers)[:, None]
         else:
-            out = ragged(q.reshape(b * c, *q.shape[2:]), planes, loop, layer, b, c)[0]
+            out = ragged(q.reshape(b * c, *q.shape[2:]), planes, loop, layer)
         return out, planes
 
-    def ragged(q, planes, loop, layer, b, c):
-        """The ragged kernel on packed queries q [B*C, H, hd] -> ([B, C, H, hd], planes)."""
+    def ragged(q, planes, loop, layer):
+        """The ragged kernel on packed queries q [B*C, H, hd] -> [B, C, H, hd]."""
         cu = jnp.arange(b + 1, dtype=jnp.int32) * c
         out = trace_once.call(pk.ragged_paged_attention, q, planes[0], planes[1],
                               block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu,
                               interpret=interpret, entry=_entry(loop, layer),
                               entry_stride=num_layers, **fixed)
-        return out.reshape(b, c, *q.shape[1:]), planes
+        return out.reshape(b, c, *q.shape[1:])
     attend.ragged = ragged
-    if invariant:
+    if invariant and fused_kv_write:
         from ouro_jax.invariant import attend_qkv
         attend.qkv = attend_qkv(attend, cfg, page, slot, interpret)
     return attend

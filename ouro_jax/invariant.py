@@ -74,7 +74,8 @@ OPTION = "invariant"  # the engine's backend option (ouro_jax.engine.forward_blo
 
 
 def applies(backend: str) -> bool:
-    """Whether an engine backend string ('pallas+kvxla+invariant') asks for this mode."""
+    """Whether an engine backend string ('pallas+invariant', 'pallas+kvxla+invariant') asks
+    for this mode."""
     return OPTION in backend.split("+")
 
 
@@ -171,6 +172,12 @@ class Invariant(XLA):
     def residual(self, h, m, w, eps):
         return Residual(h, m, w)
 
+    def final_norm(self, x, w, eps):
+        """The last layer's residual add and the loop's norm in one add_norm."""
+        if isinstance(x, Residual):
+            return _add_norm(x.resid, w, eps, x.branch, x.weight)[1]
+        return self.norm(super().materialize(x, eps), w, eps)
+
     @staticmethod
     def gate_logit(params, h):
         """model.exit_gate_logit with its sum by row_sum rather than a dot."""
@@ -200,6 +207,9 @@ def check_model(cfg) -> None:
         raise ValueError(f"batch_invariant runs every projection through the Pallas GEMM, "
                          f"whose tiles need multiples of {TILE}: "
                          + ", ".join(f"{k} = {v}" for k, v in bad.items()))
+    if hd & (hd - 1):  # (the attention kernels' blocks span head_dim: Triton's are powers of 2)
+        raise ValueError(f"batch_invariant runs Pallas attention kernels whose blocks span "
+                         f"head_dim, which must be a power of two; got head_dim = {hd}")
 
 
 def ragged_tuning(cfg) -> dict:
@@ -226,6 +236,7 @@ def attend_qkv(attend, cfg, page, slot, interpret: bool):
             sin.reshape(b * c, hd), planes[0], planes[1], _entry(loop, layer),
             page.reshape(-1), slot.reshape(-1), n_kv=cfg.num_key_value_heads,
             trash_page=TRASH_PAGE, entry_stride=cfg.num_hidden_layers, interpret=interpret)
-        return attend.ragged(q, (kc, vc, *planes[2:]), loop, layer, b, c)
+        planes = (kc, vc, *planes[2:])
+        return attend.ragged(q, planes, loop, layer), planes
     return qkv_attend
 

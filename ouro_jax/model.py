@@ -9,8 +9,9 @@ Attention is pluggable. `decoder_layer` hands (q, k, v) after RoPE to an `attend
 together with an opaque state; the dense forward passes causal self-attention with no state,
 the engine passes a paged-cache writer/reader whose state is the KV cache. That keeps one
 copy of the layer math for the dense, prefill, decode and speculative paths. An `attend` with
-a `qkv` attribute (the engine's pallas decode) takes the fused projection before RoPE instead
-and applies RoPE and the K/V write in its kernel (ouro_jax.attention.make_paged_attend).
+a `qkv` attribute (the engine's pallas decode; the batch-invariant mode at any C) takes the
+fused projection before RoPE instead and applies RoPE and the K/V write in a kernel
+(ouro_jax.attention.make_paged_attend).
 """
 
 from __future__ import annotations
@@ -43,12 +44,11 @@ AttendFn = Callable[..., tuple[jax.Array, Any]]
 TRACE_HOOK: Optional[Callable[[int, tuple], None]] = None
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, sum_rows=None) -> jax.Array:
-    """sum_rows: a fixed-order sum over the last axis for the mean of squares instead of
-    XLA's reduction (ouro_jax.invariant.row_sum); the roundings stay these."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """The roundings here are the model's; pallas_kernels (the GEMV prologues, add_norm)
+    repeat them."""
     xf = x.astype(jnp.float32)
-    ms = (jnp.mean(xf * xf, axis=-1, keepdims=True) if sum_rows is None
-          else (sum_rows(xf * xf) / x.shape[-1])[..., None])
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = xf * lax.rsqrt(ms + eps)
     return y.astype(x.dtype) * weight.astype(x.dtype)
 
@@ -120,8 +120,8 @@ def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, 
                layer, proj):
     """Input norm, q/k/v projections, RoPE and attention: (attention output, x as an array,
     state, whether the output is already o-projected). With the fused qkv weight and an
-    `attend` that has `.qkv` (the engine's pallas decode) the unrotated projection goes to
-    the kernel, which does RoPE and the K/V write; `.qkv_o` (opt-in, one row) also applies
+    `attend` that has `.qkv` (the engine's pallas decode, the batch-invariant mode) the
+    unrotated projection goes to the kernels, which do RoPE and the K/V write; `.qkv_o` (opt-in, one row) also applies
     the o projection."""
     eps = cfg.rms_norm_eps
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -228,8 +228,7 @@ def run_loop(params: OuroParams, h, cos, sin, cfg: OuroConfig, attend: AttendFn,
                                      next_lp=params.layers[layer + 1] if layer + 1 < n
                                      else None)
         proj = proj or XLA_PROJECTIONS
-        h = proj.materialize(h, cfg.rms_norm_eps)
-        return proj.norm(h, params.norm, cfg.rms_norm_eps), state
+        return proj.final_norm(h, params.norm, cfg.rms_norm_eps), state
 
     def body(carry, xs):
         x, st = carry

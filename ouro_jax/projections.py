@@ -126,6 +126,10 @@ class XLA:
         """The layer output h + rms_norm(m, w), now (XLA) or deferred (see Residual)."""
         return h + self.norm(m, w, eps)
 
+    def final_norm(self, x, w, eps: float) -> jax.Array:
+        """rms_norm of the residual stream after a loop's last layer (x may be deferred)."""
+        return self.norm(self.materialize(x, eps), w, eps)
+
 
 @dataclasses.dataclass(frozen=True)
 class PallasGemv(XLA):

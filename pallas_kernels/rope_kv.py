@@ -9,9 +9,10 @@ nothing, as kv_cache.write_kv drops it. RoPE rounds as model.apply_rope
 (pallas_kernels.new_token._rope), and it is elementwise, so a token's bits never depend on
 the others.
 
-Why: in XLA the slices, RoPE's rotate-half and products, and the two scatters were ~6 small
-kernels per layer application at one row (~8 us of ~69; session 40's traces,
-kernel_trace_inv_{add_norm,rope_kv}_b1_session40_h100.json: one 3.0 us kernel replaced ~5). The default engine does this inside its
+Why: in XLA the slices, RoPE's rotate-half and products, and the two scatters were ~5 small
+kernels per layer application at one row; this one 3.0 us kernel took busy time per layer
+application from 69.0 to 65.8 us (session 40's traces,
+kernel_trace_inv_{add_norm,rope_kv}_b1_session40_h100.json). The default engine does this inside its
 decode kernel, which the mode does not run (its decode goes through the ragged kernel).
 """
 
@@ -67,6 +68,8 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, entry, page, slot, *, n_kv: i
     slot [N] int32 (page == trash_page: no write)."""
     n, rows, hd = qkv.shape
     n_q = rows - 2 * n_kv
+    if hd & (hd - 1):  # (on the CPU too: the interpreter would accept what Triton refuses)
+        raise ValueError(f"rope_kv_write: head_dim {hd} is not a power of two (Triton blocks)")
     if n_kv < 1 or n_q < 1:
         raise ValueError(f"rope_kv_write: qkv {qkv.shape} does not hold H query heads and "
                          f"2 x {n_kv} K/V heads")

@@ -144,6 +144,15 @@ def test_a_batch_invariant_run_is_labelled_and_matches(tmp_path, monkeypatch):
     ragged kernel's key block overridden."""
     monkeypatch.setattr(decode, "copy_bandwidth", lambda: 1e11)
     out = tmp_path / "r.json"
+    import pallas_kernels as pk
+    import pallas_kernels.ragged as ragged
+    seen = []  # (block_t in force, the mode's fixed num_splits) at each ragged kernel trace
+    real = pk.ragged_paged_attention
+
+    def spy(*a, **kw):
+        seen.append((ragged.TUNING.get("block_t"), kw.get("num_splits")))
+        return real(*a, **kw)
+    monkeypatch.setattr(pk, "ragged_paged_attention", spy)
     from ouro_jax import invariant
     shipped = {k: dict(v) for k, v in invariant.TUNING.items()}
     tiling = "o=mm16_n16_k128_w4_s4_x4,gate_up=mm16_n32_k256_w4_s4_x2"
@@ -154,9 +163,9 @@ def test_a_batch_invariant_run_is_labelled_and_matches(tmp_path, monkeypatch):
     rec = json.loads(out.read_text())
     # the ragged kernel's open settings are taken (and recorded), the mode's own kept
     assert rec["kernel_tuning"]["ragged"] == {"block_t": 16}
-    import pallas_kernels.ragged as ragged
+    assert seen and set(seen) == {(16, 1)}
     assert ragged.TUNING == {}
-    assert rec["backend"] == "pallas+kvxla+invariant" and rec["dtype"] == "bf16"
+    assert rec["backend"] == "pallas+invariant" and rec["dtype"] == "bf16"
     assert rec["greedy_token_match"][0]["identical_sequences"] == 3
     # the record names the mode's whole tiling (the overrides and the shipped rest), the
     # tiny model still splits K for o (fitted: 2 splits of K = 32), and the process gets the

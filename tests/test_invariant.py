@@ -46,10 +46,22 @@ def _native_and_spec(llm, prompts, ks, **kw):
 def test_bf16_greedy_speculative_is_bit_identical_to_native(bf16_model):
     cfg, params, prompts = bf16_model
     llm = Ouro(cfg, params, None, page_size=4, batch_invariant=True)
-    assert llm.backend == "pallas+kvxla+invariant"
+    assert llm.backend == "pallas+invariant"  # (RoPE and the K/V write: rope_kv's kernel)
     native, specs = _native_and_spec(llm, prompts, [(4, 2), (2, 1), (3, 3)])
     for spec in specs:
         assert _same(native, spec) == [True] * len(prompts)
+
+
+def test_bf16_greedy_speculative_is_bit_identical_with_the_xla_kv_write(bf16_model):
+    """fused_kv_write=False: RoPE and the K/V write as XLA kernels (elementwise and a
+    scatter, so still per row), labelled '+kvxla'; the tokens match rope_kv's path here."""
+    cfg, params, prompts = bf16_model
+    llm = Ouro(cfg, params, None, page_size=4, batch_invariant=True, fused_kv_write=False)
+    assert llm.backend == "pallas+kvxla+invariant"
+    native, (spec,) = _native_and_spec(llm, prompts, [(4, 2)])
+    assert _same(native, spec) == [True] * len(prompts)
+    fused = Ouro(cfg, params, None, page_size=4, batch_invariant=True).generate(prompts, SP)
+    assert [o.token_ids for o in fused.outputs] == [o.token_ids for o in native]
 
 
 def test_the_tests_model_runs_the_split_k_tiling(bf16_model):
@@ -259,6 +271,9 @@ def test_bad_settings_are_refused_by_name(bf16_model):
             Ouro(cfg, params, None, **{"batch_invariant": True, **kw})
     odd = TINY_GQA.replace(hidden_size=40)
     with pytest.raises(ValueError, match="hidden_size = 40"):
+        Ouro(odd, random_params(odd, 0, jnp.float32), None, batch_invariant=True)
+    odd = TINY_GQA.replace(head_dim=24)  # (every projection still a multiple of 16)
+    with pytest.raises(ValueError, match="head_dim = 24"):
         Ouro(odd, random_params(odd, 0, jnp.float32), None, batch_invariant=True)
 
 
