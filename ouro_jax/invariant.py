@@ -34,9 +34,9 @@ the 1.4B shape greedy k=4 output equalled native's in every sequence at batch 1,
 64: benchmarks/results/decode_invariant*_session38_h100.json). Not covered: sampling at
 temperature > 0 still sums top-p's softmax and speculative sampling's log-softmaxes with
 XLA's reductions. It costs throughput (no one-row GEMVs, no fused decode kernel): it is
-opt-in. On an H100, session 40: batch-1 native 164.9 tok/s and k=4 d=2 227.8, batch 64
-6,353.4 and 5,942.1 (decode_inv_rope_kv_b{1,64}_session40_h100.json), against the
-default's 207.5 and 6,386.5 (session 38, another H100). Output is not approximated: it is
+opt-in. On an H100, session 40 (decode_inv_final_session40_h100.json): native 164.9 /
+1,184.8 / 6,396.2 tok/s at batch 1 / 8 / 64, k=4 d=2 228.3 / 1,373.3 / 5,979.6; the
+default in the same call 210.1 / 1,278.3 at batch 1 / 8 (decode_default_session40_h100.json). Output is not approximated: it is
 the same model in another summation order, as bf16 is anyway.
 """
 
