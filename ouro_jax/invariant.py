@@ -36,8 +36,9 @@ temperature > 0 still sums top-p's softmax and speculative sampling's log-softma
 XLA's reductions. It costs throughput (no one-row GEMVs, no fused decode kernel): it is
 opt-in. On an H100, session 40 (decode_inv_final_session40_h100.json): native 164.9 /
 1,184.8 / 6,396.2 tok/s at batch 1 / 8 / 64, k=4 d=2 228.3 / 1,373.3 / 5,979.6; the
-default in the same call 210.1 / 1,278.3 at batch 1 / 8 (decode_default_session40_h100.json). Output is not approximated: it is
-the same model in another summation order, as bf16 is anyway.
+default in the same call 210.1 / 1,278.3 at batch 1 / 8
+(decode_default_session40_h100.json). Output is not approximated: it is the same model in
+another summation order, as bf16 is anyway.
 """
 
 from __future__ import annotations
@@ -239,4 +240,3 @@ def attend_qkv(attend, cfg, page, slot, interpret: bool):
         planes = (kc, vc, *planes[2:])
         return attend.ragged(q, planes, loop, layer), planes
     return qkv_attend
-

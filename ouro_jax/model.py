@@ -121,8 +121,8 @@ def _attention(lp: LayerParams, x, cos, sin, cfg: OuroConfig, attend: AttendFn, 
     """Input norm, q/k/v projections, RoPE and attention: (attention output, x as an array,
     state, whether the output is already o-projected). With the fused qkv weight and an
     `attend` that has `.qkv` (the engine's pallas decode, the batch-invariant mode) the
-    unrotated projection goes to the kernels, which do RoPE and the K/V write; `.qkv_o` (opt-in, one row) also applies
-    the o projection."""
+    unrotated projection goes to the kernels, which do RoPE and the K/V write; `.qkv_o`
+    (opt-in, one row) also applies the o projection."""
     eps = cfg.rms_norm_eps
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if isinstance(x, Prepared) and x.attn is not None:  # '+flow5': attention done too

@@ -13,7 +13,8 @@ by shape, so ouro_jax.invariant summed it in a fixed order with elementwise halv
 kernels: with RoPE's and the K/V write's, about 18 per layer application at one row, ~24 us
 of its ~78 (session 40's trace, kernel_trace_inv_b1_session40_h100.json). Here each program
 reads one row, so a row's sums run the same instructions whatever the row count: the same
-guarantee in one kernel per norm pair (two per layer application: they replaced ~10). The roundings are model.rms_norm's, through the GEMV prologue's helpers.
+guarantee in one kernel per norm pair (two per layer application: they replaced ~10). The
+roundings are model.rms_norm's, through the GEMV prologue's helpers.
 """
 
 from __future__ import annotations
