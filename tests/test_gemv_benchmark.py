@@ -149,3 +149,14 @@ def test_invariant_tiling_that_does_not_fit_its_weight_is_refused(monkeypatch):
     with pytest.raises(SystemExit, match="bad_x4 does not fit down .*k_splits=4"):
         parse_invariant_tiling("down=bad_x4")
     assert parse_invariant_tiling("o=bad_x4")["o"]["k_splits"] == 4  # o's K = 8 x 256
+
+
+def test_block_m_bits_probe_refuses_to_run_without_a_gpu(monkeypatch):
+    """benchmarks.gemm_block_m_bits compares compiled kernels (interpret mode runs every
+    block alike, so a CPU run would say nothing): refused by name off a GPU."""
+    import jax
+
+    from benchmarks import gemm_block_m_bits
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    with pytest.raises(SystemExit, match="run it on a GPU"):
+        gemm_block_m_bits.main([])
