@@ -8,7 +8,7 @@ import os
 
 from benchmarks.decode_checks import check_values
 from benchmarks.tuning import (DECODE_TUNING_KEYS, RAGGED_TUNING_KEYS, add_stream_args,
-                               check_graph_pdl)
+                               check_graph_pdl, parse_tuning)
 
 PROJECTIONS_HELP = ("'auto' (default: 'gemv+norms+stream' on a GPU, else 'xla'), 'xla' "
                     "(einsum GEMMs), 'gemv' "
@@ -171,9 +171,8 @@ def check_invariant_run(args) -> None:
             raise SystemExit("--invariant-tiling tiles the batch-invariant mode's GEMM: add "
                              "--batch-invariant, or leave it out")
         return
-    ragged = {item.partition("=")[0].strip() for item in args.ragged_kernel.split(",")
-              if item.strip()}
-    fixed = sorted(ragged & set(INVARIANT_FIXED_RAGGED))
+    fixed = sorted(set(parse_tuning(args.ragged_kernel, RAGGED_TUNING_KEYS))
+                   & set(INVARIANT_FIXED_RAGGED))
     if fixed:
         raise SystemExit(f"--batch-invariant fixes the ragged kernel's {', '.join(fixed)} "
                          f"(ouro_jax.invariant.ragged_tuning); --ragged-kernel may set only "

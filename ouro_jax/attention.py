@@ -181,9 +181,10 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=
             out = ragged(q.reshape(b * c, *q.shape[2:]), planes, loop, layer)
         return out, planes
 
+    cu = jnp.arange(b + 1, dtype=jnp.int32) * c  # (once per program, not per layer)
+
     def ragged(q, planes, loop, layer):
         """The ragged kernel on packed queries q [B*C, H, hd] -> [B, C, H, hd]."""
-        cu = jnp.arange(b + 1, dtype=jnp.int32) * c
         out = trace_once.call(pk.ragged_paged_attention, q, planes[0], planes[1],
                               block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu,
                               interpret=interpret, entry=_entry(loop, layer),

@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "depend on the batch, and greedy speculative output is bit-identical "
                         "to native greedy, at temperature 0 (tested on the CPU and an H100); "
                         "slower (the Pallas GEMM and ragged attention everywhere: on an H100 "
-                        "about 0.5x native at batch 1, 0.77x at 64); needs --attention pallas "
-                        "or auto and --projections auto")
+                        "0.78x native at batch 1, 0.93x at 8, session 40); needs --attention "
+                        "pallas or auto and --projections auto")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--decode-chunk", type=int, default=32, help="decode steps per host fetch")
     r.add_argument("--kv-pool-tokens", type=int, default=None,

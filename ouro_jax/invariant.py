@@ -229,13 +229,14 @@ def attend_qkv(attend, cfg, page, slot, interpret: bool):
     from ouro_jax.attention import _entry
     from ouro_jax.kv_cache import TRASH_PAGE
     from pallas_kernels.rope_kv import rope_kv_write
+    pages, slots = page.reshape(-1), slot.reshape(-1)  # (once per program, not per layer)
 
     def qkv_attend(qkv, cos, sin, planes, loop, layer):
         b, c, rows, hd = qkv.shape
         q, kc, vc = trace_once.call(
             rope_kv_write, qkv.reshape(b * c, rows, hd), cos.reshape(b * c, hd),
             sin.reshape(b * c, hd), planes[0], planes[1], _entry(loop, layer),
-            page.reshape(-1), slot.reshape(-1), n_kv=cfg.num_key_value_heads,
+            pages, slots, n_kv=cfg.num_key_value_heads,
             trash_page=TRASH_PAGE, entry_stride=cfg.num_hidden_layers, interpret=interpret)
         planes = (kc, vc, *planes[2:])
         return attend.ragged(q, planes, loop, layer), planes
