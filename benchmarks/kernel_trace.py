@@ -11,6 +11,13 @@ Each configuration is warmed up (compiles excluded), then one `generate` call ru
   events, which separates "kernels are slow" from "the GPU waits for launches";
 - the top kernels by total time, grouped by name, with bytes/s where a GEMM's name says
   nothing about size (we only report time and counts; no hardware counters on this machine).
+
+`--minus-prefill` also traces the same prompts at max_tokens=1 (the prefill and its first
+token alone) and subtracts that call's kernels, name by name, from the main call's: a
+`decode_only` table per row, without the prefill's share. At batch 64 that share is large
+(the prefill's 8,192 rows of GEMMs are compute-bound), and in the batch-invariant mode the
+prefill runs the same Pallas kernels as decode under the same names, so only the
+subtraction can tell them apart.
 """
 
 from __future__ import annotations
@@ -110,17 +117,41 @@ def memcpy_neighbours(events, limit: int = 6) -> list[dict]:
     return out
 
 
+def _groups(events, key=lambda n: n) -> dict:
+    out = collections.defaultdict(lambda: [0, 0.0])
+    for name, _, d in events:
+        out[key(name)][0] += 1
+        out[key(name)][1] += d
+    return out
+
+
+def subtract(events, base_events, units: int, top: int = 25) -> dict:
+    """Per-name kernel counts and times of `events` less those of `base_events` (the same
+    prompts' prefill alone), per unit. Names the base ran more often than the main call
+    (none should) are reported in `negative`, not hidden."""
+    out: dict = {"units": units}
+    for title, key in (("top", lambda n: n), ("top_kinds", kernel_kind)):
+        main, base = _groups(events, key), _groups(base_events, key)
+        diff = {n: [main.get(n, (0, 0.0))[0] - base.get(n, (0, 0.0))[0],
+                    main.get(n, (0, 0.0))[1] - base.get(n, (0, 0.0))[1]]
+                for n in set(main) | set(base)}
+        pos = {n: ct for n, ct in diff.items() if ct[0] > 0 and ct[1] > 0}
+        if title == "top":
+            total = sum(t for _, t in pos.values())
+            out["kernels_per_unit"] = sum(c for c, _ in pos.values()) / units
+            out["kernel_sum_per_unit_us"] = total / units / 1e3
+            out["negative"] = sorted(n for n, (c, _) in diff.items() if c < 0)[:20]
+            out["base_kernels"] = len(base_events)
+        out[title] = _table(pos, units, max(total, 1e-9), top)
+    return out
+
+
 def summarize(events, units: int, top: int = 25) -> dict:
     if not events:
         return {"error": "no GPU events in the trace (CPU run, or the profiler saw no device)"}
     start = min(s for _, s, _ in events)
     end = max(s + d for _, s, d in events)
-    by_name = collections.defaultdict(lambda: [0, 0.0])
-    by_kind = collections.defaultdict(lambda: [0, 0.0])
-    for name, _, d in events:
-        for groups, key in ((by_name, name), (by_kind, kernel_kind(name))):
-            groups[key][0] += 1
-            groups[key][1] += d
+    by_name, by_kind = _groups(events), _groups(events, kernel_kind)
     kernel_ns = max(sum(d for _, _, d in events), 1e-9)
     span = max(end - start, 1e-9)
     return {
@@ -139,6 +170,17 @@ def summarize(events, units: int, top: int = 25) -> dict:
     }
 
 
+def _traced(llm, prompts, sps, spec, lines: list | None = None,
+            memcpys: list | None = None):
+    """One warm generate call under the profiler: (result, device events)."""
+    llm.generate(prompts, sps, speculative=spec)  # compile + warm
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            res = llm.generate(prompts, sps, speculative=spec)
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        return res, (device_events(files[0], lines, memcpys) if files else [])
+
+
 def trace_generate(llm, batch, k, args) -> dict:
     from ouro_jax.sampling import SamplingParams
     from ouro_jax.speculative import SpeculativeConfig
@@ -148,14 +190,9 @@ def trace_generate(llm, batch, k, args) -> dict:
                for _ in range(batch)]
     sps = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)] * batch
     spec = SpeculativeConfig(k, 2, rounds_per_fetch=args.new_tokens) if k else None
-    llm.generate(prompts, sps, speculative=spec)  # compile + warm
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            res = llm.generate(prompts, sps, speculative=spec)
-        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        lines: list = []
-        memcpys: list = []
-        events = device_events(files[0], lines, memcpys) if files else []
+    lines: list = []
+    memcpys: list = []
+    res, events = _traced(llm, prompts, sps, spec, lines, memcpys)
     # Rounds the device ran: every row rounds in lockstep until the last is done, so the
     # longest row's count (stats.spec["rounds"] sums over rows).
     units = max(o.spec["rounds"] for o in res.outputs) if k else args.new_tokens - 1
@@ -164,6 +201,12 @@ def trace_generate(llm, batch, k, args) -> dict:
     row.update(summarize(events, max(1, units)))
     row["device_lines"] = lines
     row["memcpy_stats"] = memcpys
+    if args.minus_prefill:
+        # the prefill and the first token alone: max_tokens=1 stops before any decode step
+        # or round, so what it launches is the main call's prefill share
+        one = [SamplingParams(max_tokens=1, ignore_eos=True)] * batch
+        _, base = _traced(llm, prompts, one, spec)
+        row["decode_only"] = subtract(events, base, max(1, units), args.top)
     return row
 
 
@@ -179,6 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--unroll-loops", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--minus-prefill", action="store_true",
+                    help="also trace the prefill alone (max_tokens=1) and report the "
+                         "kernels per unit without it (decode_only)")
     ap.add_argument("--decode-kernel", default="", metavar="K=V,...",
                     help="the decode kernel's tuning overrides, as benchmarks.decode takes "
                          "them (e.g. fuse_o=1)")
@@ -207,11 +253,20 @@ def _main(args, argv) -> int:
             rows.append(row)
             head = {kk: (round(v, 3) if isinstance(v, float) else v)
                     for kk, v in row.items() if kk not in ("top", "top_kinds", "device_lines",
-                                                           "memcpy_neighbours", "memcpy_stats")}
+                                                           "memcpy_neighbours", "memcpy_stats",
+                                                           "decode_only")}
             print(json.dumps(head), flush=True)
-            for title in ("top", "top_kinds"):
-                print(f"  {title}:", flush=True)
-                for t in row.get(title, [])[:args.top]:
+            tables = [(t, row) for t in ("top", "top_kinds")]
+            if "decode_only" in row:
+                dec = row["decode_only"]
+                print(f"  decode only: {dec['kernels_per_unit']:.1f} kernels, "
+                      f"{dec['kernel_sum_per_unit_us']:.1f} us of kernels per unit "
+                      f"(less {dec['base_kernels']} prefill kernels; negative: "
+                      f"{dec['negative']})", flush=True)
+                tables += [(t, dec) for t in ("top", "top_kinds")]
+            for title, src in tables:
+                print(f"  {title}{' (decode only)' if src is not row else ''}:", flush=True)
+                for t in src.get(title, [])[:args.top]:
                     print(f"   {t['share']:6.1%} {t['per_unit']:7.1f}/unit {t['mean_us']:8.1f} us"
                           f"  {t['name'][:110]}", flush=True)
             for mc in row.get("memcpy_neighbours", [])[:3]:

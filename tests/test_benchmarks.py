@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from benchmarks.decode import step_bytes
-from benchmarks.kernel_trace import busy_ns, kernel_kind, summarize
+from benchmarks.kernel_trace import busy_ns, kernel_kind, subtract, summarize
 from engine_helpers import pallas_call_eqns
 from ouro_jax.config import PRESETS
 
@@ -46,6 +46,24 @@ def test_trace_groups_per_layer_kernels_by_kind():
     assert s["top_kinds"][0]["name"] == "input_scatter_fusion"
     assert kernel_kind("fusion.12") == "fusion" and kernel_kind("paged_decode_attention") == \
         "paged_decode_attention"
+
+
+def test_trace_subtracts_the_prefill_name_by_name():
+    """--minus-prefill: the prefill's own call (max_tokens=1) ran gemm twice at 100 ns and a
+    fusion once; the main call ran the same plus two decode units of gemm and attention.
+    What is left is the decode's, per unit; a name only the prefill ran is reported."""
+    pre = [("gemm", 0, 100), ("gemm", 100, 100), ("fusion_7", 200, 50)]
+    main = pre + [("gemm", 300, 30), ("attn", 330, 10), ("gemm", 340, 30), ("attn", 370, 10)]
+    d = subtract(main, pre, units=2)
+    assert d["kernels_per_unit"] == 2 and d["kernel_sum_per_unit_us"] == pytest.approx(0.04)
+    rows = {t["name"]: t for t in d["top"]}
+    assert set(rows) == {"gemm", "attn"}
+    assert rows["gemm"]["per_unit"] == 1 and rows["gemm"]["mean_us"] == pytest.approx(0.03)
+    assert rows["gemm"]["share"] == pytest.approx(0.75)
+    assert d["negative"] == [] and d["base_kernels"] == 3
+    assert subtract(main[:1], pre, units=1)["negative"] == ["fusion_7", "gemm"]
+    kinds = subtract(main + [("attn_2", 400, 10)], pre, units=2)["top_kinds"]
+    assert {t["name"]: t["count"] for t in kinds} == {"gemm": 2, "attn": 3}
 
 
 def test_trace_places_the_longest_memcpys_between_their_kernels():
