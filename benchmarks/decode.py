@@ -218,7 +218,9 @@ def main(argv=None) -> int:
         tuning = dict(tuning, persistent=dict(persistent.TILING))
     if args.batch_invariant:  # the mode's whole tiling, not only the run's overrides
         from ouro_jax import invariant
-        tuning = dict(tuning, invariant={k: dict(v) for k, v in invariant.TUNING.items()})
+        tuning = dict(tuning, invariant={k: dict(v) for k, v in invariant.TUNING.items()},
+                      invariant_routes={k: [list(r) for r in v]
+                                        for k, v in invariant.ROUTES.items() if v})
     try:
         return _run(args, argv, tuning)
     finally:  # the overrides are process-wide: leave none behind for other callers

@@ -23,6 +23,19 @@ def _key(bm, bn, bk, w, st, sp=1) -> str:
 
 FEW_ROW_VARIANTS = [_key(*t) for t in FEW_ROW_TILINGS]
 
+# Tiles for the batch-invariant mode's row-count routes (ouro_jax.invariant.ROUTES): each
+# keeps its weight's K steps (block_k 128; o and down split K in 4, qkv and gate/up not) and
+# changes only the rows and columns per program, the warps and the stages. 16-row tiles for
+# one-row calls; wider ones for the verification's k+1 rows per sequence (320 at batch 64,
+# where session 41's trace had the mode's GEMMs at 2.1x cuBLAS's: 148.5 against 70.5 us per
+# layer application, kernel_trace_*_b64_k4_session41_h100.json) and for the prefill.
+ROUTE_TILES = [(16, 32), (16, 64), (64, 128), (128, 64), (128, 128), (64, 256)]
+ROUTE_TILINGS = [
+    (bm, bn, 128, w, st, sp) for sp in (1, 4) for bm, bn in ROUTE_TILES
+    for w, st in (((4, 4),) if bm == 16 else ((4, 4), (8, 3)))]
+ROUTE_VARIANTS = {sp: [_key(*t) for t in ROUTE_TILINGS if t[5] == sp] + [
+    _key(64, 64, 128, 4, 4, sp)] for sp in (1, 4)}
+
 # Skinny GEMM (pallas_kernels/gemm.py) tilings for batched decode (M = 8-512 rows)
 GEMM_VARIANTS = {
     _key(bm, bn, bk, w, st, sp): dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w,
@@ -32,7 +45,7 @@ GEMM_VARIANTS = {
         (64, 64, 64, 4, 5, 1), (64, 64, 256, 4, 3, 1), (64, 32, 256, 4, 3, 1),
         (64, 128, 128, 8, 3, 1), (64, 64, 128, 8, 4, 1), (64, 16, 256, 4, 4, 1),
         (128, 64, 128, 8, 3, 1), (64, 32, 64, 4, 6, 1), (32, 64, 128, 4, 4, 1),
-        *FEW_ROW_TILINGS]
+        *FEW_ROW_TILINGS, *ROUTE_TILINGS]
 }
 
 

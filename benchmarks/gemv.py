@@ -143,7 +143,8 @@ def chain_fn(impl, gated, shape, prologue="", fixed_rows=False):
     computes rms_norm(x_i + rms_norm(branch_i)), the sandwich layer's residual add and norm,
     in the streaming kernel (the engine's one-row path) or as XLA ops. fixed_rows: the GEMM
     tilings keep their row block at any row count, as ouro_jax.invariant runs them;
-    impl "invariant" is that mode's own tiling for this shape (ouro_jax.invariant.TUNING)."""
+    impl "invariant" is that mode's own tiling for this shape and row count
+    (ouro_jax.invariant.tiling_for)."""
     if prologue:
         from ouro_jax.model import rms_norm
         from ouro_jax.projections import STREAM_TUNING
@@ -167,9 +168,11 @@ def chain_fn(impl, gated, shape, prologue="", fixed_rows=False):
     elif impl in STREAM_VARIANTS:
         one = lambda x, w: gemv_stream(x, w, gated=gated, **STREAM_VARIANTS[impl])
     elif impl in GEMM_VARIANTS or impl == "invariant":
-        from ouro_jax.invariant import TUNING
-        tuning = TUNING[shape] if impl == "invariant" else GEMM_VARIANTS[impl]
-        one = lambda x, w: gemm(x, w, gated=gated, fixed_rows=fixed_rows, **tuning)
+        from ouro_jax.invariant import tiling_for
+
+        def one(x, w):  # the mode's tiling: its route for this row count, if any
+            t = tiling_for(shape, x.shape[0]) if impl == "invariant" else GEMM_VARIANTS[impl]
+            return gemm(x, w, gated=gated, fixed_rows=fixed_rows, **t)
     else:
         tuning = engine_tuning(impl, shape) if impl.startswith("engine") else VARIANTS[impl]
         one = lambda x, w: gemv(x, w, gated=gated, **tuning)

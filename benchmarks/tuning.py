@@ -77,44 +77,73 @@ def parse_stream_tiling(spec: str) -> dict:
 
 
 _MGPU_DEFAULTS = None  # projections.MGPU_TUNING as shipped, for restoring
-_INVARIANT_DEFAULTS = None  # invariant.TUNING as shipped, for restoring
+_INVARIANT_DEFAULTS = None  # (invariant.TUNING, invariant.ROUTES) as shipped, for restoring
 
 
-def parse_invariant_tiling(spec: str) -> dict:
-    """'qkv=mm16_n16_k256_w4_s4_x2,head=...' -> {weight: GEMM tiling} for the batch-invariant
-    mode (ouro_jax.invariant.TUNING; weights qkv, o, gate_up, down, head), from
-    benchmarks.gemv.GEMM_VARIANTS. A tiling must fit the 1.4B/2.6B weight it is given for
-    as it is (the engine would otherwise shrink it, and the record would not name what ran)."""
-    from benchmarks.gemm_tilings import GEMM_VARIANTS
-    from benchmarks.gemv import SHAPES
-    from ouro_jax.config import PRESETS
-    from ouro_jax.invariant import NAMES
-    from pallas_kernels.gemm import check_supported
-    cfg = PRESETS["1.4b"]  # the LM head: vocabulary x hidden
-    shapes = dict(SHAPES, head=(cfg.vocab_size, cfg.hidden_size, False))
-    out = {}
+def parse_invariant_tiling(spec: str) -> tuple[dict, dict]:
+    """'qkv=16:mm16_n64_k128_w4_s4/mm64_n128_k128_w8_s3,o=mm64_n64_k128_w4_s4_x4' ->
+    ({weight: GEMM tiling}, {weight: routes}) for the batch-invariant mode
+    (ouro_jax.invariant.TUNING and ROUTES; weights qkv, o, gate_up, down, head), tilings from
+    benchmarks.gemv.GEMM_VARIANTS. A weight's items, separated by '/', are ROWS:VARIANT
+    routes in increasing ROWS (calls of at most ROWS rows take that tile) and at most one
+    plain VARIANT, last, for every other row count (left out: the shipped tiling). A weight
+    named here runs exactly what is given: no route given, none runs. A route must keep its
+    weight's K steps (block_k, k_splits), and every tiling must fit the 1.4B/2.6B weight as
+    it is (the engine would otherwise shrink it, and the record would not name what ran)."""
+    from ouro_jax.invariant import NAMES, ROUTE_KEYS, TUNING
+    tilings, routes = {}, {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, sep, variant = (part.strip() for part in item.partition("="))
+        name, sep, value = (part.strip() for part in item.partition("="))
         if not sep:
             raise SystemExit(f"--invariant-tiling: {item!r} is not NAME=VARIANT")
         if name not in NAMES:
             raise SystemExit(f"--invariant-tiling: unknown weight {name!r}; one of {NAMES}")
-        if variant not in GEMM_VARIANTS:
-            raise SystemExit(f"--invariant-tiling: {variant!r} is not a benchmarks.gemv "
-                             f"GEMM_VARIANTS key")
-        if name in out:
+        if name in tilings:
             raise SystemExit(f"--invariant-tiling: {name} is given twice")
-        t = GEMM_VARIANTS[variant]
-        n, k, gated = shapes[name]
-        try:
-            check_supported(1, k, n // 2 if gated else n, block_m=t["block_m"],
-                            block_n=t["block_n"], block_k=t["block_k"],
-                            k_splits=t.get("k_splits", 1))
-        except ValueError as e:
-            raise SystemExit(f"--invariant-tiling: {variant} does not fit {name} ({n} x {k}): "
-                             f"{e}") from None
-        out[name] = dict(t)
-    return out
+        parts = [p.strip() for p in value.split("/")]
+        plain = [p for p in parts if ":" not in p]
+        if len(plain) > 1 or (plain and parts[-1] != plain[0]):
+            raise SystemExit(f"--invariant-tiling: {name}: at most one plain VARIANT, last "
+                             f"(the others ROWS:VARIANT), got {value!r}")
+        tilings[name] = _invariant_variant(name, plain[0]) if plain else dict(TUNING[name])
+        reduction = {k: tilings[name].get(k, 1) for k in ("block_k", "k_splits")}
+        out, last = [], 0
+        for part in parts[:len(parts) - len(plain)]:
+            rows, _, variant = part.partition(":")
+            if not rows.strip().isdigit() or int(rows) <= last:
+                raise SystemExit(f"--invariant-tiling: {name}: route rows must be increasing "
+                                 f"positive integers, got {part!r}")
+            t = _invariant_variant(name, variant.strip())
+            if {k: t.get(k, 1) for k in reduction} != reduction:
+                raise SystemExit(f"--invariant-tiling: {name}: route {part!r} changes the K "
+                                 f"steps ({reduction} for this weight): a route may change "
+                                 f"only {', '.join(ROUTE_KEYS)}")
+            last = int(rows)
+            out.append((last, {k: t[k] for k in ROUTE_KEYS}))
+        routes[name] = tuple(out)
+    return tilings, routes
+
+
+def _invariant_variant(name: str, variant: str) -> dict:
+    """A GEMM_VARIANTS tiling, checked against the 1.4B weight `name` as it is."""
+    from benchmarks.gemm_tilings import GEMM_VARIANTS
+    from benchmarks.gemv import SHAPES
+    from ouro_jax.config import PRESETS
+    from pallas_kernels.gemm import check_supported
+    if variant not in GEMM_VARIANTS:
+        raise SystemExit(f"--invariant-tiling: {variant!r} is not a benchmarks.gemv "
+                         f"GEMM_VARIANTS key")
+    cfg = PRESETS["1.4b"]  # the LM head: vocabulary x hidden
+    n, k, gated = dict(SHAPES, head=(cfg.vocab_size, cfg.hidden_size, False))[name]
+    t = GEMM_VARIANTS[variant]
+    try:
+        check_supported(1, k, n // 2 if gated else n, block_m=t["block_m"],
+                        block_n=t["block_n"], block_k=t["block_k"],
+                        k_splits=t.get("k_splits", 1))
+    except ValueError as e:
+        raise SystemExit(f"--invariant-tiling: {variant} does not fit {name} ({n} x {k}): "
+                         f"{e}") from None
+    return dict(t)
 
 
 def parse_mgpu_tiling(spec: str) -> dict:
@@ -293,7 +322,10 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
               "l2_prefetch": parse_l2(l2_spec, "--l2-prefetch", True),
               "l2_next": parse_l2(l2_next_spec, "--l2-next", False),
               "stream_set": parse_stream_set(stream_set),
-              "invariant": parse_invariant_tiling(invariant_spec)}
+              "invariant": {}}
+    tuning["invariant"], routes = parse_invariant_tiling(invariant_spec)
+    if any(routes.values()):  # (the record names the routes that ran)
+        tuning["invariant_routes"] = {k: [list(r) for r in v] for k, v in routes.items()}
     if l2_next_at not in ("start", "end"):
         raise SystemExit(f"--l2-next-at is start or end, got {l2_next_at!r}")
     if pdl_at not in ("start", "end"):
@@ -325,11 +357,11 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
         projections.STREAM_TUNING[name].update(next_rows=rows, next_at=l2_next_at)
     for name, switches in tuning["stream_set"].items():
         projections.STREAM_TUNING[name].update(switches)
-    _apply_tables(tuning)
+    _apply_tables(tuning, routes)
     return tuning
 
 
-def _apply_tables(tuning: dict) -> None:
+def _apply_tables(tuning: dict, routes: dict) -> None:
     """The Mosaic GPU GEMV's and the batch-invariant mode's tilings: the shipped ones (kept
     from the first call) with this run's overrides."""
     from ouro_jax import invariant, projections
@@ -339,10 +371,13 @@ def _apply_tables(tuning: dict) -> None:
     projections.MGPU_TUNING.clear()
     projections.MGPU_TUNING.update(_MGPU_DEFAULTS, **tuning["mgpu"])
     if _INVARIANT_DEFAULTS is None:
-        _INVARIANT_DEFAULTS = {k: dict(v) for k, v in invariant.TUNING.items()}
+        _INVARIANT_DEFAULTS = ({k: dict(v) for k, v in invariant.TUNING.items()},
+                               dict(invariant.ROUTES))
     invariant.TUNING.clear()
-    invariant.TUNING.update({k: dict(v) for k, v in _INVARIANT_DEFAULTS.items()},
+    invariant.TUNING.update({k: dict(v) for k, v in _INVARIANT_DEFAULTS[0].items()},
                             **tuning["invariant"])
+    invariant.ROUTES.clear()
+    invariant.ROUTES.update(_INVARIANT_DEFAULTS[1], **routes)
 
 
 def block_stage_tilings(spec: str) -> list[tuple[int, int]]:

@@ -68,6 +68,28 @@ TUNING = {"qkv": dict(GEMM_TUNING["qkv"]), "o": dict(_SPLIT_K),
           "gate_up": dict(GEMM_TUNING["gate_up"]), "down": dict(_SPLIT_K),
           "head": dict(GEMM_TUNING["qkv"])}
 NAMES = ("qkv", "o", "gate_up", "down", "head")
+# Row-count routes: ROUTES[name] is a tuple of (max_rows, tile) tried in order, where a tile
+# sets only ROUTE_KEYS; a call with more rows than every route takes TUNING[name] as it is.
+# The K blocks, the K split and the order the partials are added (block_k, k_splits) stay
+# TUNING's, so a row's dot products run the same K steps in the same order on any route;
+# the tile's rows and columns, warps and pipeline depth only say which program computes
+# them and with which tensor-core instruction shape. That those give the same bits (mma.sync
+# for 16-row tiles, wgmma from 64, any N) is measured, not documented:
+# benchmarks.gemm_tiling_bits and the `gpu` test tests/test_invariant.py::
+# test_gpu_routes_keep_the_bits compare every routed tile against TUNING's on a GPU.
+ROUTE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+ROUTES: dict[str, tuple] = {name: () for name in NAMES}
+
+
+def tiling_for(name: str, rows: int) -> dict:
+    """The GEMM tiling the mode runs for weight `name` on a call of `rows` rows (static)."""
+    for max_rows, tile in ROUTES.get(name, ()):
+        if set(tile) - set(ROUTE_KEYS):
+            raise ValueError(f"invariant.ROUTES[{name!r}]: a route may set only "
+                             f"{ROUTE_KEYS}, got {sorted(tile)}")
+        if rows <= max_rows:
+            return {**TUNING[name], **tile}
+    return dict(TUNING[name])
 # The GEMM's smallest tile side (pallas_kernels.gemm.check_supported): every projection's
 # dims must be multiples of it
 TILE = 16
@@ -121,12 +143,16 @@ def invariant_token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 BRANCHES = ("o", "down")
 
 
-def _gemm(x, w, tuning: dict, gated: bool = False, partials: bool = False):
+def _gemm(x, w, name: str, gated: bool = False, partials: bool = False):
     from pallas_kernels.gemm import gemm
     n_out = w.shape[0] // 2 if gated else w.shape[0]
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    # (fit_gemm_tuning shrinks block_k and k_splits from TUNING's alone, so every route of
+    # a weight keeps the same K steps on a small model too)
+    tuning = fit_gemm_tuning(tiling_for(name, rows), n_out, x.shape[-1])
     y = trace_once.call(gemm, x.reshape(-1, x.shape[-1]), w, gated=gated,
                         interpret=jax.default_backend() != "gpu", fixed_rows=True,
-                        partials=partials, **fit_gemm_tuning(tuning, n_out, x.shape[-1]))
+                        partials=partials, **tuning)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -148,10 +174,10 @@ class Invariant(XLA):
 
     def project(self, name, x, w, next_weight=None):
         # (no SplitAttn reaches here: the mode runs no fused decode kernel to defer a merge)
-        return _gemm(x, w, TUNING[name], partials=name in BRANCHES)
+        return _gemm(x, w, name, partials=name in BRANCHES)
 
     def gated(self, x, w, next_weight=None):
-        return _gemm(x, w, TUNING["gate_up"], gated=True)
+        return _gemm(x, w, "gate_up", gated=True)
 
     def norm(self, x, w, eps):
         """model.rms_norm, one row per program (pallas_kernels.add_norm)."""
@@ -194,7 +220,7 @@ class Invariant(XLA):
         v = w.shape[0]
         if v % TILE:
             w = jnp.pad(w, ((0, TILE - v % TILE), (0, 0)))
-        return _gemm(h, w, TUNING["head"])[..., :v]
+        return _gemm(h, w, "head")[..., :v]
 
 
 def check_model(cfg) -> None:

@@ -148,7 +148,7 @@ def test_invariant_tiling_that_does_not_fit_its_weight_is_refused(monkeypatch):
         block_m=16, block_n=16, block_k=256, num_warps=4, num_stages=4, k_splits=4))
     with pytest.raises(SystemExit, match="bad_x4 does not fit down .*k_splits=4"):
         parse_invariant_tiling("down=bad_x4")
-    assert parse_invariant_tiling("o=bad_x4")["o"]["k_splits"] == 4  # o's K = 8 x 256
+    assert parse_invariant_tiling("o=bad_x4")[0]["o"]["k_splits"] == 4  # o's K = 8 x 256
 
 
 def test_block_m_bits_probe_refuses_to_run_without_a_gpu(monkeypatch):
@@ -160,3 +160,53 @@ def test_block_m_bits_probe_refuses_to_run_without_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     with pytest.raises(SystemExit, match="run it on a GPU"):
         gemm_block_m_bits.main([])
+
+
+def test_tiling_bits_probe_counts_differing_elements_and_refuses_off_a_gpu(monkeypatch):
+    """benchmarks.gemm_tiling_bits: bits compared as integers (a -0.0 against 0.0 counts,
+    a NaN against itself does not), fp32 partials too; the same tiling against itself
+    differs nowhere at any row count (interpret mode); refused by name off a GPU, and an
+    unknown variant before that."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import gemm_tiling_bits as gtb
+    a = np.array([0.0, 1.0, np.nan, 2.0], np.float32)
+    b = np.array([-0.0, 1.0, np.nan, 2.5], np.float32)
+    assert gtb.differing(a, b) == 2
+    assert gtb.differing(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)) == 2
+    t = dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2, k_splits=2)
+    x = jax.random.normal(jax.random.PRNGKey(0), (20, 64), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.PRNGKey(1), (32, 64), jnp.float32).astype(jnp.bfloat16)
+    assert gtb.compare("o", t, t, x, w, False, rows=(20, 5, 1), interpret=True) == \
+        {20: 0, 5: 0, 1: 0}
+    with pytest.raises(SystemExit, match="unknown shapes or variants: \\['nope'\\]"):
+        gtb.main(["--variants", "nope"])
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    with pytest.raises(SystemExit, match="run it on a GPU"):
+        gtb.main([])
+
+
+def test_invariant_tiling_routes_parse_and_keep_the_k_steps():
+    """--invariant-tiling NAME=ROWS:VARIANT/.../VARIANT: routes in increasing rows with only
+    the tile's rows, columns, warps and stages taken; a route that changes block_k or the K
+    split, rows out of order, or a plain variant not last are refused by name."""
+    from benchmarks.tuning import parse_invariant_tiling
+    from ouro_jax.invariant import TUNING
+    tilings, routes = parse_invariant_tiling(
+        "o=1:mm16_n64_k128_w4_s4_x4/64:mm64_n64_k128_w4_s4_x4/mm128_n128_k128_w8_s3_x4,"
+        "qkv=16:mm16_n64_k128_w4_s4")
+    assert routes["o"] == ((1, dict(block_m=16, block_n=64, num_warps=4, num_stages=4)),
+                           (64, dict(block_m=64, block_n=64, num_warps=4, num_stages=4)))
+    assert tilings["o"]["block_m"] == 128 and tilings["o"]["k_splits"] == 4
+    assert tilings["qkv"] == TUNING["qkv"]  # no plain variant: the shipped tiling
+    assert parse_invariant_tiling("o=mm64_n64_k128_w4_s4_x4")[1] == {"o": ()}
+    for spec, msg in [
+            ("o=16:mm16_n64_k128_w4_s4/mm64_n64_k128_w4_s4_x4", "changes the K steps"),
+            ("qkv=16:mm16_n64_k128_w4_s4_x4", "changes the K steps"),
+            ("o=64:mm16_n64_k128_w4_s4_x4/16:mm16_n32_k128_w4_s4_x4", "increasing positive"),
+            ("o=x:mm16_n64_k128_w4_s4_x4", "increasing positive"),
+            ("o=mm64_n64_k128_w4_s4_x4/16:mm16_n64_k128_w4_s4_x4", "at most one plain"),
+            ("o=16:nope", "'nope' is not a benchmarks.gemv")]:
+        with pytest.raises(SystemExit, match=msg):
+            parse_invariant_tiling(spec)

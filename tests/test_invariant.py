@@ -75,6 +75,38 @@ def test_the_tests_model_runs_the_split_k_tiling(bf16_model):
     assert fit_gemm_tuning(TUNING["o"], cfg.hidden_size, width)["k_splits"] > 1
 
 
+def test_routes_pick_the_tile_by_rows_and_keep_the_bits(bf16_model, monkeypatch):
+    """invariant.ROUTES: a call of at most a route's rows takes its tile (rows, columns,
+    warps, stages), the K steps staying TUNING's; larger calls take TUNING. With routes for
+    o and gate/up at 4 rows (the native calls of a batch of 3, padded to 4; the k=4
+    verification has 20 rows), speculative output is still native's, bit for bit, and both
+    tiles ran. A route that sets block_k is refused by name."""
+    from ouro_jax import invariant
+    from pallas_kernels import gemm as gemm_mod
+    cfg, params, prompts = bf16_model
+    tile = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    monkeypatch.setitem(invariant.ROUTES, "o", ((4, tile),))
+    monkeypatch.setitem(invariant.ROUTES, "gate_up", ((1, dict(tile, block_n=32)), (4, tile)))
+    assert invariant.tiling_for("o", 4) == {**invariant.TUNING["o"], **tile}
+    assert invariant.tiling_for("o", 5) == invariant.TUNING["o"]
+    assert invariant.tiling_for("gate_up", 1)["block_n"] == 32
+    assert invariant.tiling_for("gate_up", 2)["block_n"] == 16
+    seen = set()
+    real = gemm_mod.gemm
+
+    def spy(x, w, **kw):
+        seen.add((x.shape[0], kw["block_m"]))
+        return real(x, w, **kw)
+    monkeypatch.setattr(gemm_mod, "gemm", spy)
+    llm = Ouro(cfg, params, None, page_size=4, batch_invariant=True)
+    native, (spec,) = _native_and_spec(llm, prompts, [(4, 2)])
+    assert _same(native, spec) == [True] * len(prompts)
+    assert (4, 16) in seen and (20, invariant.TUNING["o"]["block_m"]) in seen
+    monkeypatch.setitem(invariant.ROUTES, "o", ((4, dict(tile, block_k=32)),))
+    with pytest.raises(ValueError, match=r"ROUTES\['o'\]: a route may set only"):
+        invariant.tiling_for("o", 1)
+
+
 def _primitives_outside_kernels(jaxpr) -> set:
     """The primitive names of a jaxpr and its sub-jaxprs, pallas_calls' bodies left out."""
     out = set()
