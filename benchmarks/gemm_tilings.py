@@ -85,3 +85,47 @@ def _variant_key(shape: str, impl: str) -> str:
             return key
     raise SystemExit(f"--pick-invariant: the mode's {shape} tiling {TUNING[shape]} is no "
                      f"GEMM_VARIANTS key; add it there")
+
+
+def pick_routes(results: list, bits: list, max_rel_err: float = 1e-2,
+                slack: float = 0.03) -> str:
+    """The batch-invariant mode's row-count routes per weight (ouro_jax.invariant.ROUTES)
+    from --fixed-rows runs at several row counts and a benchmarks.gemm_tiling_bits probe,
+    as a --invariant-tiling spec ('o=8:mm16_..._x4/mm64_..._x4,...'). A candidate at a row
+    count ran without error, agrees with XLA, keeps the weight's K steps (TUNING's block_k
+    and k_splits) and, unless it is TUNING's own tiling, differed from it in no element at
+    any row count the probe tried. From the most rows down, a row count keeps the tile of
+    the band above it while that tile is within `slack` of the fastest there, else it opens
+    a band (ROWS:VARIANT: calls of at most ROWS rows) of its own; the fastest tile at the
+    most rows measured becomes the plain VARIANT, for the calls no band takes. Weights with
+    no measurement are not named."""
+    from ouro_jax.invariant import TUNING
+    time_of = lambda r: r["device_us"] if "device_us" in r else r["us"]  # noqa: E731
+    clean = {(b["shape"], b["variant"]) for b in bits
+             if "error" not in b and not any(b.get("differing", {"": 1}).values())}
+    specs = []
+    for shape in sorted({r["shape"] for r in results} & set(TUNING)):
+        steps = (TUNING[shape]["block_k"], TUNING[shape].get("k_splits", 1))
+        t = {}
+        for r in results:
+            if r["shape"] != shape or r["impl"] == "xla" or "us" not in r or "error" in r \
+                    or r.get("rel_err_vs_xla", 1.0) >= max_rel_err:
+                continue
+            key = _variant_key(shape, r["impl"])
+            tiling = GEMM_VARIANTS[key]
+            own = dict(tiling, k_splits=tiling.get("k_splits", 1)) == \
+                dict(TUNING[shape], k_splits=steps[1])
+            if (tiling["block_k"], tiling.get("k_splits", 1)) == steps and (
+                    own or (shape, key) in clean):
+                t[key, r["rows"]] = time_of(r)
+        rows = sorted({m for _, m in t}, reverse=True)
+        if not rows:
+            continue
+        fastest = {m: min((us, k) for (k, mm), us in t.items() if mm == m)[1] for m in rows}
+        current, bands = fastest[rows[0]], []
+        for m in rows[1:]:
+            if (current, m) not in t or t[current, m] > (1 + slack) * t[fastest[m], m]:
+                current = fastest[m]
+                bands.append(f"{m}:{current}")  # rows up to m; above, the band before
+        specs.append(f"{shape}=" + "/".join(bands[::-1] + [fastest[rows[0]]]))
+    return ",".join(specs)

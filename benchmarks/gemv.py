@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.gemm_tilings import (  # noqa: F401 (GEMM_VARIANTS: re-exported)
-    FEW_ROW_VARIANTS, GEMM_VARIANTS, pick_invariant)
+    FEW_ROW_VARIANTS, GEMM_VARIANTS, pick_invariant, pick_routes)
 from benchmarks.record import save_record
 from benchmarks.timing import device_seconds, pipelined_seconds
 from pallas_kernels.gemm import gemm
@@ -295,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print the batch-invariant mode's GEMM tiling per weight from saved "
                          "--fixed-rows runs as a --invariant-tiling spec (benchmarks.decode; "
                          "pick_invariant says how), and exit")
+    ap.add_argument("--pick-routes", default=None, metavar="RESULT.json[,...]",
+                    help="print the batch-invariant mode's row-count routes per weight from "
+                         "saved --fixed-rows runs and a benchmarks.gemm_tiling_bits probe "
+                         "(--bits) as a --invariant-tiling spec (pick_routes says how), "
+                         "and exit")
+    ap.add_argument("--bits", default=None, metavar="PROBE.json",
+                    help="with --pick-routes: the gemm_tiling_bits probe's result")
     return ap
 
 
@@ -340,6 +347,17 @@ def main(argv=None) -> int:
             with open(path) as f:
                 rows += json.load(f)["results"]
         print(pick_invariant(rows))
+        return 0
+    if args.pick_routes:
+        if not args.bits:
+            raise SystemExit("--pick-routes needs --bits PROBE.json (benchmarks."
+                             "gemm_tiling_bits): a route tile must keep TUNING's bits")
+        rows = []
+        for path in args.pick_routes.split(","):
+            with open(path) as f:
+                rows += json.load(f)["results"]
+        with open(args.bits) as f:
+            print(pick_routes(rows, json.load(f)["rows"]))
         return 0
     check_args(args)
     results = run(args)

@@ -155,7 +155,8 @@ def test_a_batch_invariant_run_is_labelled_and_matches(tmp_path, monkeypatch):
     monkeypatch.setattr(pk, "ragged_paged_attention", spy)
     from ouro_jax import invariant
     shipped = {k: dict(v) for k, v in invariant.TUNING.items()}
-    tiling = "o=mm16_n16_k128_w4_s4_x4,gate_up=mm16_n32_k256_w4_s4_x2"
+    shipped_routes = dict(invariant.ROUTES)
+    tiling = "o=mm16_n16_k128_w4_s4_x4,gate_up=4:mm16_n16_k256_w4_s4_x2/mm16_n32_k256_w4_s4_x2"
     assert decode.main(TINY + ["--batch", "3", "--k", "0,2", "--temperature", "0",
                                "--attention", "pallas", "--batch-invariant",
                                "--invariant-tiling", tiling, "--ragged-kernel", "block_t=16",
@@ -175,6 +176,8 @@ def test_a_batch_invariant_run_is_labelled_and_matches(tmp_path, monkeypatch):
     ran = rec["kernel_tuning"]["invariant"]
     assert ran["o"]["k_splits"] == 4 and ran["gate_up"]["k_splits"] == 2
     assert ran["qkv"] == shipped["qkv"] and set(ran) == set(shipped)
+    assert rec["kernel_tuning"]["invariant_routes"] == {"gate_up": [[4, dict(
+        block_m=16, block_n=16, num_warps=4, num_stages=4)]]}  # (batch 3 runs 4 rows)
     cfg = PRESETS["tiny-mha"]
     assert fit_gemm_tuning(ran["o"], cfg.hidden_size, cfg.hidden_size)["k_splits"] == 2
-    assert invariant.TUNING == shipped
+    assert invariant.TUNING == shipped and invariant.ROUTES == shipped_routes

@@ -210,3 +210,34 @@ def test_invariant_tiling_routes_parse_and_keep_the_k_steps():
             ("o=16:nope", "'nope' is not a benchmarks.gemv")]:
         with pytest.raises(SystemExit, match=msg):
             parse_invariant_tiling(spec)
+
+
+def test_pick_routes_opens_a_band_only_where_the_tile_above_is_slow():
+    """benchmarks.gemm_tilings.pick_routes: from the most rows down, a row count keeps the
+    tile above it within 3%, else opens a band of its own. Tiles the bits probe saw differ
+    (or did not probe), tiles with other K steps, errors and rows off XLA are no
+    candidates; TUNING's own tiling ('invariant') needs no probe."""
+    from benchmarks.gemm_tilings import pick_routes
+    from ouro_jax.invariant import TUNING
+    assert TUNING["o"] == dict(block_m=64, block_n=64, block_k=128, num_warps=4,
+                               num_stages=4, k_splits=4)  # (what 'invariant' means below)
+    big, wide, few, bad = ("mm128_n128_k128_w8_s3_x4", "mm64_n128_k128_w4_s4_x4",
+                           "mm16_n64_k128_w4_s4_x4", "mm16_n32_k128_w4_s4_x4")
+
+    def r(impl, rows, us, **kw):
+        return dict(dict(shape="o", impl=impl, rows=rows, us=us, fixed_rows=True,
+                         rel_err_vs_xla=1e-3), **kw)
+    res = [r(big, 2048, 100.0), r(wide, 2048, 120.0), r("invariant", 2048, 150.0),
+           r(big, 320, 30.0), r(wide, 320, 29.5), r("invariant", 320, 40.0),  # big within 3%
+           r(big, 64, 20.0), r(wide, 64, 12.0), r("invariant", 64, 11.0),  # band 64: TUNING's
+           r("invariant", 8, 11.0), r(few, 8, 10.9),  # TUNING's within 3%: same band
+           r("invariant", 1, 10.0), r(few, 1, 6.0), r(bad, 1, 5.0),  # bad differed: few
+           r("mm16_n16_k256_w4_s4", 1, 1.0),  # other K steps
+           r(wide, 1, 2.0, error="boom"), r(big, 1, 2.0, rel_err_vs_xla=0.5),
+           r("xla", 1, 0.5)]
+    bits = [dict(shape="o", variant=v, differing={"320": 0, "1": 0}) for v in (big, wide, few)]
+    bits += [dict(shape="o", variant=bad, differing={"320": 3, "1": 0})]
+    assert pick_routes(res, bits) == f"o=1:{few}/64:mm64_n64_k128_w4_s4_x4/{big}"
+    # with no probe only TUNING's tiling is a candidate: one plain tile, no band
+    assert pick_routes(res, []) == "o=mm64_n64_k128_w4_s4_x4"
+    assert pick_routes([], bits) == ""
