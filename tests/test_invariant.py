@@ -345,3 +345,24 @@ def test_gpu_bf16_1p4b_width_speculative_is_bit_identical():
         assert _same(native, spec) == [True] * len(prompts)
     alone = [llm.generate([p], sp).outputs[0] for p in prompts[:3]]
     assert _same(native[:3], alone) == [True] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+def test_gpu_routes_keep_the_bits():
+    """Compiled, at the 1.4B shapes: every shipped route tile (invariant.ROUTES) gives each
+    row the bits TUNING's tiling gives it, at 320, 64, 5 and 1 rows; o's and down's split-K
+    partials compared unsummed (benchmarks.gemm_tiling_bits.compare)."""
+    from benchmarks.gemm_tiling_bits import compare
+    from benchmarks.gemv import SHAPES
+    from ouro_jax.invariant import ROUTES, TUNING
+    routed = {name: r for name, r in ROUTES.items() if r and name in SHAPES}
+    assert routed, "no route shipped: this test has nothing to check"
+    for name, routes in routed.items():
+        n, k, gated = SHAPES[name]
+        kx, kw = jax.random.split(jax.random.PRNGKey(3))
+        x = jax.random.normal(kx, (320, k), jnp.float32).astype(jnp.bfloat16)
+        w = (jax.random.normal(kw, (n, k), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+        for _, tile in routes:
+            got = compare(name, {**TUNING[name], **tile}, TUNING[name], x, w, gated)
+            assert got == {m: 0 for m in got}, (name, tile, got)
