@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Session 41, one call for what gpu_session41_routes.sh and gpu_session41_e2e.sh would do in
+# two (devices were scarce: one start in five came): the route tiles' bits, the sweep, the
+# pick, then the mode end to end with the picked routes (benchmarks.decode
+# --invariant-tiling) and without routes (session 40's tiling), on the same card.
+# Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=585] bash benchmarks/gpu_session41_combined.sh
+S=${SESSION:-session41}
+CAP=${CAP:-585}
+. benchmarks/gpu_call_setup.sh
+timeout -s KILL $(left 100) python3 -m benchmarks.gemm_tiling_bits \
+  --out $OUT/gemm_tiling_bits_${S}_$G.json 2>&1 | grep -v "^ *$" | tail -50 | cut -c1-200
+echo "bits done at ${SECONDS}s"
+WIDE1=mm64_n128_k128_w4_s4,mm64_n128_k128_w8_s3,mm128_n64_k128_w8_s3,mm128_n128_k128_w8_s3
+WIDE1=$WIDE1,mm64_n256_k128_w8_s3,mm64_n64_k128_w4_s4
+WIDE4=$(echo $WIDE1 | sed 's/\(k128_w[48]_s[34]\)/\1_x4/g')
+FEW1=mm16_n32_k128_w4_s4,mm16_n64_k128_w4_s4
+FEW4=$(echo $FEW1 | sed 's/\(k128_w[48]_s[34]\)/\1_x4/g')
+G1="python3 -m benchmarks.gemv --fixed-rows --layers 8 --calls 5 --trials 3"
+for grp in wide few; do
+  for sh in qkv gate_up o down; do
+    case $sh in qkv|gate_up) V=$([ $grp = wide ] && echo $WIDE1 || echo $FEW1) ;;
+      *) V=$([ $grp = wide ] && echo $WIDE4 || echo $FEW4) ;; esac
+    R=$([ $grp = wide ] && echo 64,320 || echo 1,8)
+    timeout -s KILL $(left 60) $G1 --shapes $sh --rows $R --variants $V \
+      --out $OUT/gemm_route_${grp}_${sh}_${S}_$G.json 2>&1 | grep -v "^ *$" | tail -40 | cut -c1-100
+  done
+done
+echo "sweep done at ${SECONDS}s"
+SPEC=$(python3 -m benchmarks.gemv --pick-routes $(ls $OUT/gemm_route_*_${S}_$G.json | paste -sd,) \
+  --bits $OUT/gemm_tiling_bits_${S}_$G.json 2>&1 | tail -1)
+echo "pick: $SPEC"
+D="python3 -m benchmarks.decode --synthetic 1.4b --attention pallas --temperature 0 --repeats 2 --batch-invariant"
+show() { grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth" | cut -c1-170; }
+case "$SPEC" in *=*)
+  timeout -s KILL $(left 170) $D --batch 1,64 --k 0,4 --invariant-tiling "$SPEC" \
+    --out $OUT/decode_inv_routes_${S}_$G.json 2>&1 | show ;; esac
+S40=qkv=mm64_n64_k128_w4_s4,o=mm64_n64_k128_w4_s4_x4,gate_up=mm64_n64_k128_w8_s4
+S40=$S40,down=mm64_n64_k128_w4_s4_x4
+timeout -s KILL $(left 170) $D --batch 1,64 --k 0,4 --invariant-tiling $S40 \
+  --out $OUT/decode_inv_noroutes_${S}_$G.json 2>&1 | show
+echo "elapsed ${SECONDS}s"
