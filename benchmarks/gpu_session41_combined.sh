@@ -3,11 +3,14 @@
 # two (devices were scarce: one start in five came): the route tiles' bits, the sweep, the
 # pick, then the mode end to end with the picked routes (benchmarks.decode
 # --invariant-tiling) and without routes (session 40's tiling), on the same card.
-# Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=585] bash benchmarks/gpu_session41_combined.sh
+# For a short budget: WIDE_ROWS=320 FEW_ROWS=1 E2E=0 (the probe, one row count per group, the
+# pick).
+# Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=585] [WIDE_ROWS=64,320] [FEW_ROWS=1,8]
+#   [E2E=1] bash benchmarks/gpu_session41_combined.sh
 S=${SESSION:-session41}
 CAP=${CAP:-585}
 . benchmarks/gpu_call_setup.sh
-timeout -s KILL $(left 100) python3 -m benchmarks.gemm_tiling_bits \
+timeout -s KILL $(left 80) python3 -m benchmarks.gemm_tiling_bits \
   --out $OUT/gemm_tiling_bits_${S}_$G.json 2>&1 | grep -v "^ *$" | tail -50 | cut -c1-200
 echo "bits done at ${SECONDS}s"
 WIDE1=mm64_n128_k128_w4_s4,mm64_n128_k128_w8_s3,mm128_n64_k128_w8_s3,mm128_n128_k128_w8_s3
@@ -20,7 +23,7 @@ for grp in wide few; do
   for sh in qkv gate_up o down; do
     case $sh in qkv|gate_up) V=$([ $grp = wide ] && echo $WIDE1 || echo $FEW1) ;;
       *) V=$([ $grp = wide ] && echo $WIDE4 || echo $FEW4) ;; esac
-    R=$([ $grp = wide ] && echo 64,320 || echo 1,8)
+    R=$([ $grp = wide ] && echo ${WIDE_ROWS:-64,320} || echo ${FEW_ROWS:-1,8})
     timeout -s KILL $(left 60) $G1 --shapes $sh --rows $R --variants $V \
       --out $OUT/gemm_route_${grp}_${sh}_${S}_$G.json 2>&1 | grep -v "^ *$" | tail -40 | cut -c1-100
   done
@@ -29,6 +32,7 @@ echo "sweep done at ${SECONDS}s"
 SPEC=$(python3 -m benchmarks.gemv --pick-routes $(ls $OUT/gemm_route_*_${S}_$G.json | paste -sd,) \
   --bits $OUT/gemm_tiling_bits_${S}_$G.json 2>&1 | tail -1)
 echo "pick: $SPEC"
+[ "${E2E:-1}" = 0 ] && { echo "elapsed ${SECONDS}s"; exit; }
 D="python3 -m benchmarks.decode --synthetic 1.4b --attention pallas --temperature 0 --repeats 2 --batch-invariant"
 show() { grep -E "^ *[0-9]+ +(native|spec)|rror|bandwidth" | cut -c1-170; }
 case "$SPEC" in *=*)
