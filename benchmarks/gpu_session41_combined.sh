@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Session 41, one call for what gpu_session41_routes.sh and gpu_session41_e2e.sh would do in
-# two (devices were scarce: one start in five came): the route tiles' bits, the sweep, the
-# pick, then the mode end to end with the picked routes (benchmarks.decode
-# --invariant-tiling) and without routes (session 40's tiling), on the same card.
+# Session 41, the batch-invariant mode's row-count routes in one call (prepared; device starts
+# were scarce): the route tiles' bits (benchmarks.gemm_tiling_bits), a --fixed-rows sweep of
+# the wide tiles at 64 and 320 rows and the 16-row tiles at 1 and 8 (benchmarks.gemv, one
+# process per weight and group), the pick (--pick-routes), then the mode end to end with
+# the picked routes (benchmarks.decode --invariant-tiling) and without routes (session 40's
+# tiling), on the same card.
 # For a short budget: WIDE_ROWS=320 FEW_ROWS=1 E2E=0 (the probe, one row count per group, the
 # pick).
 # Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=585] [WIDE_ROWS=64,320] [FEW_ROWS=1,8]
