@@ -8,11 +8,13 @@ rows), keeping the K steps (block_k, k_splits) and the order the partials are ad
 guarantee then rests on the tile's rows, columns, warps and stages not changing any
 element's bits, which nothing documents (16-row tiles lower to mma.sync, 64 and more to
 wgmma). This compares, at the 1.4B shapes, each route tile (benchmarks.gemm_tilings.
-ROUTE_VARIANTS of the weight's K split) against the mode's TUNING for that weight: 320
-random bf16 rows through TUNING, and the same rows through the candidate at 320, 64, 5 and
-1 rows; o's and down's split-K partials are compared unsummed (what the mode hands to
-add_norm). It counts the elements that differ. A probe of one card, which the `gpu` test
-(tests/test_invariant.py) repeats for the shipped routes.
+ROUTE_VARIANTS of the weight's K split) against the mode's TUNING for that weight: 384
+random bf16 rows through TUNING, and the same rows through the candidate at 384, 320, 64, 5
+and 1 rows (whole 128-row blocks and masked ones); o's and down's split-K partials are
+compared unsummed, in fp32 (what the mode hands to add_norm), qkv's and gate/up's outputs
+in bf16 (what the mode uses; a difference in the fp32 accumulator that rounds away is not
+seen). It counts the elements that differ, and saves after each weight. A probe of one
+card, which the `gpu` test (tests/test_invariant.py) repeats for the shipped routes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROWS = (320, 64, 5, 1)
+# 384 rows: whole 128-row blocks, unmasked (the prefill's path); 320: a masked last block
+ROWS = (384, 320, 64, 5, 1)
 
 
 def differing(a, b) -> int:
@@ -49,7 +52,7 @@ def compare(name: str, tiling: dict, ref_tiling: dict, x, w, gated: bool,
     return {m: differing(run(tiling, m), ref[:m]) for m in rows}
 
 
-def probe(shapes, variants=None, seed: int = 0) -> list[dict]:
+def probe(shapes, variants=None, seed: int = 0, save=lambda rows: None) -> list[dict]:
     from benchmarks.gemm_tilings import GEMM_VARIANTS, ROUTE_VARIANTS
     from benchmarks.gemv import SHAPES
     from ouro_jax.invariant import TUNING
@@ -74,6 +77,7 @@ def probe(shapes, variants=None, seed: int = 0) -> list[dict]:
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             out.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "reference"}), flush=True)
+        save(out)  # (a time-out keeps the weights done)
     return out
 
 
@@ -97,8 +101,9 @@ def main(argv=None) -> int:
         raise SystemExit("benchmarks.gemm_tiling_bits compares compiled GPU kernels: run it "
                          "on a GPU")
     from benchmarks.record import save_record
-    save_record("benchmarks.gemm_tiling_bits", argv, args.out,
-                rows=probe(shapes, variants or None))
+    probe(shapes, variants or None,
+          save=lambda rows: save_record("benchmarks.gemm_tiling_bits", argv, args.out,
+                                        rows=rows))
     return 0
 
 

@@ -27,8 +27,9 @@ FEW_ROW_VARIANTS = [_key(*t) for t in FEW_ROW_TILINGS]
 # keeps its weight's K steps (block_k 128; o and down split K in 4, qkv and gate/up not) and
 # changes only the rows and columns per program, the warps and the stages. 16-row tiles for
 # one-row calls; wider ones for the verification's k+1 rows per sequence (320 at batch 64,
-# where session 41's trace had the mode's GEMMs at 2.1x cuBLAS's: 148.5 against 70.5 us per
-# layer application, kernel_trace_*_b64_k4_session41_h100.json) and for the prefill.
+# where session 41's trace had the mode's GEMMs at 2.1x the default's cuBLAS and XLA GEMMs:
+# 148.5 against 70.5 us per layer application, kernel_trace_*_b64_k4_session41_h100.json)
+# and for the prefill.
 ROUTE_TILES = [(16, 32), (16, 64), (64, 128), (128, 64), (128, 128), (64, 256)]
 ROUTE_TILINGS = [
     (bm, bn, 128, w, st, sp) for sp in (1, 4) for bm, bn in ROUTE_TILES
@@ -74,12 +75,14 @@ def pick_invariant(results: list, max_rel_err: float = 1e-2) -> str:
     return ",".join(f"{s}={_variant_key(s, v)}" for s, v in sorted(picks.items()))
 
 
-def _variant_key(shape: str, impl: str) -> str:
-    """'invariant' -> the GEMM_VARIANTS key of the tiling the mode runs for that weight."""
+def _variant_key(shape: str, impl: str, rows: int | None = None) -> str:
+    """'invariant' -> the GEMM_VARIANTS key of the tiling the mode runs for that weight (at
+    `rows` rows: its route there, if one is shipped; TUNING's without `rows`)."""
     if impl != "invariant":
         return impl
-    from ouro_jax.invariant import TUNING
-    want = dict(TUNING[shape], k_splits=TUNING[shape].get("k_splits", 1))
+    from ouro_jax.invariant import TUNING, tiling_for
+    ran = TUNING[shape] if rows is None else tiling_for(shape, rows)
+    want = dict(ran, k_splits=ran.get("k_splits", 1))
     for key, tiling in GEMM_VARIANTS.items():
         if dict(tiling, k_splits=tiling.get("k_splits", 1)) == want:
             return key
@@ -109,9 +112,9 @@ def pick_routes(results: list, bits: list, max_rel_err: float = 1e-2,
         t = {}
         for r in results:
             if r["shape"] != shape or r["impl"] == "xla" or "us" not in r or "error" in r \
-                    or r.get("rel_err_vs_xla", 1.0) >= max_rel_err:
-                continue
-            key = _variant_key(shape, r["impl"])
+                    or not r.get("fixed_rows") or r.get("rel_err_vs_xla", 1.0) >= max_rel_err:
+                continue  # (without --fixed-rows the GEMM cuts block_m to the row count)
+            key = _variant_key(shape, r["impl"], r["rows"])
             tiling = GEMM_VARIANTS[key]
             own = dict(tiling, k_splits=tiling.get("k_splits", 1)) == \
                 dict(TUNING[shape], k_splits=steps[1])

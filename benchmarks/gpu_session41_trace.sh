@@ -8,9 +8,9 @@ S=${SESSION:-session41}
 CAP=${CAP:-400}
 . benchmarks/gpu_call_setup.sh
 T="python3 -m benchmarks.kernel_trace --synthetic 1.4b --attention pallas --new-tokens 32 --top 40 --minus-prefill"
-sel() { grep -v "^ *$" | sed -n '/^{/p;/decode only/,/^ *MemcpyH2D\|^{/p' | head -${1:-100}; }
+sel() { grep -v "^ *$" | sed -n '/^{/p;/decode only/,/^ *MemcpyH2D/p' | head -${1:-100}; }
 timeout -s KILL $(left 200) $T --batch-invariant --batch 64 --k 0,4 \
-  --out $OUT/kernel_trace_inv_b64_k4_dec_${S}_$G.json 2>&1 | sel 180
+  --out $OUT/kernel_trace_inv_b64_k4_dec_${S}_$G.json 2>&1 | sel 400
 timeout -s KILL $(left 200) $T --batch 64 --k 0,4 \
-  --out $OUT/kernel_trace_default_b64_k4_dec_${S}_$G.json 2>&1 | sel 180
+  --out $OUT/kernel_trace_default_b64_k4_dec_${S}_$G.json 2>&1 | sel 400
 echo "elapsed ${SECONDS}s"

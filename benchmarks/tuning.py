@@ -91,6 +91,7 @@ def parse_invariant_tiling(spec: str) -> tuple[dict, dict]:
     weight's K steps (block_k, k_splits), and every tiling must fit the 1.4B/2.6B weight as
     it is (the engine would otherwise shrink it, and the record would not name what ran)."""
     from ouro_jax.invariant import NAMES, ROUTE_KEYS, TUNING
+    shipped = TUNING if _INVARIANT_DEFAULTS is None else _INVARIANT_DEFAULTS[0]
     tilings, routes = {}, {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, sep, value = (part.strip() for part in item.partition("="))
@@ -105,7 +106,7 @@ def parse_invariant_tiling(spec: str) -> tuple[dict, dict]:
         if len(plain) > 1 or (plain and parts[-1] != plain[0]):
             raise SystemExit(f"--invariant-tiling: {name}: at most one plain VARIANT, last "
                              f"(the others ROWS:VARIANT), got {value!r}")
-        tilings[name] = _invariant_variant(name, plain[0]) if plain else dict(TUNING[name])
+        tilings[name] = _invariant_variant(name, plain[0]) if plain else dict(shipped[name])
         reduction = {k: tilings[name].get(k, 1) for k in ("block_k", "k_splits")}
         out, last = [], 0
         for part in parts[:len(parts) - len(plain)]:

@@ -83,10 +83,12 @@ ROUTES: dict[str, tuple] = {name: () for name in NAMES}
 
 def tiling_for(name: str, rows: int) -> dict:
     """The GEMM tiling the mode runs for weight `name` on a call of `rows` rows (static)."""
-    for max_rows, tile in ROUTES.get(name, ()):
-        if set(tile) - set(ROUTE_KEYS):
-            raise ValueError(f"invariant.ROUTES[{name!r}]: a route may set only "
-                             f"{ROUTE_KEYS}, got {sorted(tile)}")
+    routes = ROUTES.get(name, ())
+    bounds = [max_rows for max_rows, _ in routes]
+    if bounds != sorted(set(bounds)) or any(set(t) - set(ROUTE_KEYS) for _, t in routes):
+        raise ValueError(f"invariant.ROUTES[{name!r}]: routes are (max_rows, tile) in "
+                         f"increasing max_rows, a tile setting only {ROUTE_KEYS}; got {routes}")
+    for max_rows, tile in routes:
         if rows <= max_rows:
             return {**TUNING[name], **tile}
     return dict(TUNING[name])

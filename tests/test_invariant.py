@@ -80,7 +80,7 @@ def test_routes_pick_the_tile_by_rows_and_keep_the_bits(bf16_model, monkeypatch)
     warps, stages), the K steps staying TUNING's; larger calls take TUNING. With routes for
     o and gate/up at 4 rows (the native calls of a batch of 3, padded to 4; the k=4
     verification has 20 rows), speculative output is still native's, bit for bit, and both
-    tiles ran. A route that sets block_k is refused by name."""
+    tiles ran. A route that sets block_k, or routes out of order, are refused by name."""
     from ouro_jax import invariant
     from pallas_kernels import gemm as gemm_mod
     cfg, params, prompts = bf16_model
@@ -94,17 +94,21 @@ def test_routes_pick_the_tile_by_rows_and_keep_the_bits(bf16_model, monkeypatch)
     seen = set()
     real = gemm_mod.gemm
 
-    def spy(x, w, **kw):
-        seen.add((x.shape[0], kw["block_m"]))
+    o_shape = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim)
+
+    def spy(x, w, **kw):  # o's calls: its weight's shape, and its partials go out unsummed
+        seen.add((x.shape[0], kw["block_m"], tuple(w.shape) == o_shape and kw["partials"]))
         return real(x, w, **kw)
     monkeypatch.setattr(gemm_mod, "gemm", spy)
     llm = Ouro(cfg, params, None, page_size=4, batch_invariant=True)
     native, (spec,) = _native_and_spec(llm, prompts, [(4, 2)])
     assert _same(native, spec) == [True] * len(prompts)
-    assert (4, 16) in seen and (20, invariant.TUNING["o"]["block_m"]) in seen
-    monkeypatch.setitem(invariant.ROUTES, "o", ((4, dict(tile, block_k=32)),))
-    with pytest.raises(ValueError, match=r"ROUTES\['o'\]: a route may set only"):
-        invariant.tiling_for("o", 1)
+    assert (4, 16, True) in seen and (20, invariant.TUNING["o"]["block_m"], True) in seen
+    assert (4, invariant.TUNING["o"]["block_m"], True) not in seen
+    for bad in (((4, dict(tile, block_k=32)),), ((8, tile), (4, tile))):
+        monkeypatch.setitem(invariant.ROUTES, "o", bad)
+        with pytest.raises(ValueError, match=r"ROUTES\['o'\]: routes are"):
+            invariant.tiling_for("o", 100)
 
 
 def _primitives_outside_kernels(jaxpr) -> set:
@@ -351,18 +355,21 @@ def test_gpu_bf16_1p4b_width_speculative_is_bit_identical():
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 def test_gpu_routes_keep_the_bits():
     """Compiled, at the 1.4B shapes: every shipped route tile (invariant.ROUTES) gives each
-    row the bits TUNING's tiling gives it, at 320, 64, 5 and 1 rows; o's and down's split-K
-    partials compared unsummed (benchmarks.gemm_tiling_bits.compare)."""
+    row the bits TUNING's tiling gives it, at 384, 320, 64, 5 and 1 rows; o's and down's
+    split-K partials compared unsummed (benchmarks.gemm_tiling_bits.compare), the others
+    in bf16 as the mode uses them."""
     from benchmarks.gemm_tiling_bits import compare
     from benchmarks.gemv import SHAPES
+    from ouro_jax.config import OURO_1_4B
     from ouro_jax.invariant import ROUTES, TUNING
-    routed = {name: r for name, r in ROUTES.items() if r and name in SHAPES}
+    shapes = dict(SHAPES, head=(OURO_1_4B.vocab_size, OURO_1_4B.hidden_size, False))
+    routed = {name: r for name, r in ROUTES.items() if r}
     if not routed:
         pytest.skip("no route is shipped (invariant.ROUTES is empty)")
     for name, routes in routed.items():
-        n, k, gated = SHAPES[name]
+        n, k, gated = shapes[name]
         kx, kw = jax.random.split(jax.random.PRNGKey(3))
-        x = jax.random.normal(kx, (320, k), jnp.float32).astype(jnp.bfloat16)
+        x = jax.random.normal(kx, (384, k), jnp.float32).astype(jnp.bfloat16)
         w = (jax.random.normal(kw, (n, k), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
         for _, tile in routes:
             got = compare(name, {**TUNING[name], **tile}, TUNING[name], x, w, gated)
