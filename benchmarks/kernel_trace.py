@@ -17,7 +17,10 @@ token alone) and subtracts that call's kernels, name by name, from the main call
 `decode_only` table per row, without the prefill's share. At batch 64 that share is large
 (the prefill's 8,192 rows of GEMMs are compute-bound), and in the batch-invariant mode the
 prefill runs the same Pallas kernels as decode under the same names, so only the
-subtraction can tell them apart.
+subtraction can tell them apart. The max_tokens=1 call may be another compiled program
+(its block table is sized for fewer tokens), so an XLA fusion may carry another number
+there: names that call ran more often than the main one are listed in `negative`, and a
+prefill fusion renamed that way would stay in the decode table. Check `negative` first.
 """
 
 from __future__ import annotations
