@@ -12,7 +12,9 @@ a request's tokens depend on the batch it shares. In this mode:
   (pallas_kernels.gemm) at one tiling per weight and a fixed row block, whatever the row
   count: a row's dot products then run the same tiles in the same order; where a tiling
   splits K, the fp32 partials are added left to right (gemm.sum_splits, or for o and down
-  inside the next add_norm kernel), also the same order at any row count;
+  inside the next add_norm kernel), also the same order at any row count. ROUTES (below)
+  may give a weight another tile by row count, never other K steps; none is shipped until
+  a GPU has measured it;
 - attention, decode (one query) included, goes through the ragged paged kernel with one
   split and a fixed query tile (pallas_kernels.ragged): a query's keys are read in the same
   blocks in the same order whether 1 or k+1 queries of its sequence share the tile, and
@@ -92,6 +94,8 @@ def tiling_for(name: str, rows: int) -> dict:
         if rows <= max_rows:
             return {**TUNING[name], **tile}
     return dict(TUNING[name])
+
+
 # The GEMM's smallest tile side (pallas_kernels.gemm.check_supported): every projection's
 # dims must be multiples of it
 TILE = 16
