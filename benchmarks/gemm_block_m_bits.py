@@ -23,6 +23,7 @@ import numpy as np
 
 
 def probe(seed: int = 0) -> list[dict]:
+    from benchmarks.gemm_tiling_bits import differing
     from benchmarks.gemv import SHAPES
     from pallas_kernels.gemm import gemm
     rows = []
@@ -36,8 +37,7 @@ def probe(seed: int = 0) -> list[dict]:
             for bm in (16, 32):
                 got = np.asarray(gemm(x, w, gated=gated, fixed_rows=True, block_m=bm, **tiling))
                 rows.append(dict(shape=name, k_splits=splits, block_m=bm,
-                                 differing=int(np.sum(got.view(np.uint16)
-                                                      != ref.view(np.uint16))),
+                                 differing=differing(got, ref),
                                  elements=int(ref.size)))
                 print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -316,6 +316,7 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
 
     from ouro_jax import projections
     global _STREAM_DEFAULTS
+    invariant_tilings, routes = parse_invariant_tiling(invariant_spec)
     tuning = {"decode": parse_tuning(decode_spec, DECODE_TUNING_KEYS),
               "ragged": parse_tuning(ragged_spec, RAGGED_TUNING_KEYS),
               "stream": parse_stream_tiling(stream_spec), "pdl": parse_pdl(pdl_spec),
@@ -323,8 +324,7 @@ def apply_kernel_tuning(decode_spec: str, ragged_spec: str, stream_spec: str = "
               "l2_prefetch": parse_l2(l2_spec, "--l2-prefetch", True),
               "l2_next": parse_l2(l2_next_spec, "--l2-next", False),
               "stream_set": parse_stream_set(stream_set),
-              "invariant": {}}
-    tuning["invariant"], routes = parse_invariant_tiling(invariant_spec)
+              "invariant": invariant_tilings}
     if any(routes.values()):  # (the record names the routes that ran)
         tuning["invariant_routes"] = {k: [list(r) for r in v] for k, v in routes.items()}
     if l2_next_at not in ("start", "end"):

@@ -152,11 +152,11 @@ BRANCHES = ("o", "down")
 def _gemm(x, w, name: str, gated: bool = False, partials: bool = False):
     from pallas_kernels.gemm import gemm
     n_out = w.shape[0] // 2 if gated else w.shape[0]
-    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
     # (fit_gemm_tuning shrinks block_k and k_splits from TUNING's alone, so every route of
     # a weight keeps the same K steps on a small model too)
-    tuning = fit_gemm_tuning(tiling_for(name, rows), n_out, x.shape[-1])
-    y = trace_once.call(gemm, x.reshape(-1, x.shape[-1]), w, gated=gated,
+    tuning = fit_gemm_tuning(tiling_for(name, x2.shape[0]), n_out, x.shape[-1])
+    y = trace_once.call(gemm, x2, w, gated=gated,
                         interpret=jax.default_backend() != "gpu", fixed_rows=True,
                         partials=partials, **tuning)
     return y.reshape(*x.shape[:-1], y.shape[-1])
