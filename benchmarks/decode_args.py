@@ -73,7 +73,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                         "speculative output bit-identical to native; slower); needs "
                         "--attention pallas or auto and --projections auto, and takes no "
                         "kernel tuning overrides but --invariant-tiling and --ragged-kernel's "
-                        "block_t, num_warps, num_stages; --kv-write xla moves its RoPE and "
+                        "block_t, num_warps, num_stages, direct; --kv-write xla moves its RoPE and "
                         "K/V write from a Pallas kernel to XLA")
     p.add_argument("--persistent-layers", action="store_true",
                    help="batch-1 decode loops as one persistent Mosaic GPU kernel each "
@@ -109,7 +109,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                         "e.g. block_t=32,num_warps=2 (keys: %s)" % ",".join(DECODE_TUNING_KEYS))
     p.add_argument("--ragged-kernel", default="", metavar="K=V,...",
                    help="the same for the ragged (verification/prefill) kernel (keys: %s; "
-                        "with --batch-invariant only block_t, num_warps, num_stages)"
+                        "with --batch-invariant only block_t, num_warps, num_stages, direct)"
                         % ",".join(RAGGED_TUNING_KEYS))
     p.add_argument("--stream-tiling", default="", metavar="NAME=VARIANT,...",
                    help="override the streaming GEMV's tiling per projection for this run, e.g. "
@@ -176,7 +176,7 @@ def check_invariant_run(args) -> None:
     if fixed:
         raise SystemExit(f"--batch-invariant fixes the ragged kernel's {', '.join(fixed)} "
                          f"(ouro_jax.invariant.ragged_tuning); --ragged-kernel may set only "
-                         f"block_t, num_warps, num_stages with it")
+                         f"block_t, num_warps, num_stages, direct with it")
     given = [flag for flag, on in (
         ("--attention xla", args.attention == "xla"),
         ("--projections", args.projections != "auto"), ("--no-fuse", args.no_fuse),

@@ -181,12 +181,12 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=
             out = ragged(q.reshape(b * c, *q.shape[2:]), planes, loop, layer)
         return out, planes
 
-    cu = jnp.arange(b + 1, dtype=jnp.int32) * c  # (once per program, not per layer)
-
     def ragged(q, planes, loop, layer):
-        """The ragged kernel on packed queries q [B*C, H, hd] -> [B, C, H, hd]."""
+        """The ragged kernel on packed queries q [B*C, H, hd] -> [B, C, H, hd]. Every
+        sequence has C rows (q_len=c): the kernel finds its tile and, with one split, writes
+        the packed output without the XLA tile map and gather (the same bits)."""
         out = trace_once.call(pk.ragged_paged_attention, q, planes[0], planes[1],
-                              block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu,
+                              block_tables=block_tables, kv_lens=kv_lens, q_len=c,
                               interpret=interpret, entry=_entry(loop, layer),
                               entry_stride=num_layers, **fixed)
         return out.reshape(b, c, *q.shape[1:])
