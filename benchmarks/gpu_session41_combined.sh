@@ -7,10 +7,10 @@
 # tiling; batch 64 only, with what time is left: session 40's files are the other
 # comparison), on the same card. Budget: probe 90 s, sweep 8 x 40 s, each arm 150 s.
 # For a short budget: WIDE_ROWS=320 FEW_ROWS=1 E2E=0 (the probe, one row count per group, the
-# pick); GROUPS=wide (session 42) sweeps and probes only the wide tiles (the batch-64
+# pick); ROUTE_GROUPS=wide (session 42) sweeps and probes only the wide tiles (the batch-64
 # verification's case) and E2E_BATCH=64 runs the arms at batch 64 only.
 # Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=585] [WIDE_ROWS=64,320] [FEW_ROWS=1,8]
-#   [GROUPS="wide few"] [E2E=1] [E2E_BATCH=1,64] bash benchmarks/gpu_session41_combined.sh
+#   [ROUTE_GROUPS="wide few"] [E2E=1] [E2E_BATCH=1,64] bash benchmarks/gpu_session41_combined.sh
 S=${SESSION:-session41}
 CAP=${CAP:-585}
 . benchmarks/gpu_call_setup.sh
@@ -21,12 +21,12 @@ FEW1=mm16_n32_k128_w4_s4,mm16_n64_k128_w4_s4
 FEW4=$(echo $FEW1 | sed 's/\(k128_w[48]_s[34]\)/\1_x4/g')
 # the probe: the swept tiles only (a tile of the other K split is an error row, not compiled);
 # it saves after each weight, so a time-out keeps the weights done
-PROBED=$WIDE1,$WIDE4; case "${GROUPS:-wide few}" in *few*) PROBED=$PROBED,$FEW1,$FEW4 ;; esac
+PROBED=$WIDE1,$WIDE4; case "${ROUTE_GROUPS:-wide few}" in *few*) PROBED=$PROBED,$FEW1,$FEW4 ;; esac
 timeout -s KILL $(left 90) python3 -m benchmarks.gemm_tiling_bits --variants $PROBED --out $OUT/gemm_tiling_bits_${S}_$G.json 2>&1 \
   | grep -v "^ *$" | grep -v "other K steps" | tail -40 | cut -c1-200
 echo "bits done at ${SECONDS}s"
 G1="python3 -m benchmarks.gemv --fixed-rows --layers 8 --calls 5 --trials 3"
-for grp in ${GROUPS:-wide few}; do
+for grp in ${ROUTE_GROUPS:-wide few}; do
   for sh in qkv gate_up o down; do
     case $sh in qkv|gate_up) V=$([ $grp = wide ] && echo $WIDE1 || echo $FEW1) ;;
       *) V=$([ $grp = wide ] && echo $WIDE4 || echo $FEW4) ;; esac

@@ -23,6 +23,7 @@ Work decomposition (Pallas, Triton lowering):
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +172,7 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
     assert hd == hd_c and h % kvh == 0, (q.shape, k_cache.shape)
     nseq = kv_lens.shape[0]
     _check_rows(n_rows, nseq, cu_q_lens, q_len)
+    q_len = None if q_len is None else int(q_len)
     if q_len is not None and not TUNING.get("direct", DIRECT):  # (the tile map and gather)
         cu_q_lens, q_len = jnp.arange(nseq + 1, dtype=jnp.int32) * q_len, None
     group = h // kvh
@@ -241,7 +243,7 @@ def _check_rows(n_rows: int, nseq: int, cu_q_lens, q_len) -> None:
                          "the same length), exactly one of them")
     if cu_q_lens is not None:
         return
-    if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:
+    if isinstance(q_len, bool) or not isinstance(q_len, numbers.Integral) or q_len < 1:
         raise ValueError(f"q_len must be a positive int (rows per sequence), got {q_len!r}")
     if n_rows != nseq * q_len:
         raise ValueError(f"q_len={q_len} with {nseq} sequences needs {nseq * q_len} query "

@@ -23,6 +23,7 @@ CASES = [
     (jnp.bfloat16, 1, 2, 5, 2, dict(block_q=2, num_splits=1)),
     (jnp.bfloat16, 2, 3, 5, 3, dict(block_q=4, num_splits=1, block_t=8)),
     (jnp.float32, 2, 4, 3, 2, dict(num_splits=2, block_t=4)),
+    (jnp.float32, 2, 1, 5, 3, dict(block_q=2, num_splits=2, block_t=4)),  # 3 tiles a sequence
     (jnp.bfloat16, 2, 1, 5, 2, dict()),
 ]
 
@@ -114,6 +115,7 @@ def test_engine_attention_calls_the_kernel_by_q_len(monkeypatch):
     (dict(q_len=0), "positive int"),
     (dict(q_len=2.0), "positive int"),
     (dict(q_len=True), "positive int"),
+    (dict(q_len=np.int64(3)), "needs 6 query rows, got 4"),  # numpy ints are ints
     (dict(q_len=3), "needs 6 query rows, got 4"),
 ])
 def test_bad_row_arguments_are_refused_by_name(args, match):
@@ -126,20 +128,21 @@ def test_bad_row_arguments_are_refused_by_name(args, match):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("nseq,q_len,kw", [
-    (1, 1, dict(num_splits=1, block_q=16)),   # the batch-invariant mode's decode, batch 1
-    (64, 1, dict(num_splits=1, block_q=16)),  # and batch 64
-    (64, 5, dict(num_splits=1, block_q=16)),  # its k=4 verification
-    (64, 5, dict()),                          # the default's verification, its own tuning
-    (1, 5, dict()),                           # batch 1: several splits, the gather path
+@pytest.mark.parametrize("nseq,q_len,group,kw", [
+    (1, 1, 1, dict(num_splits=1, block_q=16)),   # the batch-invariant mode's decode, batch 1
+    (64, 1, 1, dict(num_splits=1, block_q=16)),  # and batch 64
+    (64, 5, 1, dict(num_splits=1, block_q=16)),  # its k=4 verification
+    (64, 5, 1, dict()),                          # the default's verification, its own tuning
+    (1, 5, 1, dict()),                           # batch 1: several splits, the gather path
+    (8, 5, 3, dict(num_splits=1, block_q=4)),    # GQA, padded heads masked, 2 tiles a sequence
 ])
-def test_gpu_q_len_gives_the_cu_q_lens_bits(nseq, q_len, kw, monkeypatch):
-    """The compiled Triton kernels at the 1.4B shapes (16 heads of 128, bf16, 16-key pages):
-    the direct store's masked scatter writes every real (row, head) once, bit-equal to the
-    tile map and gather."""
+def test_gpu_q_len_gives_the_cu_q_lens_bits(nseq, q_len, group, kw, monkeypatch):
+    """The compiled Triton kernels at head_dim 128 (bf16, 16-key pages; the 1.4B shapes: 16
+    KV heads, no GQA): the direct store's masked scatter writes every real (row, head) once,
+    bit-equal to the tile map and gather."""
     rng = np.random.default_rng(9)
     kv_lens = q_len + rng.integers(100, 300, nseq)
-    q, k, v, bt, lens = make_case(rng, kv_lens=kv_lens, kvh=16, group=1, hd=128,
+    q, k, v, bt, lens = make_case(rng, kv_lens=kv_lens, kvh=16 // group, group=group, hd=128,
                                   page_size=16, dtype=jnp.bfloat16, n_q=nseq * q_len)
     cu = jnp.arange(nseq + 1, dtype=jnp.int32) * q_len
     monkeypatch.setitem(ragged.TUNING, "direct", 1)
