@@ -57,10 +57,16 @@ def pick_invariant(results: list, max_rel_err: float = 1e-2) -> str:
     count, so a candidate is a tiling with a good result (no error, within max_rel_err of
     XLA) at every row count the runs measured; each is scored by its time relative to the
     best candidate's at each row count, summed. 'invariant' (the tiling the mode ran) is a
-    candidate too, named in the spec by its GEMM_VARIANTS key."""
+    candidate too, named in the spec by its GEMM_VARIANTS key, where the mode ran one tiling
+    at every measured row count (with ROUTES it runs several: then it is no candidate, and
+    pick_routes is the picker)."""
     time_of = lambda r: r["device_us"] if "device_us" in r else r["us"]  # noqa: E731
     ok = [r for r in results if r.get("fixed_rows") and "us" in r and "error" not in r
           and r["impl"] != "xla" and r.get("rel_err_vs_xla", 1.0) < max_rel_err]
+    mixed = {s for s in {r["shape"] for r in ok if r["impl"] == "invariant"}
+             if len({_variant_key(s, "invariant", r["rows"]) for r in results
+                     if r["shape"] == s}) > 1}
+    ok = [r for r in ok if not (r["impl"] == "invariant" and r["shape"] in mixed)]
     picks = {}
     for shape in sorted({r["shape"] for r in ok}):
         rows = sorted({r["rows"] for r in results if r["shape"] == shape})

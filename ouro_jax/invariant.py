@@ -13,8 +13,10 @@ a request's tokens depend on the batch it shares. In this mode:
   count: a row's dot products then run the same tiles in the same order; where a tiling
   splits K, the fp32 partials are added left to right (gemm.sum_splits, or for o and down
   inside the next add_norm kernel), also the same order at any row count. ROUTES (below)
-  may give a weight another tile by row count, never other K steps; none is shipped until
-  a GPU has measured it;
+  give a weight another tile by row count (16-row tiles for one row, wider ones above 64
+  rows), never other K steps; that the tile shapes (mma.sync for 16-row tiles, wgmma from
+  64) give the same bits is measured, not documented (0 differing elements at 1-384 rows
+  on an H100, session 42; test_gpu_routes_keep_the_bits checks it on the GPU it runs on);
 - attention, decode (one query) included, goes through the ragged paged kernel with one
   split and a fixed query tile (pallas_kernels.ragged): a query's keys are read in the same
   blocks in the same order whether 1 or k+1 queries of its sequence share the tile, and
@@ -36,10 +38,9 @@ the 1.4B shape greedy k=4 output equalled native's in every sequence at batch 1,
 64: benchmarks/results/decode_invariant*_session38_h100.json). Not covered: sampling at
 temperature > 0 still sums top-p's softmax and speculative sampling's log-softmaxes with
 XLA's reductions. It costs throughput (no one-row GEMVs, no fused decode kernel): it is
-opt-in. On an H100, session 40 (decode_inv_final_session40_h100.json): native 164.9 /
-1,184.8 / 6,396.2 tok/s at batch 1 / 8 / 64, k=4 d=2 228.3 / 1,373.3 / 5,979.6; the
-default in the same call 210.1 / 1,278.3 at batch 1 / 8
-(decode_default_session40_h100.json). Output is not approximated: it is the same model in
+opt-in. On an H100, session 42 (decode_inv_shipped_session42_h100.json): native 175.9 /
+7,117.8 tok/s at batch 1 / 64, k=4 d=2 240.7 / 6,879.2; the default on the same card
+210.2 native and 274.8 at k=4 at batch 1 (decode_direct1_b1_session42_h100.json). Output is not approximated: it is the same model in
 another summation order, as bf16 is anyway.
 """
 
@@ -81,6 +82,33 @@ NAMES = ("qkv", "o", "gate_up", "down", "head")
 # test_gpu_routes_keep_the_bits compare every routed tile against TUNING's on a GPU.
 ROUTE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 ROUTES: dict[str, tuple] = {name: () for name in NAMES}
+
+
+def _tile(block_m, block_n, num_warps, num_stages) -> dict:
+    return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+# Session 42 (one H100, benchmarks/results/README.md "Session 42"): one-row calls take 16-row
+# tiles, calls of up to 64 rows (native and draft decode to batch 64) keep session 40's
+# tiles, and more rows (the batch-64 verification's 320, prefill) take wider ones. Every
+# tile here gave the old tiles' bits in every element at 384, 320, 64, 5 and 1 rows (the
+# bits probe in gpu_session42_call_h100.txt). Per call at 320 rows against session 40's
+# tile, then at 1 row, us (the sweep there): qkv 33.69 / 47.01 and 15.45 / 15.63, gate/up
+# 60.38 / 97.19 and 25.35 / 27.59, o 32.44 / 36.06 and 8.31 / 15.55, down 44.12 / 45.76 and
+# 14.21 / 21.91. Without the 64-row band (the wide tiles at 64 rows too) batch-64 native fell
+# from 6,445.1 to 6,039.2 tok/s. End to end, with the ragged kernel's direct store, against
+# neither: batch 1 native 175.9 tok/s against 165.8, k=4 240.7 against 229.2; batch 64
+# native 7,117.8 against 6,445.1, k=4 6,879.2 against 5,996.0
+# (decode_inv_shipped_session42_h100.json, decode_direct0_inv_b1_p{1,4}_session42_h100.json,
+# decode_inv_noroutes_session42_h100.json).
+TUNING.update(qkv=dict(TUNING["qkv"], **_tile(64, 128, 4, 4)),
+              o=dict(TUNING["o"], **_tile(128, 64, 8, 3)),
+              gate_up=dict(TUNING["gate_up"], **_tile(128, 64, 8, 3)),
+              down=dict(TUNING["down"], **_tile(64, 128, 4, 4)))
+ROUTES.update(qkv=((1, _tile(16, 32, 4, 4)), (64, _tile(64, 64, 4, 4))),
+              o=((1, _tile(16, 64, 4, 4)), (64, _tile(64, 64, 4, 4))),
+              gate_up=((1, _tile(16, 32, 4, 4)), (64, _tile(64, 64, 8, 4))),
+              down=((1, _tile(16, 64, 4, 4)), (64, _tile(64, 64, 4, 4))))
 
 
 def tiling_for(name: str, rows: int) -> dict:

@@ -141,10 +141,16 @@ def _tile_map(cu_q_lens, num_tiles: int, block_q: int):
 # num_stages), read at trace time, as decode.TUNING; explicit arguments win.
 TUNING: dict = {}
 # q_len calls without the tile map (and, with one split, without the gather): the same bits
-# on the CPU interpreter (tests/test_ragged_uniform.py). Off until a GPU has timed it and
-# checked its bits (TUNING's direct=1 turns it on: benchmarks --ragged-kernel direct=1);
-# off, a q_len call runs as the cu_q_lens call it stands for.
-DIRECT = 0
+# (tests/test_ragged_uniform.py, interpret mode and its gpu tests, which passed on an H100
+# in session 42) and, there, end to end against direct=0 (benchmarks --ragged-kernel
+# direct=0; the same tokens): the batch-invariant mode at batch 1 native 168.95 against
+# 165.8 tok/s (+1.9%), k=4 233.25 against 229.2; at batch 64 native 7,133.8 against 6,445.1
+# (+10.7%: there the tile map's searchsorted over 64 sequences and the gather cost more),
+# k=4 6,539.3 against 5,996.0; the default's k=4 at batch 64 7,074.4 against 6,992.0
+# (+1.2%), at batch 8 1,515.5 against 1,495.9, at batch 1 274.8 against 273.7
+# (decode_direct{0,1}_*_session42_h100.json, decode_inv_noroutes{,_direct1}_session42_h100.json).
+# Off (0), a q_len call runs as the cu_q_lens call it stands for.
+DIRECT = 1
 
 
 def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu_q_lens=None, *,

@@ -49,8 +49,8 @@ def test_gemv_fixed_rows_times_the_invariant_gemm_only(monkeypatch):
     monkeypatch.setattr(gb, "gemm", lambda x, w, **kw: seen.append(kw) or x[:, :8])
     for impl in ("invariant", next(iter(gb.GEMM_VARIANTS))):
         gb.chain_fn(impl, False, "o", fixed_rows=True)(jnp.ones((2, 16)), [jnp.ones((8, 16))])
-    from ouro_jax.invariant import TUNING
-    assert seen[0] == dict(gated=False, fixed_rows=True, **TUNING["o"])
+    from ouro_jax.invariant import tiling_for  # (the mode's tiling at 2 rows: a route's)
+    assert seen[0] == dict(gated=False, fixed_rows=True, **tiling_for("o", 2))
     assert all(kw["fixed_rows"] for kw in seen) and len(seen) == 2
 
 
@@ -80,13 +80,19 @@ def test_gemv_fixed_rows_few_row_sweep_runs_split_k(monkeypatch):
                if r["impl"] != "xla"), [r for r in rows if "error" in r][:2]
 
 
-def test_pick_invariant_scores_each_tiling_over_every_row_count():
-    """The mode runs one tiling per weight at every row count: the pick sums each candidate's
-    time over the best candidate's at each row count. Errors, rows off XLA and tilings
-    missing a row count are no candidates and do not set the best either; the head follows
-    qkv; a weight whose best is the mode's own tiling is named by its GEMM_VARIANTS key."""
+def test_pick_invariant_scores_each_tiling_over_every_row_count(monkeypatch):
+    """One tiling per weight at every row count: the pick sums each candidate's time over
+    the best candidate's at each row count. Errors, rows off XLA and tilings missing a row
+    count are no candidates and do not set the best either; the head follows qkv; a weight
+    whose best is the mode's own tiling is named by its GEMM_VARIANTS key, and is no
+    candidate where the mode's routes ran other tiles at other row counts."""
     from benchmarks.gemv import pick_invariant
+    from ouro_jax import invariant
     from ouro_jax.invariant import TUNING
+    shipped_o = invariant.ROUTES["o"]
+    monkeypatch.setitem(TUNING, "o", dict(block_m=64, block_n=64, block_k=128, num_warps=4,
+                                          num_stages=4, k_splits=4))
+    monkeypatch.setitem(invariant.ROUTES, "o", ())
 
     def r(shape, impl, rows, us, **kw):
         return dict(dict(shape=shape, impl=impl, rows=rows, us=us, fixed_rows=True,
@@ -107,6 +113,8 @@ def test_pick_invariant_scores_each_tiling_over_every_row_count():
     o_key = "mm64_n64_k128_w4_s4_x4"
     assert TUNING["o"]["k_splits"] == 4 and TUNING["o"]["block_m"] == 64  # (o_key's tiling)
     assert pick_invariant(res) == f"down=f,head=b,o={o_key},qkv=b"
+    monkeypatch.setitem(invariant.ROUTES, "o", shipped_o)  # 1 row: a 16-row tile, 320: TUNING
+    assert shipped_o and pick_invariant(res) == "down=f,head=b,qkv=b"
 
 
 def test_pick_fastest_tiling_skips_errors_xla_and_disagreeing_rows(capsys):
@@ -212,15 +220,17 @@ def test_invariant_tiling_routes_parse_and_keep_the_k_steps():
             parse_invariant_tiling(spec)
 
 
-def test_pick_routes_opens_a_band_only_where_the_tile_above_is_slow():
+def test_pick_routes_opens_a_band_only_where_the_tile_above_is_slow(monkeypatch):
     """benchmarks.gemm_tilings.pick_routes: from the most rows down, a row count keeps the
     tile above it within 3%, else opens a band of its own. Tiles the bits probe saw differ
     (or did not probe), tiles with other K steps, errors and rows off XLA are no
-    candidates; TUNING's own tiling ('invariant') needs no probe."""
+    candidates; TUNING's own tiling ('invariant') needs no probe. (Session 40's o tiling,
+    no routes: the runs below are of that mode.)"""
     from benchmarks.gemm_tilings import pick_routes
-    from ouro_jax.invariant import TUNING
-    assert TUNING["o"] == dict(block_m=64, block_n=64, block_k=128, num_warps=4,
-                               num_stages=4, k_splits=4)  # (what 'invariant' means below)
+    from ouro_jax import invariant
+    monkeypatch.setitem(invariant.TUNING, "o", dict(block_m=64, block_n=64, block_k=128,
+                                                    num_warps=4, num_stages=4, k_splits=4))
+    monkeypatch.setitem(invariant.ROUTES, "o", ())
     big, wide, few, bad = ("mm128_n128_k128_w8_s3_x4", "mm64_n128_k128_w4_s4_x4",
                            "mm16_n64_k128_w4_s4_x4", "mm16_n32_k128_w4_s4_x4")
 

@@ -78,15 +78,17 @@ def test_one_split_q_len_runs_no_tile_map_and_no_gather(monkeypatch):
     assert "gather" in mapped and "cumsum" in mapped  # the test sees the XLA kernels it counts
     assert not {"gather", "cumsum", "searchsorted", "select_n"} & direct, direct
     assert len(pallas_call_eqns(run(q_len=3), q)) == 1
-    # off (ragged.DIRECT, the shipped default until a GPU has timed it), the tile map and
-    # gather come back
+    # direct=0 (the benchmarks' A/B arm) brings the tile map and gather back; the shipped
+    # default (ragged.DIRECT) is the direct store
+    monkeypatch.setitem(ragged.TUNING, "direct", 0)
+    assert "gather" in _xla_ops(run(q_len=3), q)
     monkeypatch.delitem(ragged.TUNING, "direct")
-    assert ragged.DIRECT == 0 and "gather" in _xla_ops(run(q_len=3), q)
+    assert ragged.DIRECT == 1 and "gather" not in _xla_ops(run(q_len=3), q)
 
 
 def test_engine_attention_calls_the_kernel_by_q_len(monkeypatch):
     """attention.py's ragged calls (verification; every call in the batch-invariant mode)
-    pass q_len, so ragged.DIRECT / TUNING's direct decides their form."""
+    pass q_len, so they get the direct store (ragged.DIRECT)."""
     from ouro_jax import attention
     seen = []
     real = ragged_paged_attention
