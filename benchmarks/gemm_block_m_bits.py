@@ -2,7 +2,8 @@
 
     python -m benchmarks.gemm_block_m_bits [--out probe.json]
 
-The mode keeps one row block (block_m) at every row count, because a 16-row tile may lower
+Until session 42 the mode kept one row block (block_m) at every row count (its routes now
+rest on this probe's and benchmarks.gemm_tiling_bits' findings), because a 16-row tile may lower
 to other tensor-core instructions (mma.sync) than a 64-row one (wgmma), and nothing
 documents that the two accumulate alike. Were they bit-equal, few-row calls could take the
 16-row tiles (faster at one row) and many-row calls the 64-row ones. This compares, at the

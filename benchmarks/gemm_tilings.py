@@ -51,9 +51,10 @@ GEMM_VARIANTS = {
 
 
 def pick_invariant(results: list, max_rel_err: float = 1e-2) -> str:
-    """The batch-invariant mode's GEMM tiling per weight from --fixed-rows runs, as a
+    """The batch-invariant mode's GEMM tiling per weight (one tile at every row count, as
+    before session 42's routes) from --fixed-rows runs, as a
     benchmarks.decode --invariant-tiling spec naming every measured weight (the LM head
-    takes qkv's: the same K, the widest N). The mode runs one tiling per weight at every row
+    takes qkv's: the same K, the widest N). A pick is one tiling per weight at every row
     count, so a candidate is a tiling with a good result (no error, within max_rel_err of
     XLA) at every row count the runs measured; each is scored by its time relative to the
     best candidate's at each row count, summed. 'invariant' (the tiling the mode ran) is a

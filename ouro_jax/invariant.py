@@ -9,14 +9,16 @@ then differs, and near-tied argmaxes flip: on the H200 only 4 of 8, 21-22 of 32 
 a request's tokens depend on the batch it shares. In this mode:
 
 - every projection (qkv, o, gate/up, down) and the LM head go through the skinny Pallas GEMM
-  (pallas_kernels.gemm) at one tiling per weight and a fixed row block, whatever the row
-  count: a row's dot products then run the same tiles in the same order; where a tiling
-  splits K, the fp32 partials are added left to right (gemm.sum_splits, or for o and down
-  inside the next add_norm kernel), also the same order at any row count. ROUTES (below)
-  give a weight another tile by row count (16-row tiles for one row, wider ones above 64
-  rows), never other K steps; that the tile shapes (mma.sync for 16-row tiles, wgmma from
-  64) give the same bits is measured, not documented (0 differing elements at 1-384 rows
-  on an H100, session 42; test_gpu_routes_keep_the_bits checks it on the GPU it runs on);
+  (pallas_kernels.gemm) with fixed K steps per weight: a row's dot products then run the
+  same K blocks in the same order; where a tiling splits K, the fp32 partials are added left
+  to right (gemm.sum_splits, or for o and down inside the next add_norm kernel), also the
+  same order at any row count. The tile's rows and columns may change with the call's row
+  count (ROUTES, below: 16-row tiles for one row, session 40's 64-row tiles up to 64 rows,
+  wider ones above). That those tile shapes (mma.sync for 16-row tiles, wgmma from 64) give
+  the same bits is measured, not documented: 0 differing elements at 384, 320, 64, 5 and 1
+  rows, at the 1.4B shapes, on one H100 with jax 0.11.2 (session 42); not probed on an
+  H200 or another card. tests/test_invariant.py::test_gpu_routes_keep_the_bits rechecks it
+  on the GPU the tests run on; no check runs at serving time;
 - attention, decode (one query) included, goes through the ragged paged kernel with one
   split and a fixed query tile (pallas_kernels.ragged): a query's keys are read in the same
   blocks in the same order whether 1 or k+1 queries of its sequence share the tile, and
@@ -55,9 +57,12 @@ from ouro_jax import trace_once
 from ouro_jax.projection_tuning import GEMM_TUNING, fit_gemm_tuning
 from ouro_jax.projections import XLA, Residual
 
-# The mode's GEMM tiling per weight. Any one tiling per weight keeps the guarantee (a row's
-# arithmetic then never depends on the row count); the speed is what differs. Process-wide,
-# so benchmarks.decode --invariant-tiling can try others before anything compiles.
+# The mode's GEMM tiling per weight, for calls of more rows than every route of ROUTES (below).
+# Any one tiling per weight keeps the guarantee (a row's arithmetic then never depends on
+# the row count); the speed is what differs. Process-wide, so benchmarks.decode
+# --invariant-tiling can try others before anything compiles. Session 40's tilings follow;
+# session 42 (below) widened qkv's, o's, gate/up's and down's for many rows and kept these
+# as the routes up to 64 rows.
 # o and down: 64-row blocks, 64 columns, K split in four (more programs for one-row calls).
 # The pick of session 40's sweep at 1 and 320 rows on an H100, after the kernel masked the
 # ragged row block (gemm_masked_*_session40_h100): o 5.18 / 22.45 us, down 10.12 / 34.67,
@@ -65,7 +70,8 @@ from ouro_jax.projections import XLA, Residual
 # 9.08 / 28.71. End to end, batch-1 native 140.4 tok/s (142.6 with the 16-row tiles) and
 # batch 64 5,355.8 (decode_masked_{pick,shipped}_b*_session40_h100.json; session 39, rows
 # clamped: 105.4 and 4,908.4). qkv and gate/up keep GEMM_TUNING's 64-row tiles, which the
-# same pick kept, and the LM head takes qkv's, the widest projection measured (gemm_session5_*).
+# same pick kept, and the LM head takes qkv's 64 x 64 tile, the widest projection measured
+# (gemm_session5_*; session 42 left the head as it was: not swept at 320 rows).
 _SPLIT_K = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4, k_splits=4)
 TUNING = {"qkv": dict(GEMM_TUNING["qkv"]), "o": dict(_SPLIT_K),
           "gate_up": dict(GEMM_TUNING["gate_up"]), "down": dict(_SPLIT_K),
@@ -92,12 +98,14 @@ def _tile(block_m, block_n, num_warps, num_stages) -> dict:
 # tiles, calls of up to 64 rows (native and draft decode to batch 64) keep session 40's
 # tiles, and more rows (the batch-64 verification's 320, prefill) take wider ones. Every
 # tile here gave the old tiles' bits in every element at 384, 320, 64, 5 and 1 rows (the
-# bits probe in gpu_session42_call_h100.txt). Per call at 320 rows against session 40's
-# tile, then at 1 row, us (the sweep there): qkv 33.69 / 47.01 and 15.45 / 15.63, gate/up
-# 60.38 / 97.19 and 25.35 / 27.59, o 32.44 / 36.06 and 8.31 / 15.55, down 44.12 / 45.76 and
-# 14.21 / 21.91. Without the 64-row band (the wide tiles at 64 rows too) batch-64 native fell
-# from 6,445.1 to 6,039.2 tok/s. End to end, with the ragged kernel's direct store, against
-# neither: batch 1 native 175.9 tok/s against 165.8, k=4 240.7 against 229.2; batch 64
+# bits probe in gpu_session42_call_h100.txt). Per call, us (the sweep there; "invariant" =
+# session 40's tiling as the mode ran it, shipped -> session 42's): at 320 rows qkv 49.12 ->
+# 33.69, gate/up 85.48 -> 60.38, o 39.93 -> 32.44, down 53.28 -> 44.12; at one row 15.63 ->
+# 15.45, 27.59 -> 25.35, 15.55 -> 8.31, 21.91 -> 14.21. (The same tile timed twice in that
+# sweep differed by up to 16%: down's session-40 tile 53.28 as "invariant", 45.76 as its
+# own variant: down's gain at 320 rows is within that.) Without the 64-row band (the wide
+# tiles at 64 rows too) batch-64 native fell from 6,445.1 to 6,039.2 tok/s. End to end,
+# with the ragged kernel's direct store, against neither: batch 1 native 175.9 tok/s against 165.8, k=4 240.7 against 229.2; batch 64
 # native 7,117.8 against 6,445.1, k=4 6,879.2 against 5,996.0
 # (decode_inv_shipped_session42_h100.json, decode_direct0_inv_b1_p{1,4}_session42_h100.json,
 # decode_inv_noroutes_session42_h100.json).

@@ -143,8 +143,8 @@ TUNING: dict = {}
 # q_len calls without the tile map (and, with one split, without the gather): the same bits
 # (tests/test_ragged_uniform.py, interpret mode and its gpu tests, which passed on an H100
 # in session 42) and, there, end to end against direct=0 (benchmarks --ragged-kernel
-# direct=0; the same tokens): the batch-invariant mode at batch 1 native 168.95 against
-# 165.8 tok/s (+1.9%), k=4 233.25 against 229.2; at batch 64 native 7,133.8 against 6,445.1
+# direct=0; the same tokens): the batch-invariant mode at batch 1 native 169.0 against
+# 165.8 tok/s (+1.9%; means of two runs), k=4 233.2 against 229.2; at batch 64 native 7,133.8 against 6,445.1
 # (+10.7%: there the tile map's searchsorted over 64 sequences and the gather cost more),
 # k=4 6,539.3 against 5,996.0; the default's k=4 at batch 64 7,074.4 against 6,992.0
 # (+1.2%), at batch 8 1,515.5 against 1,495.9, at batch 1 274.8 against 273.7

@@ -132,7 +132,7 @@ def test_layer_norms_and_adds_run_in_add_norm_kernels(bf16_model):
     residual add and the next norm; the layer output stays deferred (a Residual) into the
     next qkv's add_norm. No XLA reduction sums a row, and the results equal the unfused
     path's (gemm's own sum, model.rms_norm) bit for bit on the CPU."""
-    from ouro_jax.invariant import TUNING, Invariant
+    from ouro_jax.invariant import Invariant, tiling_for
     from ouro_jax.model import rms_norm
     from ouro_jax.projection_tuning import fit_gemm_tuning
     from ouro_jax.projections import Residual
@@ -171,7 +171,7 @@ def test_layer_norms_and_adds_run_in_add_norm_kernels(bf16_model):
     h2_ref = h + rms_norm(d, norms[2], eps)
     np.testing.assert_array_equal(np.asarray(h2), np.asarray(h2_ref))
     q_ref = gemm(rms_norm(h2_ref, norms[3], eps), w_qkv, interpret=True, fixed_rows=True,
-                 **fit_gemm_tuning(TUNING["qkv"], w_qkv.shape[0], k))
+                 **fit_gemm_tuning(tiling_for("qkv", 5), w_qkv.shape[0], k))  # (5 rows' tile)
     np.testing.assert_array_equal(np.asarray(q), np.asarray(q_ref))
 
 
