@@ -144,8 +144,9 @@ TUNING: dict = {}
 # (tests/test_ragged_uniform.py, interpret mode and its gpu tests, which passed on an H100
 # in session 42) and, there, end to end against direct=0 (benchmarks --ragged-kernel
 # direct=0; the same tokens): the batch-invariant mode at batch 1 native 169.0 against
-# 165.8 tok/s (+1.9%; means of two runs), k=4 233.2 against 229.2; at batch 64 native 7,133.8 against 6,445.1
-# (+10.7%: there the tile map's searchsorted over 64 sequences and the gather cost more),
+# 165.8 tok/s (+1.9%; means of two runs), k=4 233.2 against 229.2; at batch 64 native
+# 7,133.8 against 6,445.1 (+10.7%: there the tile map's searchsorted over 64 sequences and
+# the gather cost more),
 # k=4 6,539.3 against 5,996.0; the default's k=4 at batch 64 7,074.4 against 6,992.0
 # (+1.2%), at batch 8 1,515.5 against 1,495.9, at batch 1 274.8 against 273.7
 # (decode_direct{0,1}_*_session42_h100.json, decode_inv_noroutes{,_direct1}_session42_h100.json).
@@ -182,29 +183,12 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
     if q_len is not None and not TUNING.get("direct", DIRECT):  # (the tile map and gather)
         cu_q_lens, q_len = jnp.arange(nseq + 1, dtype=jnp.int32) * q_len, None
     group = h // kvh
-    block_q = TUNING.get("block_q") if block_q is None else block_q
-    block_t = TUNING.get("block_t") if block_t is None else block_t
-    num_splits = TUNING.get("num_splits") if num_splits is None else num_splits
-    num_warps = TUNING.get("num_warps") if num_warps is None else num_warps
-    num_stages = TUNING.get("num_stages", 2) if num_stages is None else num_stages
     group_pad = next_pow2(group)
-    if block_t is None:  # fp32 tiles are twice the shared memory of bf16 ones
-        block_t = 64 if jnp.dtype(k_cache.dtype).itemsize <= 2 else 32
-    if block_q is None:  # M = block_q * group_pad rows per dot: >= 16 for the tensor cores
-        target_m = 16 if cdiv(n_rows, nseq) <= 16 else 64
-        block_q = max(1, target_m // group_pad)
-    block_q = next_pow2(block_q)
-    if q_len is None:
-        num_tiles = int(min(n_rows, cdiv(n_rows, block_q) + nseq))
-    else:
-        num_tiles = nseq * cdiv(q_len, block_q)
-    max_tokens = block_tables.shape[1] * page_size
-    if num_splits is None:
-        busy_tiles = min(num_tiles, max(nseq, cdiv(n_rows, block_q)))
-        num_splits = choose_num_splits(busy_tiles * kvh, max_tokens, block_t)
+    block_q, block_t, num_splits, num_warps, num_stages, num_tiles = _tiling(
+        dict(block_q=block_q, block_t=block_t, num_splits=num_splits, num_warps=num_warps,
+             num_stages=num_stages), n_rows, nseq, kvh, group_pad, q_len, k_cache.dtype,
+        block_tables.shape[1] * page_size)
     mdim = block_q * group_pad
-    if num_warps is None:
-        num_warps = 4 if mdim <= 32 else 8
 
     kw = dict(group=group, group_pad=group_pad, block_q=block_q, page_size=page_size,
               block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5,
@@ -226,7 +210,6 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
                                num_stages=num_stages, interpret=interpret, out_dtype=q.dtype)
     o = call(*operands, q, k_cache, v_cache)  # [tiles, KVH, M, hd]
     o = o.reshape(num_tiles, kvh, block_q, group_pad, hd)
-
     if q_len is None:
         b, i, valid = ragged_rows(cu, n_rows)
         tile = jnp.clip(tile_begin[b] + i // block_q, 0, num_tiles - 1)
@@ -234,12 +217,44 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
         n = jnp.arange(n_rows, dtype=jnp.int32)
         i, valid = n % q_len, None
         tile = (n // q_len) * cdiv(q_len, block_q) + i // block_q
+    return _gather_rows(o, tile, i, valid, block_q, group, h, q.dtype)
+
+
+def _tiling(given: dict, n_rows: int, nseq: int, kvh: int, group_pad: int, q_len,
+            cache_dtype, max_tokens: int):
+    """(block_q, block_t, num_splits, num_warps, num_stages, num_tiles): the arguments given,
+    else TUNING's, else the defaults (ragged_paged_attention's docstring)."""
+    pick = lambda key, default=None: (TUNING.get(key, default) if given[key] is None  # noqa: E731
+                                      else given[key])
+    block_q, block_t, num_splits = pick("block_q"), pick("block_t"), pick("num_splits")
+    num_warps, num_stages = pick("num_warps"), pick("num_stages", 2)
+    if block_t is None:  # fp32 tiles are twice the shared memory of bf16 ones
+        block_t = 64 if jnp.dtype(cache_dtype).itemsize <= 2 else 32
+    if block_q is None:  # M = block_q * group_pad rows per dot: >= 16 for the tensor cores
+        target_m = 16 if cdiv(n_rows, nseq) <= 16 else 64
+        block_q = max(1, target_m // group_pad)
+    block_q = next_pow2(block_q)
+    if q_len is None:
+        num_tiles = int(min(n_rows, cdiv(n_rows, block_q) + nseq))
+    else:
+        num_tiles = nseq * cdiv(q_len, block_q)
+    if num_splits is None:
+        busy_tiles = min(num_tiles, max(nseq, cdiv(n_rows, block_q)))
+        num_splits = choose_num_splits(busy_tiles * kvh, max_tokens, block_t)
+    if num_warps is None:
+        num_warps = 4 if block_q * group_pad <= 32 else 8
+    return block_q, block_t, num_splits, num_warps, num_stages, num_tiles
+
+
+def _gather_rows(o, tile, i, valid, block_q: int, group: int, h: int, dtype):
+    """The packed [N, H, hd] output from the tiles o [tiles, KVH, block_q, group_pad, hd]:
+    row n is query i[n] of tile tile[n]; rows not valid (None: all are) give zeros."""
     r = jnp.clip(i % block_q, 0, block_q - 1)
     hh = jnp.arange(h, dtype=jnp.int32)
-    out = o[tile[:, None], (hh // group)[None, :], r[:, None], (hh % group)[None, :]]  # [N, H, hd]
+    out = o[tile[:, None], (hh // group)[None, :], r[:, None], (hh % group)[None, :]]
     if valid is not None:
         out = jnp.where(valid[:, None, None], out, 0.0)
-    return out.astype(q.dtype)
+    return out.astype(dtype)
 
 
 def _check_rows(n_rows: int, nseq: int, cu_q_lens, q_len) -> None:
