@@ -2,7 +2,8 @@
 # Session 42's call on any card but an H200 (gpu_session42_any.sh sends an H200 to the
 # prepared H200 call), in order:
 #   1. the ragged kernel's direct store (pallas_kernels.ragged, q_len calls without the XLA
-#      tile map and gather; off until measured): its bits against the tile map's on the GPU
+#      tile map and gather; on by default since this call measured it): its bits against the
+#      tile map's on the GPU
 #      (tests/test_ragged_uniform.py's gpu tests), then end to end, direct=0 against direct=1
 #      the batch-invariant mode at batch 1 (k 0,4: every attention call is the ragged
 #      kernel) in order 0 1 1 0, and the default at batch 64 k=4 (its verification's) in

@@ -42,8 +42,8 @@ temperature > 0 still sums top-p's softmax and speculative sampling's log-softma
 XLA's reductions. It costs throughput (no one-row GEMVs, no fused decode kernel): it is
 opt-in. On an H100, session 42 (decode_inv_shipped_session42_h100.json): native 175.9 /
 7,117.8 tok/s at batch 1 / 64, k=4 d=2 240.7 / 6,879.2; the default on the same card
-210.2 native and 274.8 at k=4 at batch 1 (decode_direct1_b1_session42_h100.json). Output is not approximated: it is the same model in
-another summation order, as bf16 is anyway.
+210.2 native and 274.8 at k=4 at batch 1 (decode_direct1_b1_session42_h100.json). Output
+is not approximated: it is the same model in another summation order, as bf16 is anyway.
 """
 
 from __future__ import annotations
@@ -105,18 +105,20 @@ def _tile(block_m, block_n, num_warps, num_stages) -> dict:
 # sweep differed by up to 16%: down's session-40 tile 53.28 as "invariant", 45.76 as its
 # own variant: down's gain at 320 rows is within that.) Without the 64-row band (the wide
 # tiles at 64 rows too) batch-64 native fell from 6,445.1 to 6,039.2 tok/s. End to end,
-# with the ragged kernel's direct store, against neither: batch 1 native 175.9 tok/s against 165.8, k=4 240.7 against 229.2; batch 64
-# native 7,117.8 against 6,445.1, k=4 6,879.2 against 5,996.0
+# with the ragged kernel's direct store, against neither: batch 1 native 175.9 tok/s
+# against 165.8, k=4 240.7 against 229.2; batch 64 native 7,117.8 against 6,445.1, k=4
+# 6,879.2 against 5,996.0
 # (decode_inv_shipped_session42_h100.json, decode_direct0_inv_b1_p{1,4}_session42_h100.json,
 # decode_inv_noroutes_session42_h100.json).
-TUNING.update(qkv=dict(TUNING["qkv"], **_tile(64, 128, 4, 4)),
-              o=dict(TUNING["o"], **_tile(128, 64, 8, 3)),
-              gate_up=dict(TUNING["gate_up"], **_tile(128, 64, 8, 3)),
-              down=dict(TUNING["down"], **_tile(64, 128, 4, 4)))
-ROUTES.update(qkv=((1, _tile(16, 32, 4, 4)), (64, _tile(64, 64, 4, 4))),
-              o=((1, _tile(16, 64, 4, 4)), (64, _tile(64, 64, 4, 4))),
-              gate_up=((1, _tile(16, 32, 4, 4)), (64, _tile(64, 64, 8, 4))),
-              down=((1, _tile(16, 64, 4, 4)), (64, _tile(64, 64, 4, 4))))
+_ONE_ROW = {"qkv": _tile(16, 32, 4, 4), "o": _tile(16, 64, 4, 4),
+            "gate_up": _tile(16, 32, 4, 4), "down": _tile(16, 64, 4, 4)}
+_MANY_ROWS = {"qkv": _tile(64, 128, 4, 4), "o": _tile(128, 64, 8, 3),
+              "gate_up": _tile(128, 64, 8, 3), "down": _tile(64, 128, 4, 4)}
+for _name, _wide in _MANY_ROWS.items():  # (up to 64 rows: session 40's tile, as it was)
+    ROUTES[_name] = ((1, _ONE_ROW[_name]),
+                     (64, {k: TUNING[_name][k] for k in ROUTE_KEYS}))
+    TUNING[_name] = dict(TUNING[_name], **_wide)
+del _name, _wide
 
 
 def tiling_for(name: str, rows: int) -> dict:

@@ -70,6 +70,21 @@ def pallas_call_eqns(fn, *args) -> list:
     return found
 
 
+def primitives_outside_kernels(jaxpr) -> set:
+    """The primitive names of a jaxpr and its sub-jaxprs, pallas_calls' bodies left out."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for value in eqn.params.values():
+            for v in (value if isinstance(value, (tuple, list)) else (value,)):
+                sub = v if hasattr(v, "eqns") else getattr(v, "jaxpr", None)
+                if hasattr(sub, "eqns"):
+                    out |= primitives_outside_kernels(sub)
+    return out
+
+
 def has_gpu() -> bool:
     """Whether JAX sees a CUDA GPU (the `gpu`-marked tests skip without one)."""
     import jax

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import (has_gpu, host_reads, load, pallas_call_names, ragged_prompts,
-                            tiny_checkpoint)
+from engine_helpers import (has_gpu, host_reads, load, pallas_call_names,
+                            primitives_outside_kernels, ragged_prompts, tiny_checkpoint)
 from ouro_jax.api import Ouro
 from ouro_jax.config import TINY_GQA
 from ouro_jax.params import random_params
@@ -111,21 +111,6 @@ def test_routes_pick_the_tile_by_rows_and_keep_the_bits(bf16_model, monkeypatch)
             invariant.tiling_for("o", 100)
 
 
-def _primitives_outside_kernels(jaxpr) -> set:
-    """The primitive names of a jaxpr and its sub-jaxprs, pallas_calls' bodies left out."""
-    out = set()
-    for eqn in jaxpr.eqns:
-        out.add(eqn.primitive.name)
-        if eqn.primitive.name == "pallas_call":
-            continue
-        for value in eqn.params.values():
-            for v in (value if isinstance(value, (tuple, list)) else (value,)):
-                sub = v if hasattr(v, "eqns") else getattr(v, "jaxpr", None)
-                if hasattr(sub, "eqns"):
-                    out |= _primitives_outside_kernels(sub)
-    return out
-
-
 def test_layer_norms_and_adds_run_in_add_norm_kernels(bf16_model):
     """The sandwich layer after attention, as decoder_layer calls the mode's projections:
     o's split-K partials go unsummed (fp32, 3 splits here) into one add_norm kernel with the
@@ -160,7 +145,7 @@ def test_layer_norms_and_adds_run_in_add_norm_kernels(bf16_model):
 
     assert pallas_call_names(tail, x, attn) == ["gemm", "add_norm", "gemm_silu", "gemm",
                                                 "add_norm", "gemm"]
-    assert "reduce_sum" not in _primitives_outside_kernels(jax.make_jaxpr(tail)(x, attn).jaxpr)
+    assert "reduce_sum" not in primitives_outside_kernels(jax.make_jaxpr(tail)(x, attn).jaxpr)
     o, q, h2 = tail(x, attn)
     assert o.dtype == jnp.float32 and o.shape == (5, 3 * k)  # the partials, unsummed
     o_ref = sum_splits(o, 3).astype(jnp.bfloat16)

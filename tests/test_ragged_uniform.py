@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import has_gpu, pallas_call_eqns
+from engine_helpers import has_gpu, pallas_call_eqns, primitives_outside_kernels
 from paged_cases import check, make_case
 from pallas_kernels import ragged, ragged_paged_attention, ragged_paged_attention_reference
 
@@ -49,20 +49,7 @@ def test_q_len_gives_the_cu_q_lens_bits(dtype, kvh, group, q_len, nseq, kw, monk
 
 
 def _xla_ops(fn, *args) -> set:
-    """The primitive names of fn's jaxpr outside the pallas_calls (one level of pjit)."""
-    names = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                continue
-            names.add(eqn.primitive.name)
-            for value in eqn.params.values():
-                sub = value if hasattr(value, "eqns") else getattr(value, "jaxpr", None)
-                if hasattr(sub, "eqns"):
-                    walk(sub)
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return names
+    return primitives_outside_kernels(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 def test_one_split_q_len_runs_no_tile_map_and_no_gather(monkeypatch):
