@@ -16,7 +16,7 @@ from __future__ import annotations
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine", "pdl",
                       "fuse_o", "o_block_n", "o_w_early", "o_split", "flow_o",
                       "flow_o_block_n", "flow_o_per_program", "mgpu", "mgpu_block",
-                      "mgpu_stages", "o_merge")
+                      "mgpu_stages", "o_merge", "ragged_from")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages", "direct")
 BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early", "o_split", "flow_o",
                     "mgpu", "o_merge", "direct")

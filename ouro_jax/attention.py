@@ -145,13 +145,24 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
                          f"{backend!r}")
     if backend == "pallas":
         kv_lens = positions[:, -1] + 1
-        attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant,
+        ragged = invariant or _ragged_decode(positions, fused_kv_write)
+        attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, ragged,
                                 fused_kv_write)
-        if positions.shape[1] == 1 and fused_kv_write and not invariant:
+        if positions.shape[1] == 1 and fused_kv_write and not ragged:
             attend = _with_fused_decode(attend, cfg, block_tables, kv_lens, page_size, page,
                                         slot, merge_splits)
         return attend
     return _xla_attend(cfg, block_tables, positions, page_size, page, slot)
+
+
+def _ragged_decode(positions, fused_kv_write: bool) -> bool:
+    """Whether decode rows (C == 1) of this batch go to the RoPE/K/V-write kernel and the
+    ragged kernel at the batch-invariant mode's tuning rather than the decode kernel: from
+    `pallas_kernels.decode.TUNING["ragged_from"]` rows up (unset: never)."""
+    import pallas_kernels as pk
+    start = pk.decode.TUNING.get("ragged_from")
+    b, c = positions.shape
+    return bool(start) and fused_kv_write and c == 1 and b >= int(start)
 
 
 def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=False,

@@ -54,13 +54,14 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     streaming GEMV kernel, "+mgpu[:names]" the Mosaic GPU one, "+flow[4|5]" o -> gate/up ->
     down [-> next qkv [-> its attention]] as one kernel, "+graph" a one-row loop's layers as
     one CUDA graph of our own: ouro_jax.graph_loop) with the Pallas GEMV /
-    skinny GEMM (ouro_jax.projections.parse); "+invariant" every kernel batch-invariant
+    skinny GEMM, "+inv[@LO-HI]" calls of LO..HI rows through the batch-invariant mode's
+    GEMM and add_norm kernels (ouro_jax.projections.parse); "+invariant" every kernel batch-invariant
     (ouro_jax.invariant). `h` overrides the embedding input (verification starts from the
     draft's states)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options
-               if o.startswith(("gemv", "gemm", "pf", "mgpu"))
-               or o in ("norms", "stream", "graph", *FLOW_PARTS)]
+               if o.startswith(("gemv", "gemm", "pf", "mgpu", "inv@"))
+               or o in ("norms", "stream", "graph", "inv", *FLOW_PARTS)]
     # "+persistent" only labels the programs: the packed weights in params.persistent
     # select the path (ouro_jax.persistent)
     unknown = [o for o in options if o not in ("unroll", "kvxla", "persistent", INVARIANT)
@@ -68,7 +69,7 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     if unknown:
         raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', "
                          f"'kvxla', 'gemv...', 'gemm...', 'norms', 'pfN', 'stream', 'mgpu...', "
-                         f"'flow', 'flow4', 'flow5', 'graph', '{INVARIANT}'")
+                         f"'flow', 'flow4', 'flow5', 'graph', 'inv[@LO-HI]', '{INVARIANT}'")
     invariant = INVARIANT in options
     if invariant and kernels:
         raise ValueError(f"backend {backend!r}: '{INVARIANT}' chooses every projection "

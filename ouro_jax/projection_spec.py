@@ -68,12 +68,18 @@ def parse(spec: str):
     in one kernel; the decode kernel then merges its splits itself, as last_combine=1);
     '+graph' (with 'norms' and 'stream', all four names) -> a one-row loop's layers as one
     CUDA graph of the PDL launcher's own (ouro_jax.graph_loop; experimental, opt-in, a GPU
-    with the `triton` package); 'auto' -> see resolve."""
+    with the `triton` package); '+inv[@LO-HI]' -> calls of LO..HI rows (default
+    projections.INV_ROWS, 2-64) through the batch-invariant mode's GEMM and add_norm
+    kernels (ouro_jax.invariant), before any other part's route; 'auto' -> see resolve."""
     from ouro_jax.projections import XLA, PallasGemv  # (they import this module's names)
     spec = resolve(spec)
     if spec in ("", "xla"):
         return XLA()
     parts = spec.split("+")
+    inv_rows, parts = _inv_part(spec, parts)
+    if not parts:
+        raise ValueError(f"projections {spec!r}: 'inv' is a part joined to a 'gemv' or 'gemm' "
+                         f"part, e.g. 'gemv+norms+stream+inv'")
     graph = "graph" in parts
     if graph:
         parts = [q for q in parts if q != "graph"]
@@ -103,7 +109,26 @@ def parse(spec: str):
                          f"graph of our own) is given once, with 'gemv' for all of {NAMES}, "
                          f"'norms' and 'stream', and without 'flow', 'mgpu' or 'pfN'")
     return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream,
-                      mgpu_names, flow, graph)
+                      mgpu_names, flow, graph, inv_rows)
+
+
+def _inv_part(spec: str, parts: list) -> tuple:
+    """('+inv[@LO-HI]''s (LO, HI) or (), the other parts)."""
+    from ouro_jax.projections import INV_ROWS
+    inv = [p for p in parts if p.partition("@")[0] == "inv"]
+    if not inv:
+        return (), parts
+    lo, hi = INV_ROWS
+    head, at, rows = inv[0].partition("@")
+    if at:
+        a, dash, b = rows.partition("-")
+        ok = a.isdigit() and b.isdigit() and dash
+        lo, hi = (int(a), int(b)) if ok else (0, 0)
+    if len(inv) > 1 or not 2 <= lo <= hi <= GEMM_ROW_LIMIT:
+        raise ValueError(f"projections {spec!r}: 'inv[@LO-HI]' (calls of LO..HI rows through "
+                         f"the batch-invariant mode's kernels) is given once, with "
+                         f"2 <= LO <= HI <= {GEMM_ROW_LIMIT}")
+    return (lo, hi), [p for p in parts if p not in inv]
 
 
 def _modes(spec: str, parts: list, kinds: list, mgpu_parts: list):

@@ -149,6 +149,10 @@ class PallasGemv(XLA):
     flow: int = 0
     # '+graph': a one-row loop's layers as one CUDA graph of our own (ouro_jax.graph_loop)
     graph: bool = False
+    # '+inv[@LO-HI]': calls of LO..HI rows (default INV_ROWS) through the batch-invariant
+    # mode's kernels (ouro_jax.invariant: its Pallas GEMM tiles, the residual adds and norms
+    # in add_norm kernels); (): off. Those calls' results are not the XLA GEMMs' bits.
+    inv_rows: tuple = ()
 
     @property
     def spec(self) -> str:
@@ -175,6 +179,9 @@ class PallasGemv(XLA):
             parts.append(FLOW_NAME[self.flow])
         if self.graph:
             parts.append("graph")
+        if self.inv_rows:
+            parts.append("inv" + ("" if self.inv_rows == INV_ROWS else
+                                  "@%d-%d" % self.inv_rows))
         return "+".join(parts)
 
     def tuning(self, name: str, n_out: int, k: int) -> dict:
@@ -191,6 +198,13 @@ class PallasGemv(XLA):
         if name in self.gemm_names and 2 <= rows <= self.gemm_max_rows:
             return "gemm"
         return "xla"
+
+    def _inv(self, x) -> bool:
+        """Whether a call on x (an array or a Residual) takes the batch-invariant kernels."""
+        if not self.inv_rows:
+            return False
+        rows = math.prod((x.resid if isinstance(x, Residual) else x).shape[:-1])
+        return self.inv_rows[0] <= rows <= self.inv_rows[1]
 
     def _streams(self, x) -> bool:
         return self.stream and math.prod(x.shape[:-1]) <= STREAM_MAX_ROWS
@@ -256,6 +270,8 @@ class PallasGemv(XLA):
     def normed(self, name, x, norm_w, w, eps, gated=False, next_weight=None):
         from pallas_kernels.gemv import gemv_normed
         from pallas_kernels.gemv_stream import gemv_stream_normed
+        if self._inv(x):
+            return _inv_kernels().normed(name, x, norm_w, w, eps, gated)
         resid = x.resid if isinstance(x, Residual) else x
         if not self._fuses(name, resid):
             return super().normed(name, x, norm_w, w, eps, gated, next_weight)
@@ -316,11 +332,21 @@ class PallasGemv(XLA):
         return out._replace(flow=state) if isinstance(out, Residual) else out
 
     def residual(self, h, m, w, eps):
-        # Deferred when the next layer's qkv GEMV can take it (same rows); run_loop
-        # materializes what is left after the last layer.
-        return Residual(h, m, w) if self._fuses("qkv", h) else super().residual(h, m, w, eps)
+        # Deferred when the next layer's qkv GEMV (or, '+inv', add_norm) can take it (same
+        # rows); run_loop materializes what is left after the last layer.
+        return Residual(h, m, w) if self._fuses("qkv", h) or self._inv(h) else \
+            super().residual(h, m, w, eps)
+
+    def materialize(self, x, eps):
+        return _inv_kernels().materialize(x, eps) if self._inv(x) else super().materialize(x, eps)
+
+    def final_norm(self, x, w, eps):
+        return _inv_kernels().final_norm(x, w, eps) if self._inv(x) else super().final_norm(x, w, eps)
 
     def project(self, name, x, w, next_weight=None):
+        if not isinstance(x, SplitAttn) and self._inv(x):
+            # (o's and down's split-K partials: the Residual's add_norm sums them)
+            return _inv_kernels().project(name, x, w)
         route = self._route(name, x)
         if isinstance(x, SplitAttn):  # o_merge: the streaming o GEMV merges it, else XLA
             y = None
@@ -335,6 +361,8 @@ class PallasGemv(XLA):
         return self._gemm(name, x, w) if route == "gemm" else _linear(x, w)
 
     def gated(self, x, w, next_weight=None):
+        if self._inv(x):
+            return _inv_kernels().gated(x, w)
         route = self._route("gate_up", x)
         if route == "gemv":
             return self._gemv("gate_up", x, w, gated=True, next_weight=next_weight)
@@ -382,6 +410,17 @@ def _flow_stages(lp, next_lp=None, attention=None) -> list:
 # 210.6, 'gemv+stream' 218.9, 'gemv+norms+stream' 231.9 tok/s
 # (benchmarks/results/ab_gemv*_b1_session7_h200.json).
 GPU_DEFAULT = "gemv+norms+stream"
+
+# '+inv': the rows its calls have by default (native and draft decode at batch 2 to 64; the
+# verification of batch 1 to 12 at k=4)
+INV_ROWS = (2, 64)
+
+
+def _inv_kernels():
+    """The batch-invariant mode's projections ('+inv'; imported late: invariant imports this
+    module)."""
+    from ouro_jax.invariant import Invariant
+    return Invariant()
 
 
 # The spec strings ('auto', 'gemv+norms+stream', ...) are read in projection_spec; re-exported
