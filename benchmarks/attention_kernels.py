@@ -101,6 +101,17 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def _pallas_impl(kern, ragged, nq, smoke, kw):
+    """The kernel as the engine calls it: ragged with q_len (every sequence has nq rows, so
+    the kernel needs no XLA tile map and, with one split, no gather; session 42), unless the
+    variant passes cu=1 (the cu_q_lens form, any row counts)."""
+    kw = dict(kw)
+    if not ragged or kw.pop("cu", False):
+        return functools.partial(kern, interpret=smoke, **kw)
+    return lambda q, k, v, e, bt, lens, cu: kern(q, k, v, e, bt, lens, interpret=smoke,
+                                                 q_len=nq, **kw)
+
+
 def bench_point(kind, batch, ctx, page_size, copy_bw, smoke, variants):
     nq = 1 if kind == "decode" else 5
     p = make_problem(batch, ctx, nq, page_size, smoke=smoke)
@@ -122,7 +133,7 @@ def bench_point(kind, batch, ctx, page_size, copy_bw, smoke, variants):
         ((p["cu"],) if ragged else ())
     want = jax.jit(ref)(*base_args)
     rows = []
-    impls = [("xla", ref)] + [(f"pallas{name}", functools.partial(kern, interpret=smoke, **kw))
+    impls = [("xla", ref)] + [(f"pallas{name}", _pallas_impl(kern, ragged, nq, smoke, kw))
                               for name, kw in variants]
     t_xla = None
     for name, fn in impls:
@@ -172,7 +183,8 @@ DECODE_SWEEP = [
     ("[bt32]", dict(block_t=32)),
     ("[splits x2]", None),  # filled per point: twice the default split count
 ]
-RAGGED_SWEEP = [("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages=3))]
+RAGGED_SWEEP = [("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages=3)),
+                ("[cu_q_lens]", dict(cu=True))]
 # Short contexts at large batch (the protocol's 128-token prompts): many programs of few key
 # blocks each, where per-program overheads and wave quantisation matter more than pipelining.
 SHORT_DECODE_SWEEP = [
@@ -184,6 +196,7 @@ SHORT_DECODE_SWEEP = [
     ("[cuda-core]", dict(use_dot=False)),
 ]
 SHORT_RAGGED_SWEEP = [
+    ("[cu_q_lens]", dict(cu=True)),
     ("[bt32]", dict(block_t=32)), ("[bt128]", dict(block_t=128)),
     ("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages=3)),
     ("[warps2]", dict(num_warps=2)), ("[splits2]", dict(num_splits=2)),
