@@ -169,8 +169,9 @@ class Ouro:
         # Per-layer weights (no in-loop slicing copies), q/k/v and gate/up fused.
         self.cfg, self.tokenizer = cfg, tokenizer
         self.params = unstack_layers(params, fuse=fuse_projections)
-        if getattr(proj, "mgpu_names", ()):  # the Mosaic GEMV's shape and dtype rules, on
-            # the weights as the layers will use them (already unstacked params keep theirs)
+        if getattr(proj, "mgpu_names", ()) or getattr(proj, "inv_rows", ()):
+            # the Mosaic GEMV's shape and dtype rules, '+inv''s GEMM tiles, on the weights
+            # as the layers will use them (already unstacked params keep theirs)
             proj.check_model(cfg, params.dtype, self.params.layers[0].qkv_proj is not None)
         self.page_size = page_size
         if persistent_layers:  # batch-1 decode loops as one Mosaic GPU kernel each

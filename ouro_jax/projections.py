@@ -230,6 +230,9 @@ class PallasGemv(XLA):
                  "o": [(hidden, cfg.num_attention_heads * hd, False)],
                  "gate_up": [(cfg.intermediate_size, hidden, normed)] if fused else [],
                  "down": [(hidden, cfg.intermediate_size, False)]}
+        if self.inv_rows:  # (the GEMM's tiles: every projection dim a multiple of 16)
+            from ouro_jax.invariant import check_model
+            check_model(cfg)
         for name in self.mgpu_names:
             for n_out, k, is_normed in calls[name]:
                 self._mgpu_tuning(name, n_out, k, dtype, is_normed)

@@ -125,3 +125,15 @@ def test_the_engine_with_both_gives_the_defaults_tokens(monkeypatch):
     assert llm.backend.endswith("+inv")
     assert runs[0] == runs[1]
     assert runs[1][0] == runs[1][1]
+
+
+def test_a_model_the_gemm_cannot_tile_is_refused_before_anything_is_built():
+    from ouro_jax.api import Ouro
+    from ouro_jax.config import PRESETS
+    from ouro_jax.params import random_params
+    odd = PRESETS["tiny-mha"].replace(hidden_size=40)
+    with pytest.raises(ValueError, match="hidden_size = 40"):
+        Ouro(odd, random_params(odd, 0, jnp.float32), None, attention="pallas",
+             projections="gemv+norms+stream+inv")
+    Ouro(odd, random_params(odd, 0, jnp.float32), None, attention="pallas",
+         projections="gemv+norms+stream")  # (without '+inv' the same model builds)
