@@ -20,6 +20,9 @@ DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages", "direct")
 BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early", "o_split", "flow_o",
                     "mgpu", "o_merge", "direct")
+# counts where 0 turns the feature off (ragged_from: decode batches of at least this many
+# sequences take the ragged kernel, ouro_jax.attention.RAGGED_FROM)
+ZERO_OFF_TUNING_KEYS = ("ragged_from",)
 # tile sizes, Triton warps
 POW2_TUNING_KEYS = ("block_q", "block_t", "num_warps", "o_block_n", "flow_o_block_n",
                     "mgpu_block")
@@ -41,8 +44,9 @@ def parse_tuning(spec: str, keys) -> dict:
             if out[key] not in (0, 1):
                 raise SystemExit(f"kernel tuning: {key} is 0 or 1, got {out[key]}")
             continue
-        if out[key] < 1:
-            raise SystemExit(f"kernel tuning: {key} must be >= 1, got {out[key]}")
+        least = 0 if key in ZERO_OFF_TUNING_KEYS else 1
+        if out[key] < least:
+            raise SystemExit(f"kernel tuning: {key} must be >= {least}, got {out[key]}")
         if key in POW2_TUNING_KEYS and out[key] & (out[key] - 1):
             raise SystemExit(f"kernel tuning: {key} must be a power of two, got {out[key]}")
     return out

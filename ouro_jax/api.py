@@ -31,7 +31,7 @@ from ouro_jax.kv_cache import (KVPoolExhausted, bucket_pages, init_planes, kv_by
 from ouro_jax.params import OuroParams
 from ouro_jax.programs import ProgramCache
 from ouro_jax.projections import XLA as XLAProjections
-from ouro_jax.projections import parse as parse_projections
+from ouro_jax.projections import auto_fit, parse as parse_projections
 from ouro_jax.sampling import SamplingParams, as_int
 from ouro_jax.speculative import SpeculativeConfig
 from ouro_jax.tokenizer import Tokenizer
@@ -156,6 +156,8 @@ class Ouro:
             attention, projections = check_invariant(cfg, attention, projections,
                                                      persistent_layers, fuse_projections)
         proj = parse_projections(projections)  # validated before anything is built
+        if projections == "auto":
+            proj = auto_fit(proj, cfg)
         # "+unroll": loops unrolled in the program rather than a device while loop;
         # "+gemv...": few-row projections through the Pallas GEMV (ouro_jax.projections), in
         # canonical form so equal settings give equal program keys; "+kvxla": decode's RoPE

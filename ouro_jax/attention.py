@@ -155,12 +155,23 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     return _xla_attend(cfg, block_tables, positions, page_size, page, slot)
 
 
+# Decode (C == 1) of this many sequences or more runs RoPE and the K/V write in one kernel
+# (pallas_kernels.rope_kv) and the attention in the ragged kernel at the batch-invariant
+# mode's tuning (one split, the direct store) rather than the fused decode kernel. At batch
+# 64 the ragged kernel reads the K/V faster (34.6 against 38.9 us per call on an H100,
+# kernel_trace_{inv,default}_b64_k4_dec_session43_h100.json). End to end on one H100 with
+# the '+inv' projections (session 43, decode_r64_*/decode_inv_b8_b64_session43_h100.json):
+# batch 64 native 7,003.6 tok/s against 7,008.8, k=4 7,103.6 against 6,719.4 (the decode
+# kernel); from batch 8 up (decode_invr_session43_h100.json) batch 8 and 32 lost 3.4% and 2.0%
+# native. pallas_kernels.decode.TUNING["ragged_from"] overrides it (0: never).
+RAGGED_FROM = 64
+
+
 def _ragged_decode(positions, fused_kv_write: bool) -> bool:
     """Whether decode rows (C == 1) of this batch go to the RoPE/K/V-write kernel and the
-    ragged kernel at the batch-invariant mode's tuning rather than the decode kernel: from
-    `pallas_kernels.decode.TUNING["ragged_from"]` rows up (unset: never)."""
+    ragged kernel rather than the decode kernel (RAGGED_FROM)."""
     import pallas_kernels as pk
-    start = pk.decode.TUNING.get("ragged_from")
+    start = pk.decode.TUNING.get("ragged_from", RAGGED_FROM)
     b, c = positions.shape
     return bool(start) and fused_kv_write and c == 1 and b >= int(start)
 

@@ -412,11 +412,25 @@ def _flow_stages(lp, next_lp=None, attention=None) -> list:
 # RMSNorms and residual adds in its prologues. Batch-1 native greedy on the H200: 'gemv'
 # 210.6, 'gemv+stream' 218.9, 'gemv+norms+stream' 231.9 tok/s
 # (benchmarks/results/ab_gemv*_b1_session7_h200.json).
-GPU_DEFAULT = "gemv+norms+stream"
+GPU_DEFAULT = "gemv+norms+stream+inv"
 
 # '+inv': the rows its calls have by default (native and draft decode at batch 2 to 64; the
 # verification of batch 1 to 12 at k=4)
 INV_ROWS = (2, 64)
+
+
+def auto_fit(proj, cfg):
+    """projections='auto' for this model: GPU_DEFAULT's '+inv' is dropped for a model whose
+    projection dims the GEMM cannot tile (invariant.check_model; the calls then take XLA's
+    GEMMs, as before session 43), where an explicit '+inv' is refused."""
+    if not getattr(proj, "inv_rows", ()):
+        return proj
+    from ouro_jax.invariant import check_model
+    try:
+        check_model(cfg)
+    except ValueError:
+        return dataclasses.replace(proj, inv_rows=())
+    return proj
 
 
 def _inv_kernels():

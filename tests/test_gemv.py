@@ -111,12 +111,13 @@ def test_gemv_rejects_bad_shapes():
 
 def test_projection_specs_parse_and_reject_unknown_names(monkeypatch):
     from ouro_jax import attention
-    from ouro_jax.projections import NAMES, XLA, PallasGemv, parse
+    from ouro_jax.projections import INV_ROWS, NAMES, XLA, PallasGemv, parse
     assert parse("xla") == XLA() and parse("gemv") == PallasGemv(NAMES)
     monkeypatch.setattr(attention, "resolve_backend", lambda b: "xla")  # as on a CPU
     assert parse("auto") == XLA()
     monkeypatch.setattr(attention, "resolve_backend", lambda b: "pallas")  # as on a GPU
-    assert parse("auto") == PallasGemv(NAMES, fuse_norms=True, stream=True)  # GPU_DEFAULT
+    assert parse("auto") == PallasGemv(NAMES, fuse_norms=True, stream=True,  # GPU_DEFAULT
+                                       inv_rows=INV_ROWS)
     for spec in ("gemv", "gemv@5", "gemv:o", "gemv@3:qkv,down"):
         assert parse(parse(spec).spec) == parse(spec)
     assert parse("gemv@1:down,o,qkv,gate_up").spec == "gemv"  # canonical: one program key
