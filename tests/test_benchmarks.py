@@ -183,6 +183,11 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
             "fuse_o": 1, "o_block_n": 64, "o_w_early": 0}
         assert apply_kernel_tuning("mgpu=1,mgpu_block=128,mgpu_stages=3", "")["decode"] == {
             "mgpu": 1, "mgpu_block": 128, "mgpu_stages": 3}
+        # a count where 0 turns the route off (attention.RAGGED_FROM)
+        assert apply_kernel_tuning("ragged_from=0", "")["decode"] == {"ragged_from": 0}
+        assert apply_kernel_tuning("ragged_from=8", "")["decode"] == {"ragged_from": 8}
+        with pytest.raises(SystemExit, match="ragged_from must be >= 0"):
+            apply_kernel_tuning("ragged_from=-1", "")
         for bad in ("num_splits", "splits=2", "num_warps=two", "block_t=0", "block_t=48",
                     "num_warps=3", "last_combine=2", "last_combine=-1", "o_block_n=48",
                     "o_block_n=64", "fuse_o=1,last_combine=1", "fuse_o=1,o_w_early=2",
