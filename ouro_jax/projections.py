@@ -17,7 +17,11 @@ GPU default):
 (the layer output is then a deferred `Residual` that the next qkv GEMV adds up), '+pfN'
 sets the GEMV's prefetch depth, and '+stream' swaps in the streaming GEMV
 (pallas_kernels.gemv_stream: x and the norm prologue once per program, the K loop unrolled)
-for one-row calls.
+for one-row calls. '+inv[@LO-HI]' (in GPU_DEFAULT since session 43) sends calls of LO..HI
+rows (default 2-64: native and draft decode at batch 2-64, batch-1 verification) to the
+batch-invariant mode's kernels (ouro_jax.invariant: the Pallas GEMM at its row routes, the
+residual adds and norms in add_norm kernels): on an H100, native decode +6 to +10% at
+batch 8-64 (docs/performance.md, "Session 43").
 
 The gated kernel returns silu(gate) * up directly, so XLA no longer fuses the SiLU into the
 down projection's prologue (which slowed that GEMM from 7.6 to 12.3 us per call at batch 1 on
