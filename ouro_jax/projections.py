@@ -205,9 +205,10 @@ class PallasGemv(XLA):
 
     def _inv(self, x) -> bool:
         """Whether a call on x (an array or a Residual) takes the batch-invariant kernels."""
-        if not self.inv_rows:
+        base = x.resid if isinstance(x, Residual) else x
+        if not self.inv_rows or not hasattr(base, "shape"):  # (a Prepared: flow, one row)
             return False
-        rows = math.prod((x.resid if isinstance(x, Residual) else x).shape[:-1])
+        rows = math.prod(base.shape[:-1])
         return self.inv_rows[0] <= rows <= self.inv_rows[1]
 
     def _streams(self, x) -> bool:
