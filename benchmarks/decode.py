@@ -30,7 +30,8 @@ import numpy as np
 
 from benchmarks.record import save_record
 from benchmarks.timing import copy_bandwidth
-from benchmarks.decode_args import PROJECTIONS_HELP, build_parser, check_run
+from benchmarks.decode_args import (PROJECTIONS_HELP, build_parser, check_ragged_decode_run,
+                                   check_run)
 from benchmarks.tuning import apply_kernel_tuning
 
 
@@ -204,6 +205,23 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def _recorded_tuning(args, tuning: dict) -> dict:
+    """The record's tuning: the run's overrides, plus what the decode attention and the
+    batch-invariant kernels ran with where they ran, defaults included."""
+    import pallas_kernels as pk
+    from ouro_jax import attention
+    from ouro_jax.projections import parse
+    tuning = dict(tuning, ragged_from=pk.decode.TUNING.get("ragged_from",
+                                                           attention.RAGGED_FROM))
+    if args.batch_invariant or getattr(parse(args.projections), "inv_rows", ()):
+        # the mode's whole tiling ('+inv' runs it too), not only the run's overrides
+        from ouro_jax import invariant
+        tuning = dict(tuning, invariant={k: dict(v) for k, v in invariant.TUNING.items()},
+                      invariant_routes={k: [list(r) for r in v]
+                                        for k, v in invariant.ROUTES.items() if v})
+    return tuning
+
+
 def main(argv=None) -> int:
     args = build_parser(__doc__).parse_args(argv)
     persistent_tiling = check_run(args)
@@ -216,13 +234,9 @@ def main(argv=None) -> int:
     persistent.TILING.update(persistent_tiling)
     if args.persistent_layers:  # the record names the kernel's tiling
         tuning = dict(tuning, persistent=dict(persistent.TILING))
-    if args.batch_invariant:  # the mode's whole tiling, not only the run's overrides
-        from ouro_jax import invariant
-        tuning = dict(tuning, invariant={k: dict(v) for k, v in invariant.TUNING.items()},
-                      invariant_routes={k: [list(r) for r in v]
-                                        for k, v in invariant.ROUTES.items() if v})
     try:
-        return _run(args, argv, tuning)
+        check_ragged_decode_run(args)
+        return _run(args, argv, _recorded_tuning(args, tuning))
     finally:  # the overrides are process-wide: leave none behind for other callers
         apply_kernel_tuning("", "")
         persistent.TILING.clear()

@@ -108,8 +108,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="override the Pallas decode kernel's tuning defaults for this run, "
                         "e.g. block_t=32,num_warps=2 (keys: %s)" % ",".join(DECODE_TUNING_KEYS))
     p.add_argument("--ragged-kernel", default="", metavar="K=V,...",
-                   help="the same for the ragged (verification/prefill) kernel (keys: %s; "
-                        "with --batch-invariant only block_t, num_warps, num_stages, direct)"
+                   help="the same for the ragged kernel (verification, prefill, and decode "
+                        "from ouro_jax.attention.RAGGED_FROM sequences up, where num_splits "
+                        "and block_q are fixed) (keys: %s; with --batch-invariant only "
+                        "block_t, num_warps, num_stages, direct)"
                         % ",".join(RAGGED_TUNING_KEYS))
     p.add_argument("--stream-tiling", default="", metavar="NAME=VARIANT,...",
                    help="override the streaming GEMV's tiling per projection for this run, e.g. "
@@ -271,6 +273,26 @@ def check_o_merge_run(args) -> None:
         raise SystemExit("--decode-kernel o_merge=1 merges in the streaming o GEMV: it needs "
                          "--projections auto (or one with 'stream') without '+graph' or "
                          "'+flow' parts, and no --persistent-layers")
+
+
+def check_ragged_decode_run(args) -> None:
+    """Decode of ouro_jax.attention.RAGGED_FROM sequences or more (or --decode-kernel
+    ragged_from=N) runs the ragged kernel, not the decode kernel: other --decode-kernel keys
+    would change nothing at those batch sizes and the record would name them; say so
+    (ragged_from=0 keeps the decode kernel everywhere). Run after the keys themselves are
+    checked (benchmarks.tuning.apply_kernel_tuning), so their own errors come first."""
+    from ouro_jax.attention import RAGGED_FROM
+    items = dict(item.partition("=")[::2] for item in
+                 filter(None, (x.strip() for x in args.decode_kernel.split(","))))
+    given = items.pop("ragged_from", None)
+    start = int(given) if given is not None and given.isdigit() else RAGGED_FROM
+    big = [b for b in args.batches if start and b >= start]
+    if items and big and not args.batch_invariant:
+        raise SystemExit(f"--decode-kernel {','.join(sorted(items))} tunes the decode kernel, "
+                         f"which decode of {start} or more sequences does not run (batch "
+                         f"{big}: the ragged kernel, ouro_jax.attention.RAGGED_FROM); add "
+                         f"ragged_from=0 to measure the decode kernel there, or drop those "
+                         f"batch sizes")
 
 
 def check_mgpu_run(args) -> None:

@@ -7,8 +7,9 @@ the call has at most `max_rows` rows (default 1: batch-1 decode and draft) and f
 XLA otherwise (prefill, verification, larger batches), so one program may mix both. On a
 machine without a GPU the kernel runs in interpret mode (tests). `projections="auto"` (the
 engine's default) picks the GEMV on a GPU: batch-1 decode on the H200 went from 163.7 to
-179.2 tok/s with it (benchmarks/results/ab_proj_*_b1_h200.json), and since session 7 it picks
-'gemv+norms+stream' (GPU_DEFAULT: 210.6 -> 231.9 tok/s).
+179.2 tok/s with it (benchmarks/results/ab_proj_*_b1_h200.json), since session 7 it picks
+'gemv+norms+stream' (210.6 -> 231.9 tok/s), and since session 43 'gemv+norms+stream+inv'
+(GPU_DEFAULT).
 
 Parts, measured on the H200 (docs/performance.md; '+norms' and '+stream' together are the
 GPU default):
@@ -18,7 +19,8 @@ GPU default):
 sets the GEMV's prefetch depth, and '+stream' swaps in the streaming GEMV
 (pallas_kernels.gemv_stream: x and the norm prologue once per program, the K loop unrolled)
 for one-row calls. '+inv[@LO-HI]' (in GPU_DEFAULT since session 43) sends calls of LO..HI
-rows (default 2-64: native and draft decode at batch 2-64, batch-1 verification) to the
+rows (default 2-64: native and draft decode at batch 2-64, verification up to batch 12 at
+k=4) to the
 batch-invariant mode's kernels (ouro_jax.invariant: the Pallas GEMM at its row routes, the
 residual adds and norms in add_norm kernels): on an H100, native decode +6 to +10% at
 batch 8-64 (docs/performance.md, "Session 43").
@@ -414,9 +416,12 @@ def _flow_stages(lp, next_lp=None, attention=None) -> list:
 
 
 # What 'auto' means on a GPU: one-row projections through the streaming GEMV with the
-# RMSNorms and residual adds in its prologues. Batch-1 native greedy on the H200: 'gemv'
-# 210.6, 'gemv+stream' 218.9, 'gemv+norms+stream' 231.9 tok/s
-# (benchmarks/results/ab_gemv*_b1_session7_h200.json).
+# RMSNorms and residual adds in its prologues (batch-1 native greedy on the H200: 'gemv'
+# 210.6, 'gemv+stream' 218.9, 'gemv+norms+stream' 231.9 tok/s,
+# benchmarks/results/ab_gemv*_b1_session7_h200.json), and since session 43 calls of 2-64
+# rows through the batch-invariant mode's kernels ('+inv': on one H100, native 1,248.3 ->
+# 1,333.2 tok/s at batch 8, 4,048.8 -> 4,427.1 at 32, 6,381.9 -> 6,960.9 at 64,
+# benchmarks/results/decode_{base,inv}_session43_h100.json).
 GPU_DEFAULT = "gemv+norms+stream+inv"
 
 # '+inv': the rows its calls have by default (native and draft decode at batch 2 to 64; the

@@ -185,3 +185,31 @@ def test_a_batch_invariant_run_is_labelled_and_matches(tmp_path, monkeypatch):
     cfg = PRESETS["tiny-mha"]
     assert fit_gemm_tuning(ran["o"], cfg.hidden_size, cfg.hidden_size)["k_splits"] == 2
     assert invariant.TUNING == shipped and invariant.ROUTES == shipped_routes
+
+
+def test_decode_kernel_keys_are_refused_where_the_ragged_kernel_runs_decode():
+    """From attention.RAGGED_FROM (64) sequences up decode runs the ragged kernel: a
+    --decode-kernel key other than ragged_from would change nothing there, so it is refused
+    with the way out named; ragged_from=0 (or a smaller batch) lets it through."""
+    from benchmarks.decode_args import check_ragged_decode_run
+
+    def run(*argv):
+        args = build_parser("").parse_args(list(argv))
+        check_run(args)
+        check_ragged_decode_run(args)
+        return args
+    with pytest.raises(SystemExit, match="ragged_from=0"):
+        run("--batch", "8,64", "--decode-kernel", "num_warps=2")
+    with pytest.raises(SystemExit, match="batch \\[16\\]"):
+        run("--batch", "8,16", "--decode-kernel", "num_warps=2,ragged_from=16")
+    run("--batch", "8,64", "--decode-kernel", "num_warps=2,ragged_from=0")
+    run("--batch", "8,32", "--decode-kernel", "num_warps=2")
+    run("--batch", "64", "--decode-kernel", "ragged_from=8")
+
+
+def test_the_decode_benchmark_leaves_no_tuning_behind_a_refusal(no_device_work):
+    """The ragged-decode refusal comes after the overrides are applied: they are cleared."""
+    import pallas_kernels.decode as dk
+    with pytest.raises(SystemExit, match="ragged_from=0"):
+        decode.main(TINY + ["--batch", "64", "--decode-kernel", "num_warps=2"])
+    assert dk.TUNING == {}

@@ -28,19 +28,24 @@ def test_the_inv_spec_parses_round_trips_and_refuses_what_it_cannot_do():
             parse(bad)
 
 
-def test_the_engine_option_is_known_and_not_the_invariant_mode():
+def test_an_unknown_engine_option_lists_inv():
     from ouro_jax.engine import forward_block
     with pytest.raises(ValueError, match="inv\\[@LO-HI\\]"):
         forward_block(None, None, None, None, None, None, None, "pallas+invx")
 
 
-def _loop(rows: int, spec: str):
+def _loop(rows: int, spec: str, layout: str = "fused"):
+    """One loop of tiny-mha's two layers on `rows` rows; layout: 'fused' (qkv and gate/up
+    as one weight each, unrolled: the engine's), 'unfused' (unrolled) or 'stacked' (the
+    lax.scan body)."""
     from ouro_jax.config import PRESETS
     from ouro_jax.model import dense_causal_attend, rope_cos_sin, run_loop, unstack_layers
     from ouro_jax.params import random_params
     from ouro_jax.projections import parse
     cfg = PRESETS["tiny-mha"]
-    big = unstack_layers(random_params(cfg, 1, jnp.float32, 1.0, 0.1), fuse=True)
+    big = random_params(cfg, 1, jnp.float32, 1.0, 0.1)
+    if layout != "stacked":
+        big = unstack_layers(big, fuse=layout == "fused")
     h = jax.random.normal(jax.random.PRNGKey(0), (rows, 1, cfg.hidden_size))
     cos, sin = rope_cos_sin(jnp.zeros((rows, 1), jnp.int32), cfg.head_dim, cfg.rope_theta,
                             jnp.float32)
@@ -58,6 +63,7 @@ def _loop(rows: int, spec: str):
                                   "add_norm", "gemm", "gemm", "add_norm", "gemm_silu", "gemm",
                                   "add_norm"]),
     (3, "gemv+norms+stream+inv@4-64", []),  # below the band: XLA, no kernel
+    (3, "gemv+norms+stream+inv@2-2", []),  # above it
     (3, "gemv+norms+stream", []),
 ])
 def test_calls_in_the_band_take_the_invariant_kernels_and_no_others_do(rows, spec, kernels):
@@ -65,14 +71,25 @@ def test_calls_in_the_band_take_the_invariant_kernels_and_no_others_do(rows, spe
     assert pallas_call_names(fn, h) == kernels
 
 
-@pytest.mark.parametrize("rows", [2, 3])
-def test_the_band_computes_what_xla_computes(rows):
+def test_outside_the_band_the_gemm_part_keeps_its_calls():
+    """'+gemm' routes 2..64-row calls to the skinny GEMM; '+inv@4-64' takes 4..64 first, so a
+    3-row call runs exactly the '+gemm' kernels."""
+    fn, h = _loop(3, "gemv+gemm+norms+stream+inv@4-64")
+    plain, _ = _loop(3, "gemv+gemm+norms+stream")
+    names = pallas_call_names(fn, h)
+    assert names and names == pallas_call_names(plain, h) and "add_norm" not in names
+
+
+@pytest.mark.parametrize("rows,layout", [(2, "fused"), (3, "fused"), (3, "unfused"),
+                                         (3, "stacked")])
+def test_the_band_computes_what_xla_computes(rows, layout):
     """fp32, tiny-mha, one loop of two layers: on the CPU (interpret mode, fp32 dots) within
     1e-5 of the XLA projections' output (the sums run in another order, so not the bits); on
     a GPU both sides take TF32 tensor-core dots (10-bit mantissas), and 5e-3 (measured on an
     H100: 1.6e-3 at most, session 43)."""
-    fn, h = _loop(rows, "gemv+norms+stream+inv")
-    ref, _ = _loop(rows, "xla")
+    fn, h = _loop(rows, "gemv+norms+stream+inv", layout)
+    ref, _ = _loop(rows, "xla", layout)
+    assert {"gemm", "add_norm"} <= set(pallas_call_names(fn, h))  # (the band ran)
     a, b = np.asarray(fn(h)), np.asarray(ref(h))
     assert np.abs(a).max() > 0.1
     tol = 5e-3 if jax.default_backend() == "gpu" else 1e-5
