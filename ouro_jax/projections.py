@@ -239,7 +239,13 @@ class PallasGemv(XLA):
                  "down": [(hidden, cfg.intermediate_size, False)]}
         if self.inv_rows:  # (the GEMM's tiles: every projection dim a multiple of 16)
             from ouro_jax.invariant import check_model
-            check_model(cfg)
+            try:
+                check_model(cfg)
+            except ValueError as e:
+                raise ValueError(f"projections '{self.spec}': '+inv' runs calls of "
+                                 f"{self.inv_rows[0]}-{self.inv_rows[1]} rows through the "
+                                 f"batch-invariant mode's kernels, which refuse this model "
+                                 f"({e}); leave out '+inv' or use projections='auto'") from None
         for name in self.mgpu_names:
             for n_out, k, is_normed in calls[name]:
                 self._mgpu_tuning(name, n_out, k, dtype, is_normed)
