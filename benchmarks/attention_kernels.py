@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import median_time, pipelined_rate
+from pallas_kernels._common import next_pow2
 from pallas_kernels import (paged_decode_attention, paged_decode_attention_reference,
                             ragged_paged_attention, ragged_paged_attention_reference)
 
@@ -104,8 +105,13 @@ def rel_err(a, b):
 def _pallas_impl(kern, ragged, nq, smoke, kw):
     """The kernel as the engine calls it: ragged with q_len (every sequence has nq rows, so
     the kernel needs no XLA tile map and, with one split, no gather; session 42), unless the
-    variant passes cu=1 (the cu_q_lens form, any row counts)."""
+    variant passes cu=1 (the cu_q_lens form, any row counts). A decode variant with
+    ragged_decode=1 times the ragged kernel on the decode rows instead (q_len=1), as the
+    engine runs decode of ouro_jax.attention.RAGGED_FROM sequences or more."""
     kw = dict(kw)
+    if kw.pop("ragged_decode", False):  # decode rows through the ragged kernel, q_len=1
+        return lambda q, k, v, e, bt, lens: ragged_paged_attention(
+            q, k, v, e, bt, lens, interpret=smoke, q_len=1, **kw)
     if not ragged or kw.pop("cu", False):
         return functools.partial(kern, interpret=smoke, **kw)
     return lambda q, k, v, e, bt, lens, cu: kern(q, k, v, e, bt, lens, interpret=smoke,
@@ -174,8 +180,13 @@ def fmt_table(rows, copy_bw):
     return "\n".join(lines)
 
 
+# The engine's ragged decode route (ouro_jax.attention.RAGGED_FROM): one split, a query tile
+# of 16 rows of (sequence, padded head group) as ouro_jax.invariant.ragged_tuning gives
+RAGGED_DECODE = ("[ragged q_len=1]", dict(ragged_decode=True, num_splits=1,
+                                          block_q=max(1, 16 // next_pow2(HEADS // KV_HEADS))))
 # Tuning variants tried at a few decode points (name suffix, kwargs).
 DECODE_SWEEP = [
+    RAGGED_DECODE,
     ("[cuda-core]", dict(use_dot=False)),
     ("[cuda-core,rowwise]", dict(use_dot=False, rowwise=True)),
     ("[stages3]", dict(num_stages=3)),
@@ -188,6 +199,7 @@ RAGGED_SWEEP = [("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages
 # Short contexts at large batch (the protocol's 128-token prompts): many programs of few key
 # blocks each, where per-program overheads and wave quantisation matter more than pipelining.
 SHORT_DECODE_SWEEP = [
+    RAGGED_DECODE,
     ("[bt32]", dict(block_t=32)), ("[bt128]", dict(block_t=128)),
     ("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages=3)),
     ("[warps2]", dict(num_warps=2)), ("[warps8]", dict(num_warps=8)),
