@@ -55,9 +55,9 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     down [-> next qkv [-> its attention]] as one kernel, "+graph" a one-row loop's layers as
     one CUDA graph of our own: ouro_jax.graph_loop) with the Pallas GEMV /
     skinny GEMM, "+inv[@LO-HI]" calls of LO..HI rows through the batch-invariant mode's
-    GEMM and add_norm kernels (ouro_jax.projections.parse); "+invariant" every kernel batch-invariant
-    (ouro_jax.invariant). `h` overrides the embedding input (verification starts from the
-    draft's states)."""
+    GEMM and add_norm kernels (ouro_jax.projections.parse); "+invariant" every kernel
+    batch-invariant (ouro_jax.invariant). `h` overrides the embedding input (verification
+    starts from the draft's states)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options
                if o.startswith(("gemv", "gemm", "pf", "mgpu", "inv@"))

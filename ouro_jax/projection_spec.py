@@ -1,14 +1,16 @@
 """The projections spec strings: 'xla', 'auto', or '+'-joined parts such as
 'gemv+norms+stream' (ouro_jax.projections.parse's docstring lists them), read into the
 projection objects of ouro_jax.projections. Split from that module, which re-exports
-`parse` and `resolve`."""
+`parse`, `resolve` and `auto_fit`."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 
 from ouro_jax.projection_tuning import (GEMM_MAX_ROWS, GEMM_ROW_LIMIT, GEMV_MAX_ROWS,
-                                        GEMV_ROW_LIMIT, NAMES)
+                                        GEMV_ROW_LIMIT, INV_ROWS, NAMES)
 
 
 def resolve(spec: str) -> str:
@@ -114,7 +116,6 @@ def parse(spec: str):
 
 def _inv_part(spec: str, parts: list) -> tuple:
     """('+inv[@LO-HI]''s (LO, HI) or (), the other parts)."""
-    from ouro_jax.projections import INV_ROWS
     inv = [p for p in parts if p.partition("@")[0] == "inv"]
     if not inv:
         return (), parts
@@ -185,3 +186,17 @@ def _mgpu_names(spec: str, mgpu_parts: list, gemv_names: tuple) -> tuple:
                          f"the 'gemv' part's {gemv_names} (it replaces their one-row "
                          f"kernel)")
     return mgpu_names
+
+
+def auto_fit(proj, cfg):
+    """projections='auto' for this model: GPU_DEFAULT's '+inv' is dropped for a model whose
+    projection dims the GEMM cannot tile (invariant.check_model; the calls then take XLA's
+    GEMMs, as before session 43), where an explicit '+inv' is refused."""
+    if not getattr(proj, "inv_rows", ()):
+        return proj
+    from ouro_jax.invariant import check_model
+    try:
+        check_model(cfg)
+    except ValueError:
+        return dataclasses.replace(proj, inv_rows=())
+    return proj

@@ -172,3 +172,8 @@ def fit_tuning(tuning: dict, n_out: int, k: int) -> dict:
     if out["use_dot"] and out["block_n"] < 16:
         out["use_dot"] = False
     return out
+
+
+# '+inv' (projections.PallasGemv.inv_rows): the rows its calls have by default (native and
+# draft decode at batch 2 to 64; the verification of batch 1 to 12 at k=4)
+INV_ROWS = (2, 64)

@@ -20,10 +20,9 @@ sets the GEMV's prefetch depth, and '+stream' swaps in the streaming GEMV
 (pallas_kernels.gemv_stream: x and the norm prologue once per program, the K loop unrolled)
 for one-row calls. '+inv[@LO-HI]' (in GPU_DEFAULT since session 43) sends calls of LO..HI
 rows (default 2-64: native and draft decode at batch 2-64, verification up to batch 12 at
-k=4) to the
-batch-invariant mode's kernels (ouro_jax.invariant: the Pallas GEMM at its row routes, the
-residual adds and norms in add_norm kernels): on an H100, native decode +6 to +10% at
-batch 8-64 (docs/performance.md, "Session 43").
+k=4) to the batch-invariant mode's kernels (ouro_jax.invariant: the Pallas GEMM at its row
+routes, the residual adds and norms in add_norm kernels): on an H100, native decode +6 to
++10% at batch 8-64 (docs/performance.md, "Session 43").
 
 The gated kernel returns silu(gate) * up directly, so XLA no longer fuses the SiLU into the
 down projection's prologue (which slowed that GEMM from 7.6 to 12.3 us per call at batch 1 on
@@ -45,7 +44,8 @@ from ouro_jax.split_attn import SplitAttn, project_o
 # benchmarks.tuning have always found them (the same dict objects).
 from ouro_jax.projection_tuning import (  # noqa: F401
     GEMM_MAX_ROWS, GEMM_ROW_LIMIT, GEMM_TUNING, GEMV_MAX_ROWS, GEMV_ROW_LIMIT, GEMV_TUNING,
-    MGPU_TUNING, NAMES, STREAM_MAX_ROWS, STREAM_TUNING, fit_gemm_tuning, fit_mgpu_tuning,
+    INV_ROWS, MGPU_TUNING, NAMES, STREAM_MAX_ROWS, STREAM_TUNING, fit_gemm_tuning,
+    fit_mgpu_tuning,
     fit_stream_tuning, fit_tuning, mgpu_available)
 
 
@@ -354,10 +354,14 @@ class PallasGemv(XLA):
             super().residual(h, m, w, eps)
 
     def materialize(self, x, eps):
-        return _inv_kernels().materialize(x, eps) if self._inv(x) else super().materialize(x, eps)
+        if self._inv(x):
+            return _inv_kernels().materialize(x, eps)
+        return super().materialize(x, eps)
 
     def final_norm(self, x, w, eps):
-        return _inv_kernels().final_norm(x, w, eps) if self._inv(x) else super().final_norm(x, w, eps)
+        if self._inv(x):
+            return _inv_kernels().final_norm(x, w, eps)
+        return super().final_norm(x, w, eps)
 
     def project(self, name, x, w, next_weight=None):
         if not isinstance(x, SplitAttn) and self._inv(x):
@@ -386,41 +390,6 @@ class PallasGemv(XLA):
             super().gated(x, w)
 
 
-# One kernel has one warp count: gemv_flow runs at the 4 warps it was measured with
-# (sessions 21-24), whatever the separate GEMVs' STREAM_TUNING gives each projection (since
-# session 31 qkv and gate/up run at 8). Its stages take the block sizes of STREAM_TUNING
-# (flow_tiling). On a GPU the warp count also orders a block's partial sums, so the flow's
-# bits equal the separate kernels' only where both run at the same warps (the CPU
-# interpreter's tests do not see warps); against the 8-warp qkv and gate/up not measured.
-FLOW_NUM_WARPS = 4
-
-
-def flow_tiling(name: str, n_out: int, k: int, **override) -> dict:
-    """A gemv_flow stage's tiling (gemv_flow.TILING_KEYS): the streaming GEMV's STREAM_TUNING
-    for `name` with `override` on top, fitted to an [n_out, k] weight."""
-    from pallas_kernels.gemv_flow import TILING_KEYS
-    t = fit_stream_tuning(dict(STREAM_TUNING[name], **override), n_out, k)
-    return {key: t[key] for key in TILING_KEYS}
-
-
-def _flow_stages(lp, next_lp=None, attention=None) -> list:
-    """gemv_flow's stages (mlp_stages) for a layer's o -> gate/up -> down with STREAM_TUNING's
-    tilings fitted to the shapes, and with next_lp the next layer's qkv, whose prologue adds
-    down's output (post_attention_layernorm_2) to the residual and norms it (next
-    input_layernorm), and with `attention` (an AttnStage) that layer's decode attention."""
-    from pallas_kernels.gemv_flow import mlp_stages
-    weights = dict(o=(lp.o_proj, 1), gate_up=(lp.gate_up_proj, 2), down=(lp.down_proj, 1))
-    if next_lp is not None:
-        weights["qkv"] = (next_lp.qkv_proj, 1)
-    tiling = {name: flow_tiling(name, w.shape[0] // parts, w.shape[1])
-              for name, (w, parts) in weights.items()}
-    nxt = None if next_lp is None else (lp.post_attention_layernorm_2,
-                                        next_lp.input_layernorm, next_lp.qkv_proj)
-    return mlp_stages(lp.o_proj, lp.input_layernorm_2, lp.post_attention_layernorm,
-                      lp.gate_up_proj, lp.down_proj, next_qkv=nxt, tiling=tiling,
-                      attention=attention)
-
-
 # What 'auto' means on a GPU: one-row projections through the streaming GEMV with the
 # RMSNorms and residual adds in its prologues (batch-1 native greedy on the H200: 'gemv'
 # 210.6, 'gemv+stream' 218.9, 'gemv+norms+stream' 231.9 tok/s,
@@ -429,25 +398,6 @@ def _flow_stages(lp, next_lp=None, attention=None) -> list:
 # 1,333.2 tok/s at batch 8, 4,048.8 -> 4,427.1 at 32, 6,381.9 -> 6,960.9 at 64,
 # benchmarks/results/decode_{base,inv}_session43_h100.json).
 GPU_DEFAULT = "gemv+norms+stream+inv"
-
-# '+inv': the rows its calls have by default (native and draft decode at batch 2 to 64; the
-# verification of batch 1 to 12 at k=4)
-INV_ROWS = (2, 64)
-
-
-def auto_fit(proj, cfg):
-    """projections='auto' for this model: GPU_DEFAULT's '+inv' is dropped for a model whose
-    projection dims the GEMM cannot tile (invariant.check_model; the calls then take XLA's
-    GEMMs, as before session 43), where an explicit '+inv' is refused."""
-    if not getattr(proj, "inv_rows", ()):
-        return proj
-    from ouro_jax.invariant import check_model
-    try:
-        check_model(cfg)
-    except ValueError:
-        return dataclasses.replace(proj, inv_rows=())
-    return proj
-
 
 def _inv_kernels():
     """The batch-invariant mode's projections ('+inv'; imported late: invariant imports this
@@ -458,4 +408,7 @@ def _inv_kernels():
 
 # The spec strings ('auto', 'gemv+norms+stream', ...) are read in projection_spec; re-exported
 # here, where callers have always found them (imported last: it builds these classes).
-from ouro_jax.projection_spec import _LIMITS, _parse_part, parse, resolve  # noqa: E402,F401
+from ouro_jax.projection_spec import (_LIMITS, _parse_part, auto_fit, parse,  # noqa: E402,F401
+                                      resolve)
+# The gemv_flow stages' tilings live in projection_flow; re-exported for their callers.
+from ouro_jax.projection_flow import FLOW_NUM_WARPS, _flow_stages, flow_tiling  # noqa: E402,F401
