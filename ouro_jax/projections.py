@@ -1,7 +1,8 @@
 """How a decoder layer computes its four projections: XLA GEMMs, or the Pallas GEMV for few rows.
 
 `model.decoder_layer` asks a `Projections` object for qkv, o, the gated MLP input
-silu(gate) * up, and down. `XLA` is the plain einsum path (any shape, any backend).
+silu(gate) * up, and down. `XLA` (ouro_jax.projection_xla) is the plain einsum path (any
+shape, any backend).
 `PallasGemv(names, max_rows)` routes the named projections through pallas_kernels.gemv when
 the call has at most `max_rows` rows (default 1: batch-1 decode and draft) and falls back to
 XLA otherwise (prefill, verification, larger batches), so one program may mix both. On a
@@ -33,11 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
 
 import jax
 
 from ouro_jax import trace_once
+# The XLA base and the deferred residual types live in projection_xla; re-exported here.
+from ouro_jax.projection_xla import XLA, Prepared, Residual, _linear  # noqa: F401
 from ouro_jax.split_attn import SplitAttn, project_o
 
 # The tables and fits live in projection_tuning; re-exported here, where callers and
@@ -45,43 +47,7 @@ from ouro_jax.split_attn import SplitAttn, project_o
 from ouro_jax.projection_tuning import (  # noqa: F401
     GEMM_MAX_ROWS, GEMM_ROW_LIMIT, GEMM_TUNING, GEMV_MAX_ROWS, GEMV_ROW_LIMIT, GEMV_TUNING,
     INV_ROWS, MGPU_TUNING, NAMES, STREAM_MAX_ROWS, STREAM_TUNING, fit_gemm_tuning,
-    fit_mgpu_tuning,
-    fit_stream_tuning, fit_tuning, mgpu_available)
-
-
-class Residual(NamedTuple):
-    """A residual stream not yet added up: resid + rms_norm(branch, weight). With 'norms' the
-    sandwich layer hands this to the next projection, whose GEMV prologue does the add and
-    the norms (the layer's small XLA norm and add kernels disappear)."""
-    resid: jax.Array
-    branch: jax.Array
-    weight: jax.Array
-    # '+flow': the gemv_flow kernel's counter state, threaded from layer to layer (the kernel
-    # leaves it zeroed), so that only a loop's first layer needs a fresh one
-    flow: jax.Array | None = None
-
-
-class Prepared(NamedTuple):
-    """'+flow4': a layer's output with the next layer's qkv projection already computed (the
-    gemv_flow kernel's fourth stage): x the residual stream (added up), qkv the projection
-    of rms_norm(x, the next input_layernorm), flow the kernel's counter state. '+flow5':
-    attn, that layer's attention output too (the fifth stage), and caches, the attention's
-    (k, v, counters) as the kernel left them (decoder_layer puts them in its state)."""
-    x: jax.Array
-    qkv: jax.Array | None
-    flow: jax.Array
-    attn: jax.Array | None = None
-    caches: tuple | None = None
-
-
-def _rms_norm(x, w, eps):
-    from ouro_jax.model import rms_norm
-    return rms_norm(x, w, eps)
-
-
-def _linear(x, w):
-    from ouro_jax.model import linear
-    return linear(x, w)
+    fit_mgpu_tuning, fit_stream_tuning, fit_tuning, mgpu_available)
 
 
 def _next_operand(name: str, next_weight) -> dict:
@@ -91,50 +57,6 @@ def _next_operand(name: str, next_weight) -> dict:
         return {}
     w, segments = next_weight
     return {"next_w": w, "next_split": segments}
-
-
-@dataclasses.dataclass(frozen=True)
-class XLA:
-    """einsum projections (model.linear); the gated MLP input rounds like the reference."""
-
-    def project(self, name: str, x: jax.Array, w: jax.Array, next_weight=None) -> jax.Array:
-        """x @ w^T. next_weight: (weight, segments) a later projection reads; only the
-        streaming GEMV uses it (an L2 prefetch, STREAM_TUNING's next_rows), never the result.
-        x may be a split_attn.SplitAttn (o_merge), merged here first."""
-        return _linear(x.merged() if isinstance(x, SplitAttn) else x, w)
-
-    def gated(self, x: jax.Array, w: jax.Array, next_weight=None) -> jax.Array:
-        from ouro_jax.model import silu
-        i = w.shape[0] // 2
-        gu = _linear(x, w)
-        return silu(gu[..., :i]) * gu[..., i:]
-
-    def norm(self, x, w, eps: float) -> jax.Array:
-        """model.rms_norm (ouro_jax.invariant sums its squares in a fixed order)."""
-        return _rms_norm(x, w, eps)
-
-    def materialize(self, x, eps: float) -> jax.Array:
-        """The residual stream as an array (a Residual is added up here)."""
-        if isinstance(x, Residual):
-            return x.resid + self.norm(x.branch, x.weight, eps)
-        return x.x if isinstance(x, Prepared) else x
-
-    def normed(self, name: str, x, norm_w, w, eps: float, gated: bool = False,
-               next_weight=None):
-        """(projection of rms_norm(x, norm_w), x as an array); gated: the gated MLP input;
-        next_weight as in project."""
-        x = self.materialize(x, eps)
-        hx = self.norm(x, norm_w, eps)
-        return (self.gated(hx, w, next_weight=next_weight) if gated else
-                self.project(name, hx, w, next_weight=next_weight)), x
-
-    def residual(self, h, m, w, eps: float):
-        """The layer output h + rms_norm(m, w), now (XLA) or deferred (see Residual)."""
-        return h + self.norm(m, w, eps)
-
-    def final_norm(self, x, w, eps: float) -> jax.Array:
-        """rms_norm of the residual stream after a loop's last layer (x may be deferred)."""
-        return self.norm(self.materialize(x, eps), w, eps)
 
 
 @dataclasses.dataclass(frozen=True)
