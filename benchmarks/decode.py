@@ -208,11 +208,9 @@ def table(rows) -> str:
 def _recorded_tuning(args, tuning: dict) -> dict:
     """The record's tuning: the run's overrides, plus what the decode attention and the
     batch-invariant kernels ran with where they ran, defaults included."""
-    import pallas_kernels as pk
-    from ouro_jax import attention
+    from ouro_jax.attention import ragged_from
     from ouro_jax.projections import parse
-    tuning = dict(tuning, ragged_from=pk.decode.TUNING.get("ragged_from",
-                                                           attention.RAGGED_FROM))
+    tuning = dict(tuning, ragged_from=ragged_from())
     if args.batch_invariant or getattr(parse(args.projections), "inv_rows", ()):
         # the mode's whole tiling ('+inv' runs it too), not only the run's overrides
         from ouro_jax import invariant
@@ -235,7 +233,7 @@ def main(argv=None) -> int:
     if args.persistent_layers:  # the record names the kernel's tiling
         tuning = dict(tuning, persistent=dict(persistent.TILING))
     try:
-        check_ragged_decode_run(args)
+        check_ragged_decode_run(args, tuning["decode"])
         return _run(args, argv, _recorded_tuning(args, tuning))
     finally:  # the overrides are process-wide: leave none behind for other callers
         apply_kernel_tuning("", "")

@@ -275,17 +275,15 @@ def check_o_merge_run(args) -> None:
                          "'+flow' parts, and no --persistent-layers")
 
 
-def check_ragged_decode_run(args) -> None:
+def check_ragged_decode_run(args, decode: dict) -> None:
     """Decode of ouro_jax.attention.RAGGED_FROM sequences or more (or --decode-kernel
     ragged_from=N) runs the ragged kernel, not the decode kernel: other --decode-kernel keys
     would change nothing at those batch sizes and the record would name them; say so
-    (ragged_from=0 keeps the decode kernel everywhere). Run after the keys themselves are
-    checked (benchmarks.tuning.apply_kernel_tuning), so their own errors come first."""
+    (ragged_from=0 keeps the decode kernel everywhere). `decode`: the parsed --decode-kernel
+    (benchmarks.tuning.apply_kernel_tuning's "decode"), so the keys' own errors come first."""
     from ouro_jax.attention import RAGGED_FROM
-    items = dict(item.partition("=")[::2] for item in
-                 filter(None, (x.strip() for x in args.decode_kernel.split(","))))
-    given = items.pop("ragged_from", None)
-    start = int(given) if given is not None and given.isdigit() else RAGGED_FROM
+    items = dict(decode)
+    start = items.pop("ragged_from", RAGGED_FROM)
     big = [b for b in args.batches if start and b >= start]
     if items and big and not args.batch_invariant:
         raise SystemExit(f"--decode-kernel {','.join(sorted(items))} tunes the decode kernel, "

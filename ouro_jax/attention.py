@@ -96,13 +96,19 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
 RAGGED_FROM = 64
 
 
+def ragged_from() -> int:
+    """The decode batch from which the ragged kernel runs decode (0: never): the decode
+    kernel's TUNING["ragged_from"], else RAGGED_FROM. Read at trace time."""
+    import pallas_kernels as pk
+    return int(pk.decode.TUNING.get("ragged_from", RAGGED_FROM))
+
+
 def _ragged_decode(positions, fused_kv_write: bool) -> bool:
     """Whether decode rows (C == 1) of this batch go to the RoPE/K/V-write kernel and the
-    ragged kernel rather than the decode kernel (RAGGED_FROM)."""
-    import pallas_kernels as pk
-    start = pk.decode.TUNING.get("ragged_from", RAGGED_FROM)
+    ragged kernel rather than the decode kernel (ragged_from())."""
+    start = ragged_from()
     b, c = positions.shape
-    return bool(start) and fused_kv_write and c == 1 and b >= int(start)
+    return bool(start) and fused_kv_write and c == 1 and b >= start
 
 
 def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=False,

@@ -120,7 +120,7 @@ def _inv_part(spec: str, parts: list) -> tuple:
     if not inv:
         return (), parts
     lo, hi = INV_ROWS
-    head, at, rows = inv[0].partition("@")
+    _, at, rows = inv[0].partition("@")
     if at:
         a, dash, b = rows.partition("-")
         ok = a.isdigit() and b.isdigit() and dash

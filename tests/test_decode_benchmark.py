@@ -192,11 +192,12 @@ def test_decode_kernel_keys_are_refused_where_the_ragged_kernel_runs_decode():
     --decode-kernel key other than ragged_from would change nothing there, so it is refused
     with the way out named; ragged_from=0 (or a smaller batch) lets it through."""
     from benchmarks.decode_args import check_ragged_decode_run
+    from benchmarks.tuning import DECODE_TUNING_KEYS, parse_tuning
 
     def run(*argv):
         args = build_parser("").parse_args(list(argv))
         check_run(args)
-        check_ragged_decode_run(args)
+        check_ragged_decode_run(args, parse_tuning(args.decode_kernel, DECODE_TUNING_KEYS))
         return args
     with pytest.raises(SystemExit, match="ragged_from=0"):
         run("--batch", "8,64", "--decode-kernel", "num_warps=2")
