@@ -208,9 +208,9 @@ def table(rows) -> str:
 def _recorded_tuning(args, tuning: dict) -> dict:
     """The record's tuning: the run's overrides, plus what the decode attention and the
     batch-invariant kernels ran with where they ran, defaults included."""
-    from ouro_jax.attention import ragged_from
+    from ouro_jax.attention import ragged_from, skip_done
     from ouro_jax.projections import parse
-    tuning = dict(tuning, ragged_from=ragged_from())
+    tuning = dict(tuning, ragged_from=ragged_from(), skip_done=int(skip_done()))
     if args.batch_invariant or getattr(parse(args.projections), "inv_rows", ()):
         # the mode's whole tiling ('+inv' runs it too), not only the run's overrides
         from ouro_jax import invariant

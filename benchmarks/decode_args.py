@@ -283,6 +283,7 @@ def check_ragged_decode_run(args, decode: dict) -> None:
     (benchmarks.tuning.apply_kernel_tuning's "decode"), so the keys' own errors come first."""
     from ouro_jax.attention import RAGGED_FROM
     items = dict(decode)
+    items.pop("skip_done", None)  # (the engine's, whichever kernel attends)
     start = items.pop("ragged_from", RAGGED_FROM)
     big = [b for b in args.batches if start and b >= start]
     if items and big and not args.batch_invariant:

@@ -11,15 +11,17 @@ from __future__ import annotations
 # o_w_early / o_split (its split_keys) as its tuning; other batch sizes are unchanged
 # mgpu=1: decode runs pallas_kernels.decode_mgpu_paged (Mosaic GPU, no splits; ouro_jax.
 # attention.MGPU_DECODE), tiled by mgpu_block (positions per K/V block) and mgpu_stages
+# skip_done=0: finished rows attend over their whole context, as before session 44
+# (ouro_jax.attention.SKIP_DONE; any attention kernel, not only the decode kernel)
 # o_merge=1: one-row decode leaves its split partials to the o projection's streaming GEMV,
 # which merges them in its prologue (ouro_jax.attention.O_MERGE, pallas_kernels.gemv_merge)
 DECODE_TUNING_KEYS = ("block_t", "num_splits", "num_warps", "num_stages", "last_combine", "pdl",
                       "fuse_o", "o_block_n", "o_w_early", "o_split", "flow_o",
                       "flow_o_block_n", "flow_o_per_program", "mgpu", "mgpu_block",
-                      "mgpu_stages", "o_merge", "ragged_from")
+                      "mgpu_stages", "o_merge", "ragged_from", "skip_done")
 RAGGED_TUNING_KEYS = ("block_q", "block_t", "num_splits", "num_warps", "num_stages", "direct")
 BOOL_TUNING_KEYS = ("last_combine", "pdl", "fuse_o", "o_w_early", "o_split", "flow_o",
-                    "mgpu", "o_merge", "direct")
+                    "mgpu", "o_merge", "direct", "skip_done")
 # counts where 0 turns the feature off (ragged_from: decode batches of at least this many
 # sequences take the ragged kernel, ouro_jax.attention.RAGGED_FROM)
 ZERO_OFF_TUNING_KEYS = ("ragged_from",)

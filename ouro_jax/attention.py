@@ -51,7 +51,8 @@ def _pallas_available() -> bool:
 
 def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.Array,
                       page_size: int, backend: str = "xla", fused_kv_write: bool = True,
-                      merge_splits: bool | None = None, invariant: bool = False):
+                      merge_splits: bool | None = None, invariant: bool = False,
+                      active: jax.Array | None = None):
     """attend(q, k, v, planes, loop, layer) over query positions [B, C] (all rows have C).
 
     With the pallas backend, C == 1 (decode, draft) and `fused_kv_write`, the function also
@@ -67,13 +68,18 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     stage ('+flow5').
     invariant (ouro_jax.invariant; pallas only): every C, decode's included, through the
     ragged kernel at one fixed tuning; with fused_kv_write `attend.qkv` applies RoPE and
-    writes the K/V in one Pallas kernel first (pallas_kernels.rope_kv), else XLA does."""
+    writes the K/V in one Pallas kernel first (pallas_kernels.rope_kv), else XLA does.
+    active [B] bool (None: all): with the pallas backend and skip_done(), rows not active
+    (finished rows, whose outputs are discarded) attend over at most C + 1 keys instead of
+    their whole context; their K/V are still written where they always were."""
     page, slot = slot_indices(block_tables, positions, page_size)
     if invariant and backend != "pallas":
         raise ValueError(f"batch-invariant attention runs the Pallas ragged kernel, not "
                          f"{backend!r}")
     if backend == "pallas":
         kv_lens = positions[:, -1] + 1
+        if active is not None and skip_done():
+            kv_lens = jnp.where(active, kv_lens, jnp.minimum(kv_lens, positions.shape[1] + 1))
         ragged = invariant or _ragged_decode(positions, fused_kv_write)
         attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, ragged,
                                 fused_kv_write)
@@ -101,6 +107,23 @@ def ragged_from() -> int:
     kernel's TUNING["ragged_from"], else RAGGED_FROM. Read at trace time."""
     import pallas_kernels as pk
     return int(pk.decode.TUNING.get("ragged_from", RAGGED_FROM))
+
+
+# Rows that are done (finished, still in the batch while others run on) attend over at most
+# C + 1 keys rather than their whole context: their outputs are discarded, and at batch 32-64
+# speculative decoding runs until the slowest row is done, so about a fifth of a batch-64 k=4
+# run's row-rounds are finished rows (decode_default_b32_b64_session44_h100.json: 986 active
+# row-rounds in ~19 rounds of 64 rows), each reading its whole K/V in every draft and
+# verification attention. C + 1 keys (not 0) keep every query at least one key, so the
+# discarded values stay finite. pallas_kernels.decode.TUNING["skip_done"] = 0 turns it off.
+SKIP_DONE = True
+
+
+def skip_done() -> bool:
+    """Whether finished rows skip their context in the Pallas attention (SKIP_DONE, or the
+    decode kernel's TUNING["skip_done"]). Read at trace time."""
+    import pallas_kernels as pk
+    return bool(pk.decode.TUNING.get("skip_done", SKIP_DONE))
 
 
 def _ragged_decode(positions, fused_kv_write: bool) -> bool:

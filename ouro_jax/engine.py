@@ -42,7 +42,7 @@ class RowState:
 
 
 def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg: OuroConfig,
-                  loops, backend: str, h=None):
+                  loops, backend: str, h=None, active=None):
     """Runs `loops` over a [B, C] block of tokens at `positions`, writing their K/V.
 
     `backend` is the attention backend ("xla" | "pallas"), optionally followed by options:
@@ -57,7 +57,8 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     skinny GEMM, "+inv[@LO-HI]" calls of LO..HI rows through the batch-invariant mode's
     GEMM and add_norm kernels (ouro_jax.projections.parse); "+invariant" every kernel
     batch-invariant (ouro_jax.invariant). `h` overrides the embedding input (verification
-    starts from the draft's states)."""
+    starts from the draft's states). `active` [B] bool (None: all rows): finished rows'
+    attention skips their context (ouro_jax.attention.skip_done)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options
                if o.startswith(("gemv", "gemm", "pf", "mgpu", "inv@"))
@@ -85,7 +86,8 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     _check_flow_o(proj)
     attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], attention,
                                fused_kv_write="kvxla" not in options,
-                               merge_splits=True if flow5 else None, invariant=invariant)
+                               merge_splits=True if flow5 else None, invariant=invariant,
+                               active=active)
     # Some attends carry extra state with the planes (the decode kernel's split counters).
     state = attend.wrap(planes) if hasattr(attend, "wrap") else planes
     hidden, gates, state = run_loops(params, h, cos, sin, cfg, attend, state, loops,
@@ -162,7 +164,8 @@ def decode_step(params, planes, block_tables, state: RowState, *, cfg, spec, mod
                 want_logprobs, backend):
     positions = state.lengths[:, None]
     hidden, gates, planes = forward_block(params, planes, block_tables, state.tokens[:, None],
-                                          positions, cfg, range(cfg.total_ut_steps), backend)
+                                          positions, cfg, range(cfg.total_ut_steps), backend,
+                                          active=~state.done)
     new, steps, lps = choose_tokens(params, hidden[:, :, 0], gates[:, :, 0], state.sampling,
                                     state.lengths + 1, cfg=cfg, spec=spec, mode=mode,
                                     want_logprobs=want_logprobs, backend=backend)

@@ -100,7 +100,7 @@ def _draft(params, planes, bt, state, *, cfg, sc, mode, backend):
     def step(j, planes, tok):
         pos = state.lengths + j
         h, g, planes = engine.forward_block(params, planes, bt, tok[:, None], pos[:, None], cfg,
-                                            range(d), backend)
+                                            range(d), backend, active=~state.done)
         return planes, h[:, :, 0], g[:, :, 0], pos
 
     def body(j, carry):
@@ -127,7 +127,7 @@ def _verify(params, planes, bt, state, hs, gs, *, cfg, sc, spec, backend):
     shallow_g = jnp.transpose(gs, (1, 2, 0))
     deep_h, deep_g, planes = engine.forward_block(
         params, planes, bt, None, positions, cfg, range(d, cfg.total_ut_steps), backend,
-        h=shallow_h[d - 1])
+        h=shallow_h[d - 1], active=~state.done)
     hidden = jnp.concatenate([shallow_h, deep_h], axis=0)
     gates = jnp.concatenate([shallow_g, deep_g], axis=0)
     logits, steps = select_exit(params, hidden, gates, cfg, spec, head_for(backend))

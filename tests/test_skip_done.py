@@ -1,0 +1,100 @@
+"""Finished rows skip their context in the Pallas attention (ouro_jax.attention.skip_done):
+the kernels get kv_len min(len, C + 1) for rows not active, the active rows' outputs do not
+change, the discarded ones stay finite, and the engine's tokens are the same with and
+without it, native and speculative, when rows finish at different times."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+
+
+def _planes(cfg, pages, page):
+    rng = np.random.default_rng(0)
+    shape = (cfg.num_hidden_layers * cfg.total_ut_steps, pages, page, cfg.num_key_value_heads,
+             cfg.head_dim)
+    return tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+
+
+@pytest.mark.parametrize("c, ragged_from", [(1, 64), (1, 2), (5, 64)],
+                         ids=["decode kernel", "ragged decode", "verification"])
+def test_finished_rows_attend_over_at_most_c_plus_one_keys(monkeypatch, c, ragged_from):
+    import pallas_kernels.decode as decode
+    from ouro_jax.attention import make_paged_attend
+    from ouro_jax.config import PRESETS
+    cfg = PRESETS["tiny-mha"]
+    page, b = 4, 3
+    planes = _planes(cfg, b * 4, page)
+    tables = jnp.arange(b * 4, dtype=jnp.int32).reshape(b, 4)
+    last = jnp.array([9, 12, 14], jnp.int32)  # each row's last query position
+    positions = last[:, None] - (c - 1) + jnp.arange(c, dtype=jnp.int32)[None]
+    active = jnp.array([True, False, True])
+    rng = np.random.default_rng(1)
+    heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
+    qkv = jnp.asarray(rng.standard_normal((b, c, heads, cfg.head_dim)), jnp.float32)
+    cs = jnp.asarray(rng.standard_normal((b, c, cfg.head_dim)), jnp.float32)
+    seen = []
+    for name in ("paged_decode_attention_qkv", "ragged_paged_attention"):
+        real = getattr(pk, name)
+
+        def spy(*args, _real=real, **kw):
+            seen.append(np.asarray(kw["kv_lens"] if "kv_lens" in kw else args[5]))
+            return _real(*args, **kw)
+        monkeypatch.setattr(pk, name, spy)
+
+    def run(tuning, act):
+        monkeypatch.setattr(decode, "TUNING", dict(tuning, ragged_from=ragged_from))
+        seen.clear()
+        attend = make_paged_attend(cfg, tables, positions, page, "pallas", active=act)
+        if c == 1:
+            out = attend.qkv(qkv, cs, cs, planes, 1, 0)[0]
+        else:
+            q, k, v = jnp.split(qkv, [cfg.num_attention_heads,
+                                      cfg.num_attention_heads + cfg.num_key_value_heads], axis=2)
+            out = attend(q, k, v, planes, 1, 0)[0]
+        (lens,) = seen
+        return np.asarray(out), lens
+
+    full, full_lens = run({}, None)
+    skip, skip_lens = run({}, active)
+    off, off_lens = run({"skip_done": 0}, active)
+    np.testing.assert_array_equal(full_lens, [10, 13, 15])
+    np.testing.assert_array_equal(off_lens, full_lens)
+    np.testing.assert_array_equal(skip_lens, [10, c + 1, 15])
+    np.testing.assert_array_equal(skip[[0, 2]], full[[0, 2]])  # the active rows: same bits
+    np.testing.assert_array_equal(off, full)
+    assert np.all(np.isfinite(skip[1]))
+    assert not np.allclose(skip[1], full[1])  # (the spy saw the kernels that ran)
+
+
+def test_the_engine_gives_the_same_tokens_with_and_without_it(monkeypatch):
+    """Greedy, tiny-mha in fp32, three prompts whose rows finish after 3, 11 and 6 tokens:
+    native and speculative (k=4, d=2) tokens with skip_done on (the default) equal those
+    with it off, and speculative equals native. Batch 3 takes the ragged decode route
+    (ragged_from=2) in one arm and the decode kernel in the other."""
+    import pallas_kernels.decode as decode
+    from ouro_jax.api import Ouro
+    from ouro_jax.config import PRESETS
+    from ouro_jax.params import random_params
+    from ouro_jax.sampling import SamplingParams
+    from ouro_jax.speculative import SpeculativeConfig
+    cfg = PRESETS["tiny-mha"]
+    params = random_params(cfg, 0, jnp.float32, 0.003, 0.0)
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 11, 6)]
+    prompts = [[3, 1, 4], [5, 9, 2, 6], [1, 1]]
+    runs = {}
+    for tuning in ({"skip_done": 0}, {}, {"ragged_from": 2}):
+        monkeypatch.setattr(decode, "TUNING", tuning)
+        llm = Ouro(cfg, params, None, attention="pallas", projections="gemv+norms+stream",
+                   page_size=4)
+        runs[str(tuning)] = [[o.token_ids for o in llm.generate(prompts, sp, speculative=s).outputs]
+                             for s in (None, SpeculativeConfig(k=4, draft_loops=2))]
+    off = runs["{'skip_done': 0}"]
+    assert [len(t) for t in off[0]] == [3, 11, 6]
+    assert runs["{}"] == off
+    assert off[0] == off[1]
+    ragged = runs["{'ragged_from': 2}"]
+    assert ragged[0] == ragged[1]
