@@ -133,7 +133,8 @@ def run_config(llm, batch, k, temp, args):
     if k:
         s = runs[-1].stats.spec
         row.update(acceptance=s["acceptance"], tokens_per_round=s["tokens_per_round"],
-                   rounds=s["rounds"])
+                   rounds=s["rounds"], rounds_run=s["rounds_run"],
+                   active_row_fraction=s["active_row_fraction"])
     else:
         steps = args.new_tokens - 1
         ctx = args.prompt_len + args.new_tokens / 2

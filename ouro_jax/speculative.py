@@ -249,5 +249,11 @@ def summarize(counters: SpecCounters, b: int) -> tuple[dict, list[dict]]:
     per = [stats(counters.rounds[i], counters.drafted[i], counters.accepted[i]) for i in range(b)]
     total = stats(sum(p["rounds"] for p in per), sum(p["drafted"] for p in per),
                   sum(p["accepted"] for p in per))
+    # The batch runs rounds until its slowest row is done: rounds_run (the most any row was
+    # active in) against the rows' active rounds says how much of the batch's work went to
+    # rows already finished (ouro_jax.attention.SKIP_DONE).
+    run = max((p["rounds"] for p in per), default=0)
+    total.update(rounds_run=run,
+                 active_row_fraction=total["rounds"] / (b * run) if run else 0.0)
     return total, per
 

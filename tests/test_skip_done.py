@@ -90,11 +90,27 @@ def test_the_engine_gives_the_same_tokens_with_and_without_it(monkeypatch):
         monkeypatch.setattr(decode, "TUNING", tuning)
         llm = Ouro(cfg, params, None, attention="pallas", projections="gemv+norms+stream",
                    page_size=4)
-        runs[str(tuning)] = [[o.token_ids for o in llm.generate(prompts, sp, speculative=s).outputs]
-                             for s in (None, SpeculativeConfig(k=4, draft_loops=2))]
+        res = [llm.generate(prompts, sp, speculative=s)
+               for s in (None, SpeculativeConfig(k=4, draft_loops=2))]
+        runs[str(tuning)] = [[o.token_ids for o in r.outputs] for r in res]
+        spec = res[1].stats.spec  # rows finished while others ran on
+        assert spec["rounds_run"] >= 2 and spec["active_row_fraction"] < 1.0
     off = runs["{'skip_done': 0}"]
     assert [len(t) for t in off[0]] == [3, 11, 6]
     assert runs["{}"] == off
     assert off[0] == off[1]
     ragged = runs["{'ragged_from': 2}"]
     assert ragged[0] == ragged[1]
+
+
+def test_summarize_counts_the_rounds_the_batch_ran_and_its_active_rows():
+    """Rows active in 3, 5 and 2 rounds: the batch ran 5 rounds, 10 of 15 row-rounds active."""
+    from ouro_jax.speculative import SpecCounters, summarize
+    counters = SpecCounters(np.array([3, 5, 2]), np.array([12, 20, 8]), np.array([9, 15, 8]))
+    total, per = summarize(counters, 3)
+    assert total["rounds"] == 10 and total["rounds_run"] == 5
+    assert total["active_row_fraction"] == pytest.approx(10 / 15)
+    assert total["tokens_per_round"] == pytest.approx((32 + 10) / 10)
+    assert [p["rounds"] for p in per] == [3, 5, 2]
+    empty, _ = summarize(SpecCounters(*(np.zeros(2, int),) * 3), 2)
+    assert empty["rounds_run"] == 0 and empty["active_row_fraction"] == 0.0

@@ -83,10 +83,10 @@ def test_work_accounting_each_position_loop_once(monkeypatch):
     calls, ran = [], []
     real_block = engine.forward_block
 
-    def counted_block(params, planes, bt, ids, positions, cfg, loops, backend, h=None):
+    def counted_block(params, planes, bt, ids, positions, cfg, loops, backend, **kw):
         rows = positions.shape[1]
         jax.debug.callback(lambda: ran.append((tuple(loops), rows)))
-        return real_block(params, planes, bt, ids, positions, cfg, loops, backend, h=h)
+        return real_block(params, planes, bt, ids, positions, cfg, loops, backend, **kw)
 
     monkeypatch.setattr(engine, "forward_block", counted_block)
     model_mod.TRACE_HOOK = lambda loop, shape: calls.append((loop, shape))
