@@ -71,14 +71,16 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     writes the K/V in one Pallas kernel first (pallas_kernels.rope_kv), else XLA does.
     active [B] bool (None: all): with the pallas backend and skip_done(), rows not active
     (finished rows, whose outputs are discarded) attend over at most C + 1 keys instead of
-    their whole context; their K/V are still written where they always were."""
+    their whole context. Their K/V still go to the same slots, now computed from that short
+    context: slots at or past a row's length are rewritten before anything reads them."""
     page, slot = slot_indices(block_tables, positions, page_size)
     if invariant and backend != "pallas":
         raise ValueError(f"batch-invariant attention runs the Pallas ragged kernel, not "
                          f"{backend!r}")
     if backend == "pallas":
         kv_lens = positions[:, -1] + 1
-        if active is not None and skip_done():
+        if active is not None and positions.shape[0] > 1 and skip_done():
+            # (one row never runs finished: its loops stop first; batch-1 programs unchanged)
             kv_lens = jnp.where(active, kv_lens, jnp.minimum(kv_lens, positions.shape[1] + 1))
         ragged = invariant or _ragged_decode(positions, fused_kv_write)
         attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, ragged,
@@ -110,12 +112,15 @@ def ragged_from() -> int:
 
 
 # Rows that are done (finished, still in the batch while others run on) attend over at most
-# C + 1 keys rather than their whole context: their outputs are discarded, and at batch 32-64
-# speculative decoding runs until the slowest row is done, so about a fifth of a batch-64 k=4
-# run's row-rounds are finished rows (decode_default_b32_b64_session44_h100.json: 986 active
-# row-rounds in ~19 rounds of 64 rows), each reading its whole K/V in every draft and
-# verification attention. C + 1 keys (not 0) keep every query at least one key, so the
-# discarded values stay finite. pallas_kernels.decode.TUNING["skip_done"] = 0 turns it off.
+# C + 1 keys rather than their whole context: their outputs are discarded, and speculative
+# decoding runs a batch's rounds until its slowest row is done. At batch 64 k=4 on an H100
+# the rows were active in 986 row-rounds (decode_default_b32_b64_session44_h100.json) of an
+# estimated ~19 rounds x 64 (the run's decode time over a traced round's kernel time,
+# kernel_trace_b64_k4_r64_session44_h100.json), each finished row reading its whole K/V in
+# every draft and verification attention. Any kv_len >= C is valid for the kernels; C + 1
+# keeps each query at least one key and reads one page. Exact: the active rows' inputs do
+# not change. Not yet measured on a GPU (session 44 got no machine for it).
+# pallas_kernels.decode.TUNING["skip_done"] = 0 turns it off.
 SKIP_DONE = True
 
 

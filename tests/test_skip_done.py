@@ -73,8 +73,10 @@ def test_finished_rows_attend_over_at_most_c_plus_one_keys(monkeypatch, c, ragge
 def test_the_engine_gives_the_same_tokens_with_and_without_it(monkeypatch):
     """Greedy, tiny-mha in fp32, three prompts whose rows finish after 3, 11 and 6 tokens:
     native and speculative (k=4, d=2) tokens with skip_done on (the default) equal those
-    with it off, and speculative equals native. Batch 3 takes the ragged decode route
-    (ragged_from=2) in one arm and the decode kernel in the other."""
+    with it off, on the decode kernel and on the ragged decode route (ragged_from=2), and
+    speculative equals native; with it on the kernels read fewer keys in all (the engine
+    passes `active` from native steps, the draft and the verification)."""
+    import jax
     import pallas_kernels.decode as decode
     from ouro_jax.api import Ouro
     from ouro_jax.config import PRESETS
@@ -85,22 +87,34 @@ def test_the_engine_gives_the_same_tokens_with_and_without_it(monkeypatch):
     params = random_params(cfg, 0, jnp.float32, 0.003, 0.0)
     sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 11, 6)]
     prompts = [[3, 1, 4], [5, 9, 2, 6], [1, 1]]
-    runs = {}
-    for tuning in ({"skip_done": 0}, {}, {"ragged_from": 2}):
-        monkeypatch.setattr(decode, "TUNING", tuning)
-        llm = Ouro(cfg, params, None, attention="pallas", projections="gemv+norms+stream",
-                   page_size=4)
-        res = [llm.generate(prompts, sp, speculative=s)
-               for s in (None, SpeculativeConfig(k=4, draft_loops=2))]
-        runs[str(tuning)] = [[o.token_ids for o in r.outputs] for r in res]
-        spec = res[1].stats.spec  # rows finished while others ran on
-        assert spec["rounds_run"] >= 2 and spec["active_row_fraction"] < 1.0
-    off = runs["{'skip_done': 0}"]
-    assert [len(t) for t in off[0]] == [3, 11, 6]
-    assert runs["{}"] == off
-    assert off[0] == off[1]
-    ragged = runs["{'ragged_from': 2}"]
-    assert ragged[0] == ragged[1]
+    keys = []  # sum of kv_lens per kernel call, as the device ran them
+    for name in ("paged_decode_attention_qkv", "ragged_paged_attention"):
+        real = getattr(pk, name)
+
+        def spy(*args, _real=real, **kw):
+            lens = kw["kv_lens"] if "kv_lens" in kw else args[5]
+            jax.debug.callback(lambda x: keys.append(int(np.sum(x))), lens)
+            return _real(*args, **kw)
+        monkeypatch.setattr(pk, name, spy)
+    runs, read = {}, {}
+    for route in ({}, {"ragged_from": 2}):
+        for skip in (0, 1):
+            monkeypatch.setattr(decode, "TUNING", dict(route, skip_done=skip))
+            llm = Ouro(cfg, params, None, attention="pallas", projections="gemv+norms+stream",
+                       page_size=4)
+            keys.clear()
+            res = [llm.generate(prompts, sp, speculative=s)
+                   for s in (None, SpeculativeConfig(k=4, draft_loops=2))]
+            jax.effects_barrier()
+            at = (str(route), skip)
+            runs[at], read[at] = [[o.token_ids for o in r.outputs] for r in res], sum(keys)
+            spec = res[1].stats.spec  # rows finished while others ran on
+            assert spec["rounds_run"] >= 2 and spec["active_row_fraction"] < 1.0
+    for route in ("{}", "{'ragged_from': 2}"):
+        off, on = runs[(route, 0)], runs[(route, 1)]
+        assert [len(t) for t in off[0]] == [3, 11, 6]
+        assert on == off and off[0] == off[1]
+        assert read[(route, 1)] < read[(route, 0)]
 
 
 def test_summarize_counts_the_rounds_the_batch_ran_and_its_active_rows():
@@ -114,3 +128,24 @@ def test_summarize_counts_the_rounds_the_batch_ran_and_its_active_rows():
     assert [p["rounds"] for p in per] == [3, 5, 2]
     empty, _ = summarize(SpecCounters(*(np.zeros(2, int),) * 3), 2)
     assert empty["rounds_run"] == 0 and empty["active_row_fraction"] == 0.0
+
+
+def test_one_row_keeps_its_context(monkeypatch):
+    """Batch 1 never runs a finished row (its loops stop first), so its programs keep the
+    full kv_len whatever `active` says: the batch-1 decode programs are unchanged."""
+    import pallas_kernels.decode as decode
+    from ouro_jax.attention import make_paged_attend
+    from ouro_jax.config import PRESETS
+    cfg = PRESETS["tiny-mha"]
+    monkeypatch.setattr(decode, "TUNING", {})
+    seen = []
+    real = pk.paged_decode_attention_qkv
+    monkeypatch.setattr(pk, "paged_decode_attention_qkv",
+                        lambda *a, **kw: seen.append(np.asarray(a[5])) or real(*a, **kw))
+    planes = _planes(cfg, 4, 4)
+    attend = make_paged_attend(cfg, jnp.arange(4, dtype=jnp.int32)[None], jnp.array([[9]]), 4,
+                               "pallas", active=jnp.array([False]))
+    heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
+    attend.qkv(jnp.ones((1, 1, heads, cfg.head_dim)), jnp.ones((1, 1, cfg.head_dim)),
+               jnp.ones((1, 1, cfg.head_dim)), planes, 0, 0)
+    np.testing.assert_array_equal(seen[0], [10])
