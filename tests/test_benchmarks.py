@@ -188,11 +188,16 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
         assert apply_kernel_tuning("ragged_from=8", "")["decode"] == {"ragged_from": 8}
         with pytest.raises(SystemExit, match="ragged_from must be >= 0"):
             apply_kernel_tuning("ragged_from=-1", "")
+        # a switch read by the engine whichever kernel attends (attention.SKIP_DONE)
+        assert apply_kernel_tuning("skip_done=0", "")["decode"] == {"skip_done": 0}
+        from ouro_jax.attention import skip_done
+        assert skip_done() is False
         for bad in ("num_splits", "splits=2", "num_warps=two", "block_t=0", "block_t=48",
                     "num_warps=3", "last_combine=2", "last_combine=-1", "o_block_n=48",
                     "o_block_n=64", "fuse_o=1,last_combine=1", "fuse_o=1,o_w_early=2",
                     "mgpu=1,last_combine=1", "mgpu=1,fuse_o=1", "mgpu=1,flow_o=1",
-                    "mgpu_block=64", "mgpu=0,mgpu_stages=2", "mgpu=2", "mgpu=1,mgpu_block=96"):
+                    "mgpu_block=64", "mgpu=0,mgpu_stages=2", "mgpu=2", "mgpu=1,mgpu_block=96",
+                    "skip_done=2"):
             with pytest.raises(SystemExit):
                 apply_kernel_tuning(bad, "")
     finally:

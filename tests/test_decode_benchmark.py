@@ -128,6 +128,9 @@ def test_a_tiny_run_writes_a_consistent_record(tmp_path, monkeypatch):
     from ouro_jax.config import PRESETS
     assert native["step_bytes"] == decode.step_bytes(PRESETS["tiny-mha"], 1, 8 + 4 / 2, 4)
     assert spec["acceptance"] >= 0 and rec["greedy_token_match"][0]["identical_sequences"] == 1
+    # one row: every round it ran was its own
+    assert spec["rounds_run"] == spec["rounds"] > 0 and spec["active_row_fraction"] == 1.0
+    assert rec["kernel_tuning"]["skip_done"] == 1
 
 
 def test_a_missing_out_folder_is_made(tmp_path, monkeypatch):
@@ -206,6 +209,7 @@ def test_decode_kernel_keys_are_refused_where_the_ragged_kernel_runs_decode():
     run("--batch", "8,64", "--decode-kernel", "num_warps=2,ragged_from=0")
     run("--batch", "8,32", "--decode-kernel", "num_warps=2")
     run("--batch", "64", "--decode-kernel", "ragged_from=8")
+    run("--batch", "32,64", "--decode-kernel", "skip_done=0")  # (the engine's, any kernel)
 
 
 def test_the_decode_benchmark_leaves_no_tuning_behind_a_refusal(no_device_work):

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Prepared in session 44 for the next GPU call (whichever card comes; about 9 minutes).
+#   1. On any card: finished rows skipping their context (ouro_jax.attention.SKIP_DONE, on
+#      since session 44, never measured on a GPU) against not (--decode-kernel
+#      skip_done=0), k=4 d=2 greedy at batch 32 and 64, in the order skip, noskip, skip
+#      (native batch 32,64 in the first arm: every row there finishes at the same step, so
+#      native is unchanged by it). The records' rounds_run / active_row_fraction measure
+#      how much of each batch's rounds went to finished rows (session 44 estimated a fifth
+#      at batch 64).
+#   2. On an H200: the decode table at today's default beside the defaults before session
+#      43 (--projections gemv+norms+stream --decode-kernel ragged_from=0,skip_done=0),
+#      batch 1,8,32,64, k 0,4: the H200 table predates both; whether k=4 stays no slower
+#      than native at batch 64 there is the line to check. Then session 35's prepared call
+#      (gpu_session35_call.sh, the batch-1 line's last lever) in what is left of CAP.
+#      Elsewhere: kernel traces of native decode (k 0) at batch 64 and 1, prefill
+#      subtracted (how much of a native step is kernels).
+# Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=570] bash benchmarks/gpu_session45_call.sh
+S=${SESSION:-session45}
+. benchmarks/gpu_call_setup.sh
+D="python3 -m benchmarks.decode --synthetic 1.4b --attention pallas --temperature 0 --repeats 2"
+T="python3 -m benchmarks.kernel_trace --synthetic 1.4b --attention pallas --new-tokens 32 --top 25 --minus-prefill"
+show() { grep -A12 "^  B mode"; }
+timeout -s KILL $(left 160) $D --batch 32,64 --k 0,4 --out $OUT/decode_skip_${S}_$G.json 2>&1 | show
+timeout -s KILL $(left 120) $D --batch 32,64 --k 4 --decode-kernel skip_done=0 \
+  --out $OUT/decode_noskip_${S}_$G.json 2>&1 | show
+timeout -s KILL $(left 90) $D --batch 32,64 --k 4 --out $OUT/decode_skip2_${S}_$G.json 2>&1 | show
+python3 - $OUT/decode_{skip,noskip,skip2}_${S}_$G.json <<'PY'
+import json, sys
+for f in sys.argv[1:]:
+    try:
+        rows = json.load(open(f))["rows"]
+    except Exception as e:
+        print(f, "missing:", e); continue
+    for r in rows:
+        if r["k"]:
+            print(f.split("/")[-1], r["batch"], round(r["decode_tok_s"], 1), "rounds_run",
+                  r.get("rounds_run"), "active", round(r.get("active_row_fraction", 0), 3))
+PY
+if [ $G = h200 ]; then
+  timeout -s KILL $(left 170) $D --batch 1,8,32,64 --k 0,4 --out $OUT/decode_now_${S}_$G.json 2>&1 | show
+  timeout -s KILL $(left 170) $D --batch 1,8,32,64 --k 0,4 --projections gemv+norms+stream \
+    --decode-kernel ragged_from=0,skip_done=0 --out $OUT/decode_before_${S}_$G.json 2>&1 | show
+  [ $(left 600) -gt 120 ] && CAP=$(left 600) SESSION=$S OUT=$OUT PART=mini bash benchmarks/gpu_session35_call.sh
+else
+  for b in 64 1; do
+    timeout -s KILL $(left 100) $T --batch $b --k 0 \
+      --out $OUT/kernel_trace_b${b}_k0_${S}_$G.json 2>&1 | grep -v "^ *$" | \
+      sed -n '/^{/p;/decode only/,/^  top_kinds/p' | head -30
+  done
+fi
+echo "elapsed ${SECONDS}s"
