@@ -81,6 +81,9 @@ class GenerationStats:
             s += (f" | spec rounds {self.spec['rounds']} drafted {self.spec['drafted']} "
                   f"accepted {self.spec['accepted']} ({100 * self.spec['acceptance']:.1f}%) "
                   f"tokens/round {self.spec['tokens_per_round']:.2f}")
+            if self.spec.get("rounds_run"):  # (a batch waits for its slowest row)
+                s += (f" | batch rounds {self.spec['rounds_run']} "
+                      f"({100 * self.spec['active_row_fraction']:.1f}% of row-rounds active)")
         return s
 
     def to_json(self) -> dict:

@@ -149,3 +149,13 @@ def test_one_row_keeps_its_context(monkeypatch):
     attend.qkv(jnp.ones((1, 1, heads, cfg.head_dim)), jnp.ones((1, 1, cfg.head_dim)),
                jnp.ones((1, 1, cfg.head_dim)), planes, 0, 0)
     np.testing.assert_array_equal(seen[0], [10])
+
+
+def test_the_stats_line_names_the_batch_rounds():
+    from ouro_jax.api import GenerationStats
+    from ouro_jax.speculative import SpecCounters, summarize
+    spec, _ = summarize(SpecCounters(np.array([3, 5]), np.array([12, 20]), np.array([9, 15])), 2)
+    stats = GenerationStats(prompt_tokens=4, generated_tokens=34, prefill_s=0.1, decode_s=1.0,
+                            compile_s=0.0, compiles=0, host_fetches=1, decode_tokens=32,
+                            spec=spec)
+    assert "| batch rounds 5 (80.0% of row-rounds active)" in stats.line()
