@@ -13,7 +13,8 @@
 #      than native at batch 64 there is the line to check. Then session 35's prepared call
 #      (gpu_session35_call.sh, the batch-1 line's last lever) in what is left of CAP.
 #      Elsewhere: kernel traces of native decode (k 0) at batch 64 and 1, prefill
-#      subtracted (how much of a native step is kernels).
+#      subtracted (how much of a native step is kernels), then the decode kernel's variants
+#      over contexts of 512-4096 keys (benchmarks.attention_kernels).
 # Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=570] bash benchmarks/gpu_session45_call.sh
 S=${SESSION:-session45}
 . benchmarks/gpu_call_setup.sh
@@ -47,5 +48,10 @@ else
       --out $OUT/kernel_trace_b${b}_k0_${S}_$G.json 2>&1 | grep -v "^ *$" | \
       sed -n '/^{/p;/decode only/,/^  top_kinds/p' | head -30
   done
+  # the decode kernel's tuning over contexts (one tuning serves all today; at batch 8 and
+  # 2048 keys two variants were 20% faster in session 44)
+  timeout -s KILL $(left 150) python3 -m benchmarks.attention_kernels --no-sweep \
+    --points decode:8:512,decode:8:1024,decode:8:4096,decode:1:2048,decode:32:2048 \
+    --variant-set short --out $OUT/attention_decode_contexts_${S}_$G.json 2>&1 | tail -70
 fi
 echo "elapsed ${SECONDS}s"
