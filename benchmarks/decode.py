@@ -194,7 +194,7 @@ def _fmt(r: dict, key: str, spec: str, scale: float = 1.0, suffix: str = "") -> 
 
 def table(rows) -> str:
     head = (f"{'B':>3} {'mode':<12} {'k':>2} {'T':>4} {'decode tok/s':>13} {'spread':>17} "
-            f"{'e2e tok/s':>10} {'accept':>7} {'tok/rnd':>7} {'roofline':>8}")
+            f"{'e2e tok/s':>10} {'accept':>7} {'tok/rnd':>7} {'roofline':>8} {'active':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = f"{r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f}"
@@ -202,7 +202,9 @@ def table(rows) -> str:
             f"{r['batch']:>3} {r['mode']:<12} {r['k'] or '-':>2} {r['temperature']:>4} "
             f"{r['decode_tok_s']:>13.1f} {spread:>17} {r['e2e_tok_s']:>10.1f} "
             f"{_fmt(r, 'acceptance', '.1f', 100, '%'):>7} {_fmt(r, 'tokens_per_round', '.2f'):>7} "
-            f"{_fmt(r, 'roofline_fraction', '.1f', 100, '%'):>8}")
+            f"{_fmt(r, 'roofline_fraction', '.1f', 100, '%'):>8} "
+            # speculative: the share of the batch's row-rounds whose row was not yet done
+            f"{_fmt(r, 'active_row_fraction', '.1f', 100, '%'):>7}")
     return "\n".join(lines)
 
 

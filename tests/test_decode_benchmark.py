@@ -131,6 +131,8 @@ def test_a_tiny_run_writes_a_consistent_record(tmp_path, monkeypatch):
     # one row: every round it ran was its own
     assert spec["rounds_run"] == spec["rounds"] > 0 and spec["active_row_fraction"] == 1.0
     assert rec["kernel_tuning"]["skip_done"] == 1
+    assert rec["table"].splitlines()[0].split()[-1] == "active"  # (the speculative share)
+    assert rec["table"].splitlines()[-1].split()[-1] == "100.0%"
 
 
 def test_a_missing_out_folder_is_made(tmp_path, monkeypatch):
