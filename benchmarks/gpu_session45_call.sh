@@ -5,8 +5,8 @@
 #      skip_done=0), k=4 d=2 greedy at batch 32 and 64, in the order skip, noskip, skip
 #      (native batch 32,64 in the first arm: every row there finishes at the same step, so
 #      native is unchanged by it). The records' rounds_run / active_row_fraction measure
-#      how much of each batch's rounds went to finished rows (session 44 estimated a sixth to a quarter
-#      at batch 64).
+#      how much of each batch's rounds went to finished rows (session 44 estimated a
+#      sixth to a quarter at batch 64).
 #   2. On an H200: the decode table at today's default beside the defaults before session
 #      43 (--projections gemv+norms+stream --decode-kernel ragged_from=0,skip_done=0),
 #      batch 1,8,32,64, k 0,4: the H200 table predates both; whether k=4 stays no slower
