@@ -113,15 +113,13 @@ def ragged_from() -> int:
 
 # Rows that are done (finished, still in the batch while others run on) attend over at most
 # C + 1 keys rather than their whole context: their outputs are discarded, and speculative
-# decoding runs a batch's rounds until its slowest row is done. At batch 64 k=4 on an H100
-# the rows were active in 986 row-rounds (decode_default_b32_b64_session44_h100.json) of an
-# estimated ~18 rounds x 64 (the run's decode time over a traced round's wall time,
-# kernel_trace_b64_k4_r64_session44_h100.json, whose device ran 10 rounds where its rows
-# needed ~7.6 each), each finished row reading its whole K/V in every draft and
-# verification attention. Any kv_len >= C is valid for the kernels; C + 1
-# keeps each query at least one key and reads one page. Exact: the active rows' inputs do
-# not change. Not yet measured on a GPU (session 44 got no machine for it).
-# pallas_kernels.decode.TUNING["skip_done"] = 0 turns it off.
+# decoding runs a batch's rounds until its slowest row is done. At batch 8-64 k=4 on an H100
+# the batches ran 19 rounds while 16-19% of their row-rounds were finished rows, each
+# reading its whole K/V in every draft and verification attention (session 44,
+# decode_{skip,noskip}*_session44_h100.json): k=4 +1.0% at batch 8, +3.0-3.2% at 32,
+# +5.4-5.7% at 64, the same tokens. Any kv_len >= C is valid for the kernels; C + 1 keeps
+# each query at least one key and reads one page. Exact: the active rows' inputs do not
+# change. pallas_kernels.decode.TUNING["skip_done"] = 0 turns it off.
 SKIP_DONE = True
 
 
