@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Prepared in session 44 for the next GPU call (whichever card comes; about 9 minutes).
 #   1. On any card: finished rows skipping their context (ouro_jax.attention.SKIP_DONE, on
-#      since session 44, never measured on a GPU) against not (--decode-kernel
-#      skip_done=0), k=4 d=2 greedy at batch 32 and 64, in the order skip, noskip, skip
-#      (native batch 32,64 in the first arm: every row there finishes at the same step, so
-#      native is unchanged by it). The records' rounds_run / active_row_fraction measure
-#      how much of each batch's rounds went to finished rows (session 44 estimated a
-#      sixth to a quarter at batch 64).
+#      since session 44; +3.0-5.7% k=4 at batch 32-64 on an H100 then) against not
+#      (--decode-kernel skip_done=0), k=4 d=2 greedy at batch 32 and 64, in the order skip,
+#      noskip, skip (native batch 32,64 in the first arm: every row there finishes at the
+#      same step, so native is unchanged by it). The records' rounds_run /
+#      active_row_fraction say how much of each batch's rounds went to finished rows
+#      (19 rounds, 16-19% on that H100).
 #   2. On an H200: the decode table at today's default beside the defaults before session
 #      43 (--projections gemv+norms+stream --decode-kernel ragged_from=0,skip_done=0),
 #      batch 1,8,32,64, k 0,4: the H200 table predates both; whether k=4 stays no slower
