@@ -96,11 +96,12 @@ def _draft(params, planes, bt, state, *, cfg, sc, mode, backend):
     gs = jnp.zeros((k + 1, d, b), params.dtype)
     cands = jnp.zeros((k, b), jnp.int32)
     qlp = jnp.zeros((k, b, cfg.vocab_size) if mode.sample else (k, b, 1), jnp.float32)
+    active = ~state.done  # (rows done before the round; their attention skips its context)
 
     def step(j, planes, tok):
         pos = state.lengths + j
         h, g, planes = engine.forward_block(params, planes, bt, tok[:, None], pos[:, None], cfg,
-                                            range(d), backend, active=~state.done)
+                                            range(d), backend, active=active)
         return planes, h[:, :, 0], g[:, :, 0], pos
 
     def body(j, carry):

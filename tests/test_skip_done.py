@@ -19,6 +19,18 @@ def _planes(cfg, pages, page):
     return tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
 
 
+def _spy_kv_lens(monkeypatch, record):
+    """Wraps the decode and ragged kernels so that record(kv_lens) sees each call's kv_lens
+    (a traced value inside jit: record may use jax.debug.callback)."""
+    for name in ("paged_decode_attention_qkv", "ragged_paged_attention"):
+        real = getattr(pk, name)
+
+        def spy(*args, _real=real, **kw):
+            record(kw["kv_lens"] if "kv_lens" in kw else args[5])
+            return _real(*args, **kw)
+        monkeypatch.setattr(pk, name, spy)
+
+
 @pytest.mark.parametrize("c, ragged_from", [(1, 64), (1, 2), (5, 64)],
                          ids=["decode kernel", "ragged decode", "verification"])
 def test_finished_rows_attend_over_at_most_c_plus_one_keys(monkeypatch, c, ragged_from):
@@ -37,13 +49,7 @@ def test_finished_rows_attend_over_at_most_c_plus_one_keys(monkeypatch, c, ragge
     qkv = jnp.asarray(rng.standard_normal((b, c, heads, cfg.head_dim)), jnp.float32)
     cs = jnp.asarray(rng.standard_normal((b, c, cfg.head_dim)), jnp.float32)
     seen = []
-    for name in ("paged_decode_attention_qkv", "ragged_paged_attention"):
-        real = getattr(pk, name)
-
-        def spy(*args, _real=real, **kw):
-            seen.append(np.asarray(kw["kv_lens"] if "kv_lens" in kw else args[5]))
-            return _real(*args, **kw)
-        monkeypatch.setattr(pk, name, spy)
+    _spy_kv_lens(monkeypatch, lambda lens: seen.append(np.asarray(lens)))
 
     def run(tuning, act):
         monkeypatch.setattr(decode, "TUNING", dict(tuning, ragged_from=ragged_from))
@@ -88,14 +94,8 @@ def test_the_engine_gives_the_same_tokens_with_and_without_it(monkeypatch):
     sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 11, 6)]
     prompts = [[3, 1, 4], [5, 9, 2, 6], [1, 1]]
     keys = []  # sum of kv_lens per kernel call, as the device ran them
-    for name in ("paged_decode_attention_qkv", "ragged_paged_attention"):
-        real = getattr(pk, name)
-
-        def spy(*args, _real=real, **kw):
-            lens = kw["kv_lens"] if "kv_lens" in kw else args[5]
-            jax.debug.callback(lambda x: keys.append(int(np.sum(x))), lens)
-            return _real(*args, **kw)
-        monkeypatch.setattr(pk, name, spy)
+    _spy_kv_lens(monkeypatch, lambda lens: jax.debug.callback(
+        lambda x: keys.append(int(np.sum(x))), lens))
     runs, read = {}, {}
     for route in ({}, {"ragged_from": 2}):
         for skip in (0, 1):
@@ -139,9 +139,7 @@ def test_one_row_keeps_its_context(monkeypatch):
     cfg = PRESETS["tiny-mha"]
     monkeypatch.setattr(decode, "TUNING", {})
     seen = []
-    real = pk.paged_decode_attention_qkv
-    monkeypatch.setattr(pk, "paged_decode_attention_qkv",
-                        lambda *a, **kw: seen.append(np.asarray(a[5])) or real(*a, **kw))
+    _spy_kv_lens(monkeypatch, lambda lens: seen.append(np.asarray(lens)))
     planes = _planes(cfg, 4, 4)
     attend = make_paged_attend(cfg, jnp.arange(4, dtype=jnp.int32)[None], jnp.array([[9]]), 4,
                                "pallas", active=jnp.array([False]))
