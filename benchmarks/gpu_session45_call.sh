@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Prepared in session 44 for the next GPU call (whichever card comes; about 9 minutes).
-#   1. On any card: finished rows skipping their context (ouro_jax.attention.SKIP_DONE, on
-#      since session 44; +3.0-5.7% k=4 at batch 32-64 on an H100 then) against not
+#   1. On an H200, last (session 44 measured it on an H100): finished rows skipping their
+#      context (ouro_jax.attention.SKIP_DONE, on since session 44; +3.0-5.7% k=4 at batch 32-64 on an H100 then) against not
 #      (--decode-kernel skip_done=0), k=4 d=2 greedy at batch 32 and 64, in the order skip,
 #      noskip, skip (native batch 32,64 in the first arm: every row there finishes at the
 #      same step, so native is unchanged by it). The records' rounds_run /
 #      active_row_fraction say how much of each batch's rounds went to finished rows
 #      (19 rounds, 16-19% on that H100).
-#   2. On an H200: the decode table at today's default beside the defaults before session
+#   2. On an H200, first: the decode table at today's default beside the defaults before session
 #      43 (--projections gemv+norms+stream --decode-kernel ragged_from=0,skip_done=0),
 #      batch 1,8,32,64, k 0,4: the H200 table predates both; whether k=4 stays no slower
 #      than native at batch 64 there is the line to check. Then session 35's prepared call
@@ -21,6 +21,7 @@ S=${SESSION:-session45}
 D="python3 -m benchmarks.decode --synthetic 1.4b --attention pallas --temperature 0 --repeats 2"
 T="python3 -m benchmarks.kernel_trace --synthetic 1.4b --attention pallas --new-tokens 32 --top 25 --minus-prefill"
 show() { grep -A12 "^  B mode"; }
+ab() {  # the skip_done A/B (defined here, run last on an H200)
 timeout -s KILL $(left 160) $D --batch 32,64 --k 0,4 --out $OUT/decode_skip_${S}_$G.json 2>&1 | show
 timeout -s KILL $(left 120) $D --batch 32,64 --k 4 --decode-kernel skip_done=0 \
   --out $OUT/decode_noskip_${S}_$G.json 2>&1 | show
@@ -37,11 +38,13 @@ for f in sys.argv[1:]:
             print(f.split("/")[-1], r["batch"], round(r["decode_tok_s"], 1), "rounds_run",
                   r.get("rounds_run"), "active", round(r.get("active_row_fraction", 0), 3))
 PY
+}
 if [ $G = h200 ]; then
   timeout -s KILL $(left 170) $D --batch 1,8,32,64 --k 0,4 --out $OUT/decode_now_${S}_$G.json 2>&1 | show
   timeout -s KILL $(left 170) $D --batch 1,8,32,64 --k 0,4 --projections gemv+norms+stream \
     --decode-kernel ragged_from=0,skip_done=0 --out $OUT/decode_before_${S}_$G.json 2>&1 | show
   [ $(left 600) -gt 120 ] && CAP=$(left 600) SESSION=$S OUT=$OUT PART=mini bash benchmarks/gpu_session35_call.sh
+  [ $(left 600) -gt 200 ] && ab
 else
   for b in 64 1; do
     timeout -s KILL $(left 100) $T --batch $b --k 0 \
