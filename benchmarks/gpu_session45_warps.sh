@@ -6,7 +6,7 @@
 # was level at batch 32 and 2048 keys (203.9 against 201.7). Arms, native greedy, in two
 # interleaved passes: d (the default), w2 (--decode-kernel num_warps=2), bw
 # (block_t=32,num_warps=2); first at the protocol's contexts (prompt 128, batch 8 and 32),
-# then at a 2048-token prompt (batch 8).
+# then at a 2048-token prompt (batch 1 and 8: the roofline fraction at a long context too).
 # Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=570] bash benchmarks/gpu_session45_warps.sh
 S=${SESSION:-session45}
 . benchmarks/gpu_call_setup.sh
@@ -17,7 +17,7 @@ for part in short long; do
   mkdir -p /tmp/arms_$part
   for pass in 1 2; do
     for a in d w2 bw; do
-      if [ $part = short ]; then P="--batch 8,32"; T=75; else P="--batch 8 --prompt-len 2048"; T=60; fi
+      if [ $part = short ]; then P="--batch 8,32"; T=75; else P="--batch 1,8 --prompt-len 2048"; T=70; fi
       timeout -s KILL $(left $T) $D $P $(arm $a) --out /tmp/arms_$part/${a}_$pass.json \
         >/tmp/arms_$part/${a}_$pass.log 2>&1 || tail -3 /tmp/arms_$part/${a}_$pass.log
     done
