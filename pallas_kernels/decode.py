@@ -192,17 +192,29 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
 # emits the PDL trigger (_common.PDL) and needs last_combine. Programs an
 # engine has already compiled keep the settings they were traced with.
 TUNING: dict = {}
-# Up to this many rows the bf16 tensor-core path takes 32-key blocks (twice the splits at
-# batch 1), above it 64. H200, 1.4B shape, native greedy: batch 1 240.4 / 241.2 tok/s against
-# 240.1 / 239.6 with the same tokens (session 10, interleaved, ab2_*_session10_h200.json).
-# At batch 8 the interleaved A/B of session 11 (ab_b8_*_session11_h200.json) read 1,495.7 /
-# 1,489.5 against 1,498.5 / 1,497.0 for 64 keys (session 10's single pair had 32 ahead by
-# 0.7%; the speculative rows differed by acceptance, on tokens that also vary between
-# processes: docs/performance.md, "Session 11"), so 64 stays from 2 rows up; at batch 64,
-# 32 keys lost (7,426.7 against 7,529.5). Measured through paged_decode_attention_qkv (the
-# default fused write); paged_decode_attention (the --kv-write xla path) takes the same
-# default, unmeasured.
-SMALL_BATCH_ROWS = 1
+# The bf16 tensor-core path's defaults: 32-key blocks at every batch size; 4 warps per
+# program at one row, MULTI_ROW_WARPS from 2 rows up. History: the 32-key block at one row
+# is session 10's (H200, native greedy batch 1 240.4 / 241.2 tok/s against 240.1 / 239.6 for
+# 64 keys; ab2_*_session10_h200.json); from 2 rows up 64 keys with 4 warps served until
+# session 45 (at batch 8 level with 32 keys at 4 warps, session 11; at batch 64, 32 keys at
+# 4 warps lost 1.4%). Session 45 (H100, the 1.4B shape, native greedy, four interleaved
+# passes, ab_decode_warps_short_session45_h100.json and ab_decode_bw_k4_session45_h100.json):
+# 32 keys at 2 warps, median tok/s batch 8 1,351 against 1,343 (+0.6%), batch 32 4,551
+# against 4,462 (+2.0%); k=4 d=2 +0.6% (batch 8) and +0.9% (batch 32) over two passes;
+# level at a 2048-token prompt (batch 1 and 8, ab_decode_warps_long_session45_h100.json),
+# where the kernel alone had 2 warps 14-20% faster at batch 8. Not measured on an H200
+# (sessions 10-11 there: 2 warps level). Batch 64 decode runs the ragged kernel
+# (ouro_jax.attention.RAGGED_FROM). fp32 caches keep 4 warps (unmeasured there). Measured
+# through paged_decode_attention_qkv (the default fused write); paged_decode_attention
+# (the --kv-write xla path) takes the same defaults, unmeasured.
+WIDE_BLOCK_T = 32
+MULTI_ROW_WARPS = 2
+
+
+def default_num_warps(bsz: int, cache_dtype, use_dot: bool) -> int:
+    """The decode kernel's warps per program when neither the call nor TUNING sets them."""
+    wide = jnp.dtype(cache_dtype).itemsize <= 2 and use_dot
+    return MULTI_ROW_WARPS if wide and bsz > 1 else 4
 
 
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
@@ -304,8 +316,7 @@ def key_tiling(bsz: int, kvh: int, group: int, cache_dtype, max_tokens: int, use
     num_splits = TUNING.get("num_splits") if num_splits is None else num_splits
     if block_t is None:  # fp32 IEEE dots at 64 keys spill registers: 32 there
         wide = jnp.dtype(cache_dtype).itemsize <= 2
-        wide_t = 32 if bsz <= SMALL_BATCH_ROWS else 64
-        block_t = (wide_t if wide else 32) if use_dot else (64 if group == 1 else 32)
+        block_t = (WIDE_BLOCK_T if wide else 32) if use_dot else (64 if group == 1 else 32)
     group_pad = max(16, next_pow2(group)) if use_dot else group
     if num_splits is None:
         # One key block per split is enough for decode: at batch 1 (16 programs unsplit) the
@@ -326,7 +337,8 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
     page_size, kvh = k_cache.shape[2], k_cache.shape[3]
     group = h // kvh
     use_dot = bool(use_dot)
-    num_warps = TUNING.get("num_warps", 4) if num_warps is None else num_warps
+    if num_warps is None:
+        num_warps = TUNING.get("num_warps", default_num_warps(bsz, k_cache.dtype, use_dot))
     num_stages = TUNING.get("num_stages", 2) if num_stages is None else num_stages
     block_t, num_splits, group_pad = key_tiling(
         bsz, kvh, group, k_cache.dtype, block_tables.shape[1] * page_size, use_dot,

@@ -204,19 +204,33 @@ def test_decode_layer_fuses_rope_and_kv_write(batch, fused):
     assert ("scatter" in names) != fused and ("concatenate" in names) != fused, names
 
 
-@pytest.mark.parametrize("rows,dtype,splits", [
-    (1, jnp.bfloat16, 8), (2, jnp.bfloat16, 4), (8, jnp.bfloat16, 4), (8, jnp.float32, 8)])
-def test_decode_block_default_is_32_keys_at_one_row(rows, dtype, splits):
-    """decode.SMALL_BATCH_ROWS: 16-bit caches take 32-key blocks at one row and 64 above
-    (fp32 always 32). Seen through the split count: a 256-token table caps the splits at
-    256 / block_t (one block per split), below what the GPU-filling target asks here."""
+@pytest.mark.parametrize("rows,dtype,warps", [
+    (1, jnp.bfloat16, 4), (2, jnp.bfloat16, 2), (8, jnp.bfloat16, 2), (8, jnp.float32, 4)])
+def test_decode_default_tiling(rows, dtype, warps):
+    """The decode kernel's defaults: 32-key blocks at every batch size, seen through the split
+    count (a 256-token table caps the splits at 256 / block_t = 8, one block per split, below
+    what the GPU-filling target asks here); 4 warps at one row and for fp32 caches,
+    decode.MULTI_ROW_WARPS (2) for 16-bit caches from 2 rows up. TUNING and the call's
+    arguments override both."""
     from engine_helpers import pallas_call_eqns
     from pallas_kernels import decode as dk
-    assert dk.SMALL_BATCH_ROWS == 1
+    assert dk.WIDE_BLOCK_T == 32 and dk.MULTI_ROW_WARPS == 2
     kc = jnp.zeros((1, 16, 16, 1, 16), dtype)
     bt = jnp.zeros((rows, 16), jnp.int32)
     lens = jnp.full((rows,), 200, jnp.int32)
     q = jnp.zeros((rows, 1, 16), dtype)
-    (eqn,) = pallas_call_eqns(
-        lambda q: dk.paged_decode_attention(q, kc, kc, 0, bt, lens, interpret=True), q)
-    assert eqn.params["grid_mapping"].grid == (rows, 1, splits)
+
+    def params(**kw):
+        (eqn,) = pallas_call_eqns(
+            lambda q: dk.paged_decode_attention(q, kc, kc, 0, bt, lens, interpret=True, **kw), q)
+        return eqn.params["grid_mapping"].grid, eqn.params["compiler_params"].num_warps
+
+    assert params() == ((rows, 1, 8), warps)
+    assert params(num_warps=8, block_t=64) == ((rows, 1, 4), 8)
+    old = dict(dk.TUNING)
+    dk.TUNING.update(num_warps=1)
+    try:
+        assert params() == ((rows, 1, 8), 1)
+    finally:
+        dk.TUNING.clear()
+        dk.TUNING.update(old)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 45's last call. On an H200: gpu_session45_call.sh (the table at today's default,
+# session 45's decode tuning included, beside the defaults before session 43; then session
+# 35's PART=mini). Elsewhere: the shipped decode-kernel default from 2 rows up (32-key
+# blocks, 2 warps: pallas_kernels.decode.WIDE_BLOCK_T / MULTI_ROW_WARPS) against the one
+# before it (--decode-kernel block_t=64,num_warps=4; batch 8 and 32 only, as that override
+# would also change batch 1's 32-key blocks), k 0,4 greedy, two interleaved passes: the
+# shipped code itself, where the session's A/B ran the same programs through overrides.
+# Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=400] bash benchmarks/gpu_session45_last.sh
+S=${SESSION:-session45}
+CAP=${CAP:-400}
+. benchmarks/gpu_call_setup.sh
+if [ $G = h200 ]; then
+  CAP=$CAP SESSION=$S OUT=$OUT bash benchmarks/gpu_session45_call.sh
+  exit
+fi
+D="python3 -m benchmarks.decode --synthetic 1.4b --attention pallas --temperature 0 --repeats 2 --batch 8,32 --k 0,4"
+mkdir -p /tmp/arms_last
+for pass in 1 2; do
+  for a in new old; do
+    [ $a = old ] && X="--decode-kernel block_t=64,num_warps=4" || X=""
+    timeout -s KILL $(left 90) $D $X --out /tmp/arms_last/${a}_$pass.json \
+      >/tmp/arms_last/${a}_$pass.log 2>&1 || tail -3 /tmp/arms_last/${a}_$pass.log
+  done
+done
+python3 -m benchmarks.ab_arms /tmp/arms_last $OUT/ab_decode_default_vs_old_${S}_$G.json
+echo "elapsed ${SECONDS}s"
