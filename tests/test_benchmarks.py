@@ -174,8 +174,9 @@ def test_kernel_tuning_overrides_reach_the_traced_kernel():
         assert call_params(decode, num_splits=2, num_warps=4) == ((2, 2, 2), 4, 3)
         assert call_params(ragged)[0][2] == 1
         apply_kernel_tuning("", "")
-        # the defaults for this shape: a 16-token table in 4-key blocks, one block per split
-        assert call_params(decode) == ((2, 2, 4), 4, 2)
+        # the defaults for this shape: a 16-token table in 4-key blocks, one block per split;
+        # 2 rows of a bf16 cache: decode.MULTI_ROW_WARPS (2) warps
+        assert call_params(decode) == ((2, 2, 4), 2, 2)
         assert call_params(ragged)[0][2] == 2  # the default for this shape
         assert apply_kernel_tuning("last_combine=0", "")["decode"] == {"last_combine": 0}
         assert dk.TUNING == {"last_combine": 0}  # a switch: 0 is a value, not an error
