@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepared in session 44 for the next GPU call (whichever card comes; about 9 minutes). Its
 # H200 part has not run yet (session 45 got only H100s); since session 45 today's default
-# includes the decode kernel's 2-warp tuning from 2 rows up, which the "before" arm keeps.
+# includes the decode kernel's 2-warp tuning from 2 rows up, which the "before" arm has too.
 #   1. On an H200, last (session 44 measured it on an H100): finished rows skipping their
 #      context (ouro_jax.attention.SKIP_DONE, on since session 44; +3.0-5.7% k=4 at batch 32-64 on an H100 then) against not
 #      (--decode-kernel skip_done=0), k=4 d=2 greedy at batch 32 and 64, in the order skip,
