@@ -204,6 +204,9 @@ SHORT_DECODE_SWEEP = [
     ("[stages1]", dict(num_stages=1)), ("[stages3]", dict(num_stages=3)),
     ("[warps2]", dict(num_warps=2)), ("[warps8]", dict(num_warps=8)),
     ("[bt32,warps2]", dict(block_t=32, num_warps=2)),
+    # the default before session 45 from 2 rows up (since then bt32,warps2 there: at more
+    # than one row the three variants above equal the default)
+    ("[bt64,warps4]", dict(block_t=64, num_warps=4)),
     ("[splits2]", dict(num_splits=2)), ("[splits4]", dict(num_splits=4)),
     ("[cuda-core]", dict(use_dot=False)),
 ]

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Prepared in session 44 for the next GPU call (whichever card comes; about 9 minutes). Its
 # H200 part has not run yet (session 45 got only H100s); since session 45 today's default
-# includes the decode kernel's 2-warp tuning from 2 rows up, which the "before" arm has too.
+# includes the decode kernel's 2-warp tuning from 2 rows up; the "before" arm runs batch
+# 8-64 with block_t=64,num_warps=4 (the tuning before session 45) and batch 1 apart.
 #   1. On an H200, last (session 44 measured it on an H100): finished rows skipping their
-#      context (ouro_jax.attention.SKIP_DONE, on since session 44; +3.0-5.7% k=4 at batch 32-64 on an H100 then) against not
-#      (--decode-kernel skip_done=0), k=4 d=2 greedy at batch 32 and 64, in the order skip,
+#      context (ouro_jax.attention.SKIP_DONE, on since session 44; +3.0-5.7% k=4 at batch
+#      32-64 on an H100 then) against not (--decode-kernel skip_done=0), k=4 d=2 greedy
+#      at batch 32 and 64, in the order skip,
 #      noskip, skip (native batch 32,64 in the first arm: every row there finishes at the
 #      same step, so native is unchanged by it). The records' rounds_run /
 #      active_row_fraction say how much of each batch's rounds went to finished rows
 #      (19 rounds, 16-19% on that H100).
-#   2. On an H200, first: the decode table at today's default beside the defaults before session
-#      43 (--projections gemv+norms+stream --decode-kernel ragged_from=0,skip_done=0),
+#   2. On an H200, first: the decode table at today's default beside the defaults before
+#      session 43 (--projections gemv+norms+stream --decode-kernel ragged_from=0,skip_done=0),
 #      batch 1,8,32,64, k 0,4: the H200 table predates both; whether k=4 stays no slower
 #      than native at batch 64 there is the line to check. Then session 35's prepared call
 #      (gpu_session35_call.sh, the batch-1 line's last lever) in what is left of CAP.
@@ -43,8 +45,11 @@ PY
 }
 if [ $G = h200 ]; then
   timeout -s KILL $(left 170) $D --batch 1,8,32,64 --k 0,4 --out $OUT/decode_now_${S}_$G.json 2>&1 | show
-  timeout -s KILL $(left 170) $D --batch 1,8,32,64 --k 0,4 --projections gemv+norms+stream \
-    --decode-kernel ragged_from=0,skip_done=0 --out $OUT/decode_before_${S}_$G.json 2>&1 | show
+  # (the defaults before session 43: batch 1 apart, as block_t=64 would change its blocks)
+  B4="--k 0,4 --projections gemv+norms+stream --decode-kernel ragged_from=0,skip_done=0"
+  timeout -s KILL $(left 60) $D --batch 1 $B4 --out $OUT/decode_before_b1_${S}_$G.json 2>&1 | show
+  timeout -s KILL $(left 140) $D --batch 8,32,64 $B4,block_t=64,num_warps=4 \
+    --out $OUT/decode_before_${S}_$G.json 2>&1 | show
   [ $(left 600) -gt 120 ] && CAP=$(left 600) SESSION=$S OUT=$OUT PART=mini bash benchmarks/gpu_session35_call.sh
   [ $(left 600) -gt 200 ] && ab
 else

@@ -145,7 +145,7 @@ def attention_kernel(q, kc, vc, cos, sin, g, counters):
                                                                    else ())
     tuning = tuple(sorted((k, v) for k, v in decode.TUNING.items() if k != "pdl"))
     key = ("attention", _sig(*args), g["trash_page"], g["entry_stride"], tuning)
-    num_warps = decode.TUNING.get("num_warps", 4)
+    num_warps = decode.TUNING.get("num_warps", decode.default_num_warps(1, kc.dtype, True))
     num_stages = decode.TUNING.get("num_stages", 2)
     with _decode_pdl(merges):  # (tracing is single-threaded: the patch is seen by this call)
         kern = _compiled(key, fn, tuple(map(_sd, args)), num_warps, num_stages)

@@ -201,10 +201,10 @@ TUNING: dict = {}
 # passes, ab_decode_warps_short_session45_h100.json and ab_decode_bw_k4_session45_h100.json):
 # 32 keys at 2 warps, median tok/s batch 8 1,351 against 1,343 (+0.6%), batch 32 4,551
 # against 4,462 (+2.0%); k=4 d=2 +0.6% (batch 8) and +0.9% (batch 32) over two passes;
-# level at a 2048-token prompt (batch 1 and 8, ab_decode_warps_long_session45_h100.json),
-# where the kernel alone had 2 warps 14-20% faster at batch 8. Not measured on an H200
-# (sessions 10-11 there: 2 warps level). Batch 64 decode runs the ragged kernel
-# (ouro_jax.attention.RAGGED_FROM). fp32 caches keep 4 warps (unmeasured there). Measured
+# level at a 2048-token prompt (batch 8, ab_decode_warps_long_session45_h100.json). Other
+# batch sizes below 64 take it unmeasured. Not measured on an H200 (its one 2-warp record,
+# session 10, is at batch 1, where 4 warps stay). Batch 64 decode runs the ragged kernel
+# (ouro_jax.attention.RAGGED_FROM). fp32 caches and the CUDA-core path keep 4 warps. Measured
 # through paged_decode_attention_qkv (the default fused write); paged_decode_attention
 # (the --kv-write xla path) takes the same defaults, unmeasured.
 WIDE_BLOCK_T = 32

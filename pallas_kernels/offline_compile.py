@@ -336,6 +336,7 @@ def _main():
         return check_prologue()
     from pallas_kernels import (paged_decode_attention, paged_decode_attention_qkv,
                                 ragged_paged_attention)
+    from pallas_kernels.decode import default_num_warps
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     pages = 40000  # > 4 GiB cache in fp32: exercises 64-bit offsets
     for dt in (jnp.bfloat16, jnp.float32):
@@ -345,7 +346,9 @@ def _main():
                 f = jax.jit(functools.partial(paged_decode_attention, **kw))
                 f.trace(S((8, kvh * g, 128), dt), kc, kc, S((), i32), S((8, 256), i32),
                         S((8,), i32)).lower(lowering_platforms=("cuda",))
+                # (8 rows: the warps the engine would compile them with)
                 compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} {kw}",
+                                 num_warps=default_num_warps(8, dt, kw.get("use_dot", True)),
                                  num_stages=kw.get("num_stages", 2))
             # the fused RoPE + K/V write (paged_decode_attention_qkv; aliased caches)
             for rope in (False, True):
@@ -356,7 +359,8 @@ def _main():
                                   S((8, 256), i32), S((8,), i32), S((8,), i32), S((8,), i32),
                                   S((8, 128), dt), S((8, 128), dt)).lower(
                     lowering_platforms=("cuda",))
-                compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} qkv rope={rope}")
+                compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} qkv rope={rope}",
+                                 num_warps=default_num_warps(8, dt, True))
             # the same with the splits merged in the kernel (counters: atomics, CTA barriers)
             def fc(qkv, kc_, vc_, e, bt, ln, pg, sl, cs, sn, cnt):
                 return paged_decode_attention_qkv(qkv, kc_, vc_, e, bt, ln, pg, sl,
@@ -365,7 +369,8 @@ def _main():
                               S((8, 256), i32), S((8,), i32), S((8,), i32), S((8,), i32),
                               S((8, 128), dt), S((8, 128), dt), S((8, kvh), i32)).lower(
                 lowering_platforms=("cuda",))
-            compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} qkv last_combine")
+            compile_captured(f"decode {jnp.dtype(dt).name} kvh{kvh} g{g} qkv last_combine",
+                             num_warps=default_num_warps(8, dt, True))
             for n in (40, 512):
                 f = jax.jit(ragged_paged_attention)
                 f.trace(S((n, kvh * g, 128), dt), kc, kc, S((), i32), S((8, 256), i32),

@@ -204,14 +204,15 @@ def test_decode_layer_fuses_rope_and_kv_write(batch, fused):
     assert ("scatter" in names) != fused and ("concatenate" in names) != fused, names
 
 
-@pytest.mark.parametrize("rows,dtype,warps", [
-    (1, jnp.bfloat16, 4), (2, jnp.bfloat16, 2), (8, jnp.bfloat16, 2), (8, jnp.float32, 4)])
-def test_decode_default_tiling(rows, dtype, warps):
+@pytest.mark.parametrize("rows,dtype,use_dot,warps", [
+    (1, jnp.bfloat16, True, 4), (2, jnp.bfloat16, True, 2), (8, jnp.bfloat16, True, 2),
+    (8, jnp.float16, True, 2), (8, jnp.float32, True, 4), (8, jnp.bfloat16, False, 4)])
+def test_decode_default_tiling(rows, dtype, use_dot, warps, monkeypatch):
     """The decode kernel's defaults: 32-key blocks at every batch size, seen through the split
     count (a 256-token table caps the splits at 256 / block_t = 8, one block per split, below
-    what the GPU-filling target asks here); 4 warps at one row and for fp32 caches,
-    decode.MULTI_ROW_WARPS (2) for 16-bit caches from 2 rows up. TUNING and the call's
-    arguments override both."""
+    what the GPU-filling target asks here); 4 warps at one row, for fp32 caches and on the
+    CUDA-core path (use_dot=False), decode.MULTI_ROW_WARPS (2) for 16-bit caches on the
+    tensor-core path from 2 rows up. TUNING and the call's arguments override both."""
     from engine_helpers import pallas_call_eqns
     from pallas_kernels import decode as dk
     assert dk.WIDE_BLOCK_T == 32 and dk.MULTI_ROW_WARPS == 2
@@ -221,16 +222,14 @@ def test_decode_default_tiling(rows, dtype, warps):
     q = jnp.zeros((rows, 1, 16), dtype)
 
     def params(**kw):
-        (eqn,) = pallas_call_eqns(
-            lambda q: dk.paged_decode_attention(q, kc, kc, 0, bt, lens, interpret=True, **kw), q)
+        (eqn,) = pallas_call_eqns(lambda q: dk.paged_decode_attention(
+            q, kc, kc, 0, bt, lens, interpret=True, use_dot=use_dot, **kw), q)
         return eqn.params["grid_mapping"].grid, eqn.params["compiler_params"].num_warps
 
-    assert params() == ((rows, 1, 8), warps)
+    monkeypatch.setattr(dk, "TUNING", {})
+    # (the CUDA-core path's block: 64 keys for one query per KV head, as before)
+    splits = 8 if use_dot else 4
+    assert params() == ((rows, 1, splits), warps)
     assert params(num_warps=8, block_t=64) == ((rows, 1, 4), 8)
-    old = dict(dk.TUNING)
-    dk.TUNING.update(num_warps=1)
-    try:
-        assert params() == ((rows, 1, 8), 1)
-    finally:
-        dk.TUNING.clear()
-        dk.TUNING.update(old)
+    monkeypatch.setattr(dk, "TUNING", {"num_warps": 1, "block_t": 128})
+    assert params() == ((rows, 1, 2), 1)
