@@ -9,6 +9,10 @@ Ouro-1.4B attention shapes: 16 query heads, 16 KV heads, head_dim 128, bf16. Dec
 Timing: R calls unrolled in one jit (each reads a different cache plane `entry`, so small
 problems are not served from L2), outputs reduced into one scalar; median of several runs,
 minus the median time of the same jit doing no attention (dispatch + sync), divided by R.
+`--device-time` instead times R unrolled calls that return every output (no reductions) by
+their GPU kernels' own durations from a profiler trace (benchmarks.timing.device_seconds),
+the split combine included: the figure to trust for small points, where the wall clock's
+overhead subtraction is noisy (session 45 read batch 1 at 2048 keys above the DRAM peak).
 K/V bandwidth = B * context * KVH * head_dim * 2 B * 2 (K and V) / time: the fewest bytes any
 implementation must read. Copy bandwidth (read + write bytes of a 2 GiB x+1) is measured in
 the same run. `--smoke` runs tiny shapes in interpret mode on CPU to check the script.
@@ -85,11 +89,30 @@ def unrolled(fn, reps, ragged):
     return jax.jit(run)
 
 
+def unrolled_outputs(fn, reps, ragged, planes):
+    """jit of `reps` calls, call i on plane i % planes (a constant), returning every output:
+    no reductions and no index kernels, so a device trace of it holds the attention's own
+    kernels alone (a split combine included): what --device-time sums."""
+    def run(q, k, v, bt, lens, cu):
+        return tuple(fn(*((q, k, v, np.int32(i % planes), bt, lens) + ((cu,) if ragged else ())))
+                     for i in range(reps))
+    return jax.jit(run)
+
+
 def empty(q, k, v, bt, lens, cu, entries):
     return jnp.sum(q[:1].astype(jnp.float32)) + entries[0]
 
 
-def time_impl(fn, p, ragged, reps, overhead):
+def time_impl(fn, p, ragged, reps, overhead, device_time=False):
+    """Seconds per call: by the wall clock of `reps` unrolled calls less the empty program's
+    (`overhead`), or with device_time the GPU kernels' own durations (NaN without a GPU).
+    Why both: at small points (a few MB of K/V) the wall clock's overhead subtraction is
+    noisy enough to read above the copy rate (session 45, batch 1 at 2048 keys)."""
+    if device_time:
+        from benchmarks.timing import device_seconds
+        f = unrolled_outputs(fn, reps, ragged, p["planes"])
+        return device_seconds(f, p["q"], p["k"], p["v"], p["bt"], p["lens"], p["cu"],
+                              calls=4, units=reps)[0]
     entries = jnp.arange(reps, dtype=jnp.int32) % p["planes"]
     f = unrolled(fn, reps, ragged)
     t = median_time(f, p["q"], p["k"], p["v"], p["bt"], p["lens"], p["cu"], entries)
@@ -118,7 +141,7 @@ def _pallas_impl(kern, ragged, nq, smoke, kw):
                                                  q_len=nq, **kw)
 
 
-def bench_point(kind, batch, ctx, page_size, copy_bw, smoke, variants):
+def bench_point(kind, batch, ctx, page_size, copy_bw, smoke, variants, device_time=False):
     nq = 1 if kind == "decode" else 5
     p = make_problem(batch, ctx, nq, page_size, smoke=smoke)
     ragged = kind != "decode"
@@ -144,10 +167,11 @@ def bench_point(kind, batch, ctx, page_size, copy_bw, smoke, variants):
     t_xla = None
     for name, fn in impls:
         rec = dict(kernel=kind, batch=batch, context=ctx, q_per_seq=nq, impl=name,
-                   page_size=page_size, reps=reps, planes=p["planes"])
+                   page_size=page_size, reps=reps, planes=p["planes"],
+                   timing="device" if device_time else "wall")
         try:
             err = 0.0 if name == "xla" else rel_err(jax.jit(fn)(*base_args), want)
-            t = time_impl(fn, p, ragged, reps, overhead)
+            t = time_impl(fn, p, ragged, reps, overhead, device_time)
         except Exception as e:  # keep the table going; the failure is recorded
             rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")
             rows.append(rec)
@@ -263,6 +287,9 @@ def main():
                     help="only these points, e.g. decode:64:160,verify:64:160, each with the "
                          "tuning variants of --variant-set")
     ap.add_argument("--variant-set", default="short", choices=sorted(VARIANT_SETS))
+    ap.add_argument("--device-time", action="store_true",
+                    help="time each call by its GPU kernels' durations from a profiler trace "
+                         "(the split combine included) instead of the wall clock")
     args = ap.parse_args()
     global HEADS, KV_HEADS, HEAD_DIM
     if args.smoke:
@@ -295,19 +322,22 @@ def main():
         for kind, b, c in parse_points(args.points):
             dec, rag = VARIANT_SETS[args.variant_set]
             variants = [("", {})] + (dec if kind == "decode" else rag)
-            sweep += bench_point(kind, b, c, args.page_size, copy_bw, args.smoke, variants)
+            sweep += bench_point(kind, b, c, args.page_size, copy_bw, args.smoke, variants,
+                                 args.device_time)
             print(fmt_table(sweep[-len(variants) - 1:], copy_bw), flush=True)
             save()
         print(f"wrote {args.out}")
         return
     for b in batches:
         for c in contexts:
-            rows += bench_point("decode", b, c, args.page_size, copy_bw, args.smoke, [("", {})])
+            rows += bench_point("decode", b, c, args.page_size, copy_bw, args.smoke, [("", {})],
+                                args.device_time)
             print("\n".join(fmt_table(rows[-2:], copy_bw).splitlines()[-2:]), flush=True)
             save()
     for b in verify_batches:
         for c in contexts:
-            rows += bench_point("verify", b, c, args.page_size, copy_bw, args.smoke, [("", {})])
+            rows += bench_point("verify", b, c, args.page_size, copy_bw, args.smoke, [("", {})],
+                                args.device_time)
             print("\n".join(fmt_table(rows[-2:], copy_bw).splitlines()[-2:]), flush=True)
             save()
 
@@ -318,15 +348,18 @@ def main():
             points = [(64, 8192), (1, 8192)]
             decode_sweep = [v for v in DECODE_SWEEP if v[0] in ("[cuda-core]", "[stages3]",
                                                                  "[splits x2]")]
-        from pallas_kernels._common import choose_num_splits
-        for b, c in points:
-            base = choose_num_splits(b * KV_HEADS, -(-c // args.page_size) * args.page_size, 64)
+        from pallas_kernels.decode import key_tiling
+        for b, c in points:  # (the default's split count, as the kernel computes it)
+            base = key_tiling(b, KV_HEADS, HEADS // KV_HEADS, DTYPE,
+                              -(-c // args.page_size) * args.page_size, True)[1]
             variants = [(n, kw if kw is not None else dict(num_splits=2 * base))
                         for n, kw in decode_sweep]
-            sweep += bench_point("decode", b, c, args.page_size, copy_bw, args.smoke, variants)
+            sweep += bench_point("decode", b, c, args.page_size, copy_bw, args.smoke, variants,
+                                 args.device_time)
             save()
         for b, c in ([] if args.quick_sweep else [(8, 2048)] if not args.smoke else [(2, 40)]):
-            sweep += bench_point("verify", b, c, args.page_size, copy_bw, args.smoke, RAGGED_SWEEP)
+            sweep += bench_point("verify", b, c, args.page_size, copy_bw, args.smoke,
+                                 RAGGED_SWEEP, args.device_time)
             save()
         print("\ntuning sweep:\n" + fmt_table(sweep, copy_bw), flush=True)
 

@@ -1,0 +1,48 @@
+"""benchmarks.attention_kernels: the --device-time harness (tiny shapes, interpret mode)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import attention_kernels as ak
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setattr(ak, "HEADS", 2)
+    monkeypatch.setattr(ak, "KV_HEADS", 2)
+    monkeypatch.setattr(ak, "HEAD_DIM", 16)
+    return ak.make_problem(2, 40, 1, 16, smoke=True)
+
+
+def test_unrolled_outputs_are_the_calls_on_each_plane(tiny):
+    """Call i reads plane i % planes: its output equals the reference on that plane, and the
+    planes differ, so a wrong entry would show."""
+    p = tiny
+    assert p["planes"] == 2
+    ref = ak.paged_decode_attention_reference
+    outs = ak.unrolled_outputs(ref, 3, False, p["planes"])(p["q"], p["k"], p["v"], p["bt"],
+                                                           p["lens"], p["cu"])
+    assert len(outs) == 3
+    per_plane = [np.asarray(ref(p["q"], p["k"], p["v"], jnp.int32(e), p["bt"], p["lens"]),
+                 np.float32) for e in range(2)]
+    assert not np.array_equal(per_plane[0], per_plane[1])
+    for i, o in enumerate(outs):
+        np.testing.assert_array_equal(np.asarray(o, np.float32), per_plane[i % 2])
+
+
+def test_device_time_rows_are_labelled_and_nan_without_a_gpu(tiny):
+    """--device-time's rows say so; on the CPU the trace has no GPU kernels, so the time is
+    NaN rather than a made-up figure. The wall-clock path still gives a finite time."""
+    dev = ak.bench_point("decode", 2, 40, 16, 1e9, True, [("", {})], device_time=True)
+    wall = ak.bench_point("decode", 2, 40, 16, 1e9, True, [("", {})])
+    assert [r["timing"] for r in dev] == ["device", "device"]
+    assert [r["impl"] for r in dev] == ["xla", "pallas"]
+    assert all(math.isnan(r["time_us"]) for r in dev)
+    assert dev[1]["rel_err_vs_xla"] < 1e-2  # the kernel still checked against XLA
+    assert [r["timing"] for r in wall] == ["wall", "wall"]
+    assert all(math.isfinite(r["time_us"]) and r["time_us"] > 0 for r in wall)
