@@ -5,7 +5,8 @@
 # blocks, 2 warps: pallas_kernels.decode.WIDE_BLOCK_T / MULTI_ROW_WARPS) against the one
 # before it (--decode-kernel block_t=64,num_warps=4; batch 8 and 32 only, as that override
 # would also change batch 1's 32-key blocks), k 0,4 greedy, two interleaved passes: the
-# shipped code itself, where the session's A/B ran the same programs through overrides.
+# shipped code itself, where the session's A/B ran the same programs through overrides;
+# then benchmarks.attention_kernels --device-time at three decode points.
 # Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=400] bash benchmarks/gpu_session45_last.sh
 S=${SESSION:-session45}
 CAP=${CAP:-400}
@@ -24,4 +25,9 @@ for pass in 1 2; do
   done
 done
 python3 -m benchmarks.ab_arms /tmp/arms_last $OUT/ab_decode_default_vs_old_${S}_$G.json
+# then, if time is left, the attention benchmark's first --device-time figures (its wall clock
+# read batch 1 at 2048 keys above the DRAM peak in session 45)
+[ $(left 600) -gt 60 ] && timeout -s KILL $(left 150) python3 -m benchmarks.attention_kernels \
+  --no-sweep --device-time --points decode:1:2048,decode:8:512,decode:8:2048 \
+  --out $OUT/attention_device_time_${S}_$G.json 2>&1 | tail -45
 echo "elapsed ${SECONDS}s"
