@@ -273,7 +273,7 @@ def parse_points(spec: str):
     return out
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "attention_kernels.json"))
@@ -290,18 +290,57 @@ def main():
     ap.add_argument("--device-time", action="store_true",
                     help="time each call by its GPU kernels' durations from a profiler trace "
                          "(the split combine included) instead of the wall clock")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run_tables(args, point, fmt, rows, save):
+    """Decode at every batch x context, then verification (5 queries per sequence)."""
+    batches = (1, 8, 64) if not args.smoke else (1, 2)
+    contexts = (512, 2048, 8192) if not args.smoke else (16, 40)
+    verify_batches = () if args.decode_only else (8, 64) if not args.smoke else (2,)
+    for kind, kind_batches in (("decode", batches), ("verify", verify_batches)):
+        for b in kind_batches:
+            for c in contexts:
+                rows += point(kind, b, c, [("", {})])
+                print("\n".join(fmt(rows[-2:]).splitlines()[-2:]), flush=True)
+                save()
+
+
+def run_sweep(args, point, sweep, save):
+    """The decode kernel's DECODE_SWEEP variants at a few points, then RAGGED_SWEEP."""
+    points = [(64, 8192), (64, 2048), (8, 2048), (1, 8192)] if not args.smoke else [(2, 40)]
+    decode_sweep = DECODE_SWEEP
+    if args.quick_sweep:
+        points = [(64, 8192), (1, 8192)]
+        decode_sweep = [v for v in DECODE_SWEEP if v[0] in ("[cuda-core]", "[stages3]",
+                                                             "[splits x2]")]
+    from pallas_kernels.decode import key_tiling
+    for b, c in points:  # (the default's split count, as the kernel computes it)
+        base = key_tiling(b, KV_HEADS, HEADS // KV_HEADS, DTYPE,
+                          -(-c // args.page_size) * args.page_size, True)[1]
+        variants = [(n, kw if kw is not None else dict(num_splits=2 * base))
+                    for n, kw in decode_sweep]
+        sweep += point("decode", b, c, variants)
+        save()
+    for b, c in ([] if args.quick_sweep else [(8, 2048)] if not args.smoke else [(2, 40)]):
+        sweep += point("verify", b, c, RAGGED_SWEEP)
+        save()
+
+
+def main(argv=None):
+    args = parse_args(argv)
     global HEADS, KV_HEADS, HEAD_DIM
     if args.smoke:
         HEADS, KV_HEADS, HEAD_DIM = 2, 2, 16
-    batches = (1, 8, 64) if not args.smoke else (1, 2)
-    contexts = (512, 2048, 8192) if not args.smoke else (16, 40)
-    verify_batches = (8, 64) if not args.smoke else (2,)
-    if args.decode_only:
-        verify_batches = ()
-
     copy_bw, bw_detail = copy_bandwidth(args.smoke)
     rows, sweep = [], []
+
+    def point(kind, b, c, variants):
+        return bench_point(kind, b, c, args.page_size, copy_bw, args.smoke, variants,
+                           args.device_time)
+
+    def fmt(rows_):
+        return fmt_table(rows_, copy_bw)
 
     def save():  # after every point, so a run cut short still leaves its numbers
         result = dict(jax_version=jax.__version__, device=str(jax.devices()[0].device_kind),
@@ -310,6 +349,7 @@ def main():
                                   dtype="bfloat16", page_size=args.page_size),
                       copy_bandwidth_GBps=copy_bw / 1e9,
                       bandwidth_detail_GBps={k: v / 1e9 for k, v in bw_detail.items()},
+                      timing="device" if args.device_time else "wall",
                       results=rows, decode_sweep=sweep)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -322,48 +362,16 @@ def main():
         for kind, b, c in parse_points(args.points):
             dec, rag = VARIANT_SETS[args.variant_set]
             variants = [("", {})] + (dec if kind == "decode" else rag)
-            sweep += bench_point(kind, b, c, args.page_size, copy_bw, args.smoke, variants,
-                                 args.device_time)
-            print(fmt_table(sweep[-len(variants) - 1:], copy_bw), flush=True)
+            sweep += point(kind, b, c, variants)
+            print(fmt(sweep[-len(variants) - 1:]), flush=True)
             save()
         print(f"wrote {args.out}")
         return
-    for b in batches:
-        for c in contexts:
-            rows += bench_point("decode", b, c, args.page_size, copy_bw, args.smoke, [("", {})],
-                                args.device_time)
-            print("\n".join(fmt_table(rows[-2:], copy_bw).splitlines()[-2:]), flush=True)
-            save()
-    for b in verify_batches:
-        for c in contexts:
-            rows += bench_point("verify", b, c, args.page_size, copy_bw, args.smoke, [("", {})],
-                                args.device_time)
-            print("\n".join(fmt_table(rows[-2:], copy_bw).splitlines()[-2:]), flush=True)
-            save()
-
+    run_tables(args, point, fmt, rows, save)
     if not args.no_sweep:
-        points = [(64, 8192), (64, 2048), (8, 2048), (1, 8192)] if not args.smoke else [(2, 40)]
-        decode_sweep = DECODE_SWEEP
-        if args.quick_sweep:
-            points = [(64, 8192), (1, 8192)]
-            decode_sweep = [v for v in DECODE_SWEEP if v[0] in ("[cuda-core]", "[stages3]",
-                                                                 "[splits x2]")]
-        from pallas_kernels.decode import key_tiling
-        for b, c in points:  # (the default's split count, as the kernel computes it)
-            base = key_tiling(b, KV_HEADS, HEADS // KV_HEADS, DTYPE,
-                              -(-c // args.page_size) * args.page_size, True)[1]
-            variants = [(n, kw if kw is not None else dict(num_splits=2 * base))
-                        for n, kw in decode_sweep]
-            sweep += bench_point("decode", b, c, args.page_size, copy_bw, args.smoke, variants,
-                                 args.device_time)
-            save()
-        for b, c in ([] if args.quick_sweep else [(8, 2048)] if not args.smoke else [(2, 40)]):
-            sweep += bench_point("verify", b, c, args.page_size, copy_bw, args.smoke,
-                                 RAGGED_SWEEP, args.device_time)
-            save()
-        print("\ntuning sweep:\n" + fmt_table(sweep, copy_bw), flush=True)
-
-    print("\n" + fmt_table(rows, copy_bw))
+        run_sweep(args, point, sweep, save)
+        print("\ntuning sweep:\n" + fmt(sweep), flush=True)
+    print("\n" + fmt(rows))
     save()
     print(f"wrote {args.out}")
 

@@ -46,3 +46,18 @@ def test_device_time_rows_are_labelled_and_nan_without_a_gpu(tiny):
     assert dev[1]["rel_err_vs_xla"] < 1e-2  # the kernel still checked against XLA
     assert [r["timing"] for r in wall] == ["wall", "wall"]
     assert all(math.isfinite(r["time_us"]) and r["time_us"] > 0 for r in wall)
+
+
+def test_main_smoke_device_time_writes_labelled_rows(tmp_path, monkeypatch):
+    """The command line end to end (decode table only, tiny shapes): the JSON names its timing
+    and holds a row per implementation and point."""
+    import json
+    for name in ("HEADS", "KV_HEADS", "HEAD_DIM"):  # main() sets them for --smoke; restore
+        monkeypatch.setattr(ak, name, getattr(ak, name))
+    out = tmp_path / "ak.json"
+    ak.main(["--smoke", "--decode-only", "--no-sweep", "--device-time", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["timing"] == "device"
+    assert [(r["batch"], r["context"], r["impl"]) for r in res["results"]] == [
+        (b, c, impl) for b in (1, 2) for c in (16, 40) for impl in ("xla", "pallas")]
+    assert all(r["timing"] == "device" for r in res["results"])
