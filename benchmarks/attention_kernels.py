@@ -9,10 +9,11 @@ Ouro-1.4B attention shapes: 16 query heads, 16 KV heads, head_dim 128, bf16. Dec
 Timing: R calls unrolled in one jit (each reads a different cache plane `entry`, so small
 problems are not served from L2), outputs reduced into one scalar; median of several runs,
 minus the median time of the same jit doing no attention (dispatch + sync), divided by R.
-`--device-time` instead times R unrolled calls that return every output (no reductions) by
-their GPU kernels' own durations from a profiler trace (benchmarks.timing.device_seconds),
-the split combine included: the figure to trust for small points, where the wall clock's
-overhead subtraction is noisy (session 45 read batch 1 at 2048 keys above the DRAM peak).
+`--device-time` instead times up to R unrolled calls, one per plane (two on one plane could
+be merged by XLA's CSE), that return every output (no reductions), by their GPU kernels' own
+durations from a profiler trace (benchmarks.timing.device_seconds), the split combine
+included: the figure to trust at small points, where the wall clock less the empty program's
+is suspect (session 45 read batch 1 at 2048 keys above the DRAM peak).
 K/V bandwidth = B * context * KVH * head_dim * 2 B * 2 (K and V) / time: the fewest bytes any
 implementation must read. Copy bandwidth (read + write bytes of a 2 GiB x+1) is measured in
 the same run. `--smoke` runs tiny shapes in interpret mode on CPU to check the script.
@@ -110,9 +111,12 @@ def time_impl(fn, p, ragged, reps, overhead, device_time=False):
     noisy enough to read above the copy rate (session 45, batch 1 at 2048 keys)."""
     if device_time:
         from benchmarks.timing import device_seconds
-        f = unrolled_outputs(fn, reps, ragged, p["planes"])
+        # at most one call per plane: two calls on one plane have identical operands, which
+        # XLA's CSE may merge into one (the wall-clock path passes traced entries instead)
+        n = min(reps, p["planes"])
+        f = unrolled_outputs(fn, n, ragged, p["planes"])
         return device_seconds(f, p["q"], p["k"], p["v"], p["bt"], p["lens"], p["cu"],
-                              calls=4, units=reps)[0]
+                              calls=4, units=n)[0]
     entries = jnp.arange(reps, dtype=jnp.int32) % p["planes"]
     f = unrolled(fn, reps, ragged)
     t = median_time(f, p["q"], p["k"], p["v"], p["bt"], p["lens"], p["cu"], entries)
