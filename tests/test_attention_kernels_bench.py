@@ -35,9 +35,48 @@ def test_unrolled_outputs_are_the_calls_on_each_plane(tiny):
         np.testing.assert_array_equal(np.asarray(o, np.float32), per_plane[i % 2])
 
 
+def test_device_time_runs_one_call_per_plane(tiny, monkeypatch):
+    """Two calls on one plane (a constant) have identical operands, which XLA's CSE may merge
+    into one kernel; so the device path unrolls at most `planes` calls and divides by that."""
+    import benchmarks.timing as timing
+    seen = {}
+    real = ak.unrolled_outputs
+
+    def spy_unrolled(fn, reps, ragged, planes):
+        seen["reps"] = reps
+        return real(fn, reps, ragged, planes)
+
+    def fake_device_seconds(f, *args, calls, units):
+        seen["units"] = units
+        return 6e-6, 7e-6
+
+    monkeypatch.setattr(ak, "unrolled_outputs", spy_unrolled)
+    monkeypatch.setattr(timing, "device_seconds", fake_device_seconds)
+    t = ak.time_impl(ak.paged_decode_attention_reference, tiny, False, 5, 0.0, True)
+    assert t == 6e-6 and seen == {"reps": 2, "units": 2}  # planes = 2 < reps = 5
+
+
+def test_unrolled_outputs_keep_every_call_on_distinct_planes(tiny):
+    """With one call per plane, the compiled program still runs every call (no CSE): twice
+    the reference's dot products of one call."""
+    import jax
+    p = tiny
+    args = (p["q"], p["k"], p["v"], p["bt"], p["lens"], p["cu"])
+    ref = ak.paged_decode_attention_reference
+
+    def dots(reps):
+        f = ak.unrolled_outputs(ref, reps, False, p["planes"])
+        return jax.jit(f).lower(*args).compile().as_text().count(" dot(")
+
+    assert dots(1) > 0 and dots(2) == 2 * dots(1)
+
+
 def test_device_time_rows_are_labelled_and_nan_without_a_gpu(tiny):
     """--device-time's rows say so; on the CPU the trace has no GPU kernels, so the time is
     NaN rather than a made-up figure. The wall-clock path still gives a finite time."""
+    import jax
+    if jax.default_backend() == "gpu":
+        pytest.skip("a CPU check: with a GPU the device time is real")
     dev = ak.bench_point("decode", 2, 40, 16, 1e9, True, [("", {})], device_time=True)
     wall = ak.bench_point("decode", 2, 40, 16, 1e9, True, [("", {})])
     assert [r["timing"] for r in dev] == ["device", "device"]
