@@ -311,9 +311,13 @@ def run_tables(args, point, fmt, rows, save):
                 save()
 
 
+SWEEP_POINTS = [(64, 8192), (64, 2048), (8, 2048), (1, 8192)]  # (batch, context)
+SMOKE_SWEEP_POINTS = [(2, 40)]
+
+
 def run_sweep(args, point, sweep, save):
     """The decode kernel's DECODE_SWEEP variants at a few points, then RAGGED_SWEEP."""
-    points = [(64, 8192), (64, 2048), (8, 2048), (1, 8192)] if not args.smoke else [(2, 40)]
+    points = SWEEP_POINTS if not args.smoke else SMOKE_SWEEP_POINTS
     decode_sweep = DECODE_SWEEP
     if args.quick_sweep:
         points = [(64, 8192), (1, 8192)]

@@ -100,3 +100,37 @@ def test_main_smoke_device_time_writes_labelled_rows(tmp_path, monkeypatch):
     assert [(r["batch"], r["context"], r["impl"]) for r in res["results"]] == [
         (b, c, impl) for b in (1, 2) for c in (16, 40) for impl in ("xla", "pallas")]
     assert all(r["timing"] == "device" for r in res["results"])
+
+
+def test_main_smoke_sweep_doubles_the_kernels_own_splits(tmp_path, monkeypatch):
+    """The sweep's '[splits x2]' asks for twice the split count the decode kernel would choose
+    itself (pallas_kernels.decode.key_tiling), and the ragged sweep runs (one variant each
+    here, to keep the test short)."""
+    import json
+    from pallas_kernels import decode as dk
+    for name in ("HEADS", "KV_HEADS", "HEAD_DIM"):
+        monkeypatch.setattr(ak, name, getattr(ak, name))
+    monkeypatch.setattr(ak, "DECODE_SWEEP", [("[splits x2]", None)])
+    monkeypatch.setattr(ak, "RAGGED_SWEEP", [("[stages1]", dict(num_stages=1))])
+    # 256 keys: the kernel's own 32-key blocks give 8 splits (one block each); a count made
+    # for 64-key blocks at two blocks per split (the sweep's rule before session 45) gives 2
+    monkeypatch.setattr(ak, "SMOKE_SWEEP_POINTS", [(2, 256)])
+    asked = []
+    real = ak.bench_point
+
+    def spy(kind, b, c, page_size, copy_bw, smoke, variants, device_time=False):
+        asked.append((kind, b, c, variants))
+        return real(kind, b, c, page_size, copy_bw, smoke, variants, device_time)
+
+    monkeypatch.setattr(ak, "bench_point", spy)
+    out = tmp_path / "ak.json"
+    ak.main(["--smoke", "--decode-only", "--out", str(out)])
+    sweep = json.loads(out.read_text())["decode_sweep"]
+    assert [(r["kernel"], r["impl"]) for r in sweep] == [
+        ("decode", "xla"), ("decode", "pallas[splits x2]"),
+        ("verify", "xla"), ("verify", "pallas[stages1]")]
+    assert all("error" not in r for r in sweep)
+    (_, b, c, variants), = [a for a in asked if a[3][0][0] == "[splits x2]"]
+    own = dk.key_tiling(b, 2, 1, ak.DTYPE, -(-c // 16) * 16, True)[1]
+    assert (b, c, own) == (2, 256, 8)
+    assert variants == [("[splits x2]", {"num_splits": 16})]
