@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Prepared in session 44 for the next GPU call (whichever card comes; about 9 minutes). Its
 # H200 part has not run yet (session 45 got only H100s); since session 45 today's default
-# includes the decode kernel's 2-warp tuning from 2 rows up; the "before" arm runs batch
-# 8-64 with block_t=64,num_warps=4 (the tuning before session 45) and batch 1 apart.
+# includes the decode kernel's 2-warp tuning from 2 rows up; an arm without it (batch 8 and
+# 32) follows the table, and the "before" arm runs batch 8-64 with block_t=64,num_warps=4
+# (the tuning before session 45) and batch 1 apart. On an H200 the call may not reach
+# PART=mini within one command: run `CAP=570 SESSION=... OUT=... PART=mini bash
+# benchmarks/gpu_session35_call.sh` as a follow-up while the machine is warm.
 #   1. On an H200, last (session 44 measured it on an H100): finished rows skipping their
 #      context (ouro_jax.attention.SKIP_DONE, on since session 44; +3.0-5.7% k=4 at batch
 #      32-64 on an H100 then) against not (--decode-kernel skip_done=0), k=4 d=2 greedy
@@ -45,6 +48,9 @@ PY
 }
 if [ $G = h200 ]; then
   timeout -s KILL $(left 170) $D --batch 1,8,32,64 --k 0,4 --out $OUT/decode_now_${S}_$G.json 2>&1 | show
+  # today's default less session 45's decode tuning (its change alone on the H200)
+  timeout -s KILL $(left 80) $D --batch 8,32 --k 0,4 --decode-kernel block_t=64,num_warps=4 \
+    --out $OUT/decode_now_pre45_${S}_$G.json 2>&1 | show
   # (the defaults before session 43: batch 1 apart, as block_t=64 would change its blocks)
   B4="--k 0,4 --projections gemv+norms+stream --decode-kernel ragged_from=0,skip_done=0"
   timeout -s KILL $(left 60) $D --batch 1 $B4 --out $OUT/decode_before_b1_${S}_$G.json 2>&1 | show
