@@ -104,6 +104,13 @@ def empty(q, k, v, bt, lens, cu, entries):
     return jnp.sum(q[:1].astype(jnp.float32)) + entries[0]
 
 
+def timed_calls(reps, planes, device_time):
+    """Calls per timed program: by device time at most one per plane, as two calls on one
+    plane (a constant) have identical operands, which XLA's CSE may merge into one; the
+    wall-clock path passes traced entries instead, so all `reps`."""
+    return min(reps, planes) if device_time else reps
+
+
 def time_impl(fn, p, ragged, reps, overhead, device_time=False):
     """Seconds per call: by the wall clock of `reps` unrolled calls less the empty program's
     (`overhead`), or with device_time the GPU kernels' own durations (NaN without a GPU).
@@ -111,9 +118,7 @@ def time_impl(fn, p, ragged, reps, overhead, device_time=False):
     noisy enough to read above the copy rate (session 45, batch 1 at 2048 keys)."""
     if device_time:
         from benchmarks.timing import device_seconds
-        # at most one call per plane: two calls on one plane have identical operands, which
-        # XLA's CSE may merge into one (the wall-clock path passes traced entries instead)
-        n = min(reps, p["planes"])
+        n = timed_calls(reps, p["planes"], True)
         f = unrolled_outputs(fn, n, ragged, p["planes"])
         return device_seconds(f, p["q"], p["k"], p["v"], p["bt"], p["lens"], p["cu"],
                               calls=4, units=n)[0]
@@ -159,9 +164,9 @@ def bench_point(kind, batch, ctx, page_size, copy_bw, smoke, variants, device_ti
     reps = int(min(16, max(4, math.ceil(1.5e-3 / est))))
     if smoke:
         reps = 2
-    e_entries = jnp.arange(reps, dtype=jnp.int32)
-    overhead = median_time(jax.jit(empty), p["q"], p["k"], p["v"], p["bt"], p["lens"], p["cu"],
-                           e_entries)
+    overhead = 0.0 if device_time else median_time(  # (the wall clock's baseline only)
+        jax.jit(empty), p["q"], p["k"], p["v"], p["bt"], p["lens"], p["cu"],
+        jnp.arange(reps, dtype=jnp.int32))
     base_args = (p["q"], p["k"], p["v"], jnp.int32(1), p["bt"], p["lens"]) + \
         ((p["cu"],) if ragged else ())
     want = jax.jit(ref)(*base_args)
@@ -172,7 +177,7 @@ def bench_point(kind, batch, ctx, page_size, copy_bw, smoke, variants, device_ti
     for name, fn in impls:
         rec = dict(kernel=kind, batch=batch, context=ctx, q_per_seq=nq, impl=name,
                    page_size=page_size, planes=p["planes"],
-                   reps=min(reps, p["planes"]) if device_time else reps,  # (time_impl's)
+                   reps=timed_calls(reps, p["planes"], device_time),
                    timing="device" if device_time else "wall")
         try:
             err = 0.0 if name == "xla" else rel_err(jax.jit(fn)(*base_args), want)

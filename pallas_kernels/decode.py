@@ -211,10 +211,14 @@ WIDE_BLOCK_T = 32
 MULTI_ROW_WARPS = 2
 
 
+def _wide(cache_dtype) -> bool:
+    """16-bit caches: the ones the tensor-core path's defaults above are tuned for."""
+    return jnp.dtype(cache_dtype).itemsize <= 2
+
+
 def default_num_warps(bsz: int, cache_dtype, use_dot: bool) -> int:
     """The decode kernel's warps per program when neither the call nor TUNING sets them."""
-    wide = jnp.dtype(cache_dtype).itemsize <= 2 and use_dot
-    return MULTI_ROW_WARPS if wide and bsz > 1 else 4
+    return MULTI_ROW_WARPS if _wide(cache_dtype) and use_dot and bsz > 1 else 4
 
 
 def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
@@ -315,8 +319,8 @@ def key_tiling(bsz: int, kvh: int, group: int, cache_dtype, max_tokens: int, use
     block_t = TUNING.get("block_t") if block_t is None else block_t
     num_splits = TUNING.get("num_splits") if num_splits is None else num_splits
     if block_t is None:  # fp32 IEEE dots at 64 keys spill registers: 32 there
-        wide = jnp.dtype(cache_dtype).itemsize <= 2
-        block_t = (WIDE_BLOCK_T if wide else 32) if use_dot else (64 if group == 1 else 32)
+        block_t = ((WIDE_BLOCK_T if _wide(cache_dtype) else 32) if use_dot
+                   else (64 if group == 1 else 32))
     group_pad = max(16, next_pow2(group)) if use_dot else group
     if num_splits is None:
         # One key block per split is enough for decode: at batch 1 (16 programs unsplit) the
