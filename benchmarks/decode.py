@@ -98,7 +98,10 @@ def run_config(llm, batch, k, temp, args):
                for _ in range(batch)]
     sps = [SamplingParams(max_tokens=args.new_tokens, temperature=temp, top_p=1.0, seed=i,
                           ignore_eos=True) for i in range(batch)]
-    spec = (SpeculativeConfig(k, args.draft_loops, rounds_per_fetch=args.new_tokens)
+    # one fetch per call: a pipelined tick commits at most one token (at least one per two)
+    ticks = 2 * args.new_tokens + 2 if args.pipelined else args.new_tokens
+    spec = (SpeculativeConfig(k, args.draft_loops, rounds_per_fetch=ticks,
+                              pipelined=args.pipelined)
             if k else None)
     compile_s = 0.0
     for _ in range(args.warmup):
@@ -118,7 +121,8 @@ def run_config(llm, batch, k, temp, args):
     decode_tokens = runs[0].stats.decode_tokens
     if any(r.stats.decode_tokens != decode_tokens for r in runs):
         raise RuntimeError(f"batch {batch} k {k}: the timed runs decoded different token counts")
-    row = dict(batch=batch, mode="speculative" if k else "native", k=k,
+    row = dict(batch=batch, mode=("pipelined" if args.pipelined else "speculative") if k
+               else "native", k=k,
                draft_loops=args.draft_loops if k else None, temperature=temp,
                decode_tok_s=decode_tokens / decode_s, decode_tok_s_min=min(dec),
                decode_tok_s_max=max(dec), e2e_tok_s=statistics.median(e2e),

@@ -111,7 +111,7 @@ def check_values(args) -> None:
     try:
         for k in args.ks:
             if k:
-                SpeculativeConfig(k, args.draft_loops).validate(cfg)
+                SpeculativeConfig(k, args.draft_loops, pipelined=args.pipelined).validate(cfg)
         for t in args.temps:
             SamplingParams(max_tokens=args.new_tokens, temperature=t)
     except ValueError as e:

@@ -192,14 +192,16 @@ def trace_generate(llm, batch, k, args) -> dict:
     prompts = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt_len)]
                for _ in range(batch)]
     sps = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)] * batch
-    spec = SpeculativeConfig(k, 2, rounds_per_fetch=args.new_tokens) if k else None
+    spec = (SpeculativeConfig(k, 2, rounds_per_fetch=2 * args.new_tokens + 2 if args.pipelined
+                              else args.new_tokens, pipelined=args.pipelined) if k else None)
     lines: list = []
     memcpys: list = []
     res, events = _traced(llm, prompts, sps, spec, lines, memcpys)
     # Rounds the device ran: every row rounds in lockstep until the last is done, so the
     # longest row's count (stats.spec["rounds"] sums over rows).
     units = max(o.spec["rounds"] for o in res.outputs) if k else args.new_tokens - 1
-    row = {"batch": batch, "k": k, "unit": "round" if k else "decode step",
+    row = {"batch": batch, "k": k, "pipelined": args.pipelined,
+           "unit": ("tick" if args.pipelined else "round") if k else "decode step",
            "decode_tok_s": res.stats.decode_tok_s}
     row.update(summarize(events, max(1, units)))
     row["device_lines"] = lines
@@ -224,6 +226,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--unroll-loops", action="store_true")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="speculative runs (k=1) as pipelined self-speculation "
+                         "(ouro_jax.pipelined); the unit is then a tick")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--minus-prefill", action="store_true",
                     help="also trace the prefill alone (max_tokens=1) and report the "

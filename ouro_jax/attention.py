@@ -52,7 +52,7 @@ def _pallas_available() -> bool:
 def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.Array,
                       page_size: int, backend: str = "xla", fused_kv_write: bool = True,
                       merge_splits: bool | None = None, invariant: bool = False,
-                      active: jax.Array | None = None):
+                      active: jax.Array | None = None, row_loops: bool = False):
     """attend(q, k, v, planes, loop, layer) over query positions [B, C] (all rows have C).
 
     With the pallas backend, C == 1 (decode, draft) and `fused_kv_write`, the function also
@@ -72,8 +72,14 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     active [B] bool (None: all): with the pallas backend and skip_done(), rows not active
     (finished rows, whose outputs are discarded) attend over at most C + 1 keys instead of
     their whole context. Their K/V still go to the same slots, now computed from that short
-    context: slots at or past a row's length are rewritten before anything reads them."""
+    context: slots at or past a row's length are rewritten before anything reads them.
+    row_loops: the `loop` the layers pass is an int32 [B], one loop per row
+    (ouro_jax.pipelined); decode then stays on the decode kernel, which reads a plane per
+    row, at every batch size (the ragged and RoPE/K/V-write kernels read one plane)."""
     page, slot = slot_indices(block_tables, positions, page_size)
+    if row_loops and invariant:
+        raise ValueError("rows at different loops (pipelined speculation) do not run in the "
+                         "batch-invariant mode, whose kernels read one plane per call")
     if invariant and backend != "pallas":
         raise ValueError(f"batch-invariant attention runs the Pallas ragged kernel, not "
                          f"{backend!r}")
@@ -82,7 +88,7 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
         if active is not None and positions.shape[0] > 1 and skip_done():
             # (one row never runs finished: its loops stop first; batch-1 programs unchanged)
             kv_lens = jnp.where(active, kv_lens, jnp.minimum(kv_lens, positions.shape[1] + 1))
-        ragged = invariant or _ragged_decode(positions, fused_kv_write)
+        ragged = invariant or (not row_loops and _ragged_decode(positions, fused_kv_write))
         attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, ragged,
                                 fused_kv_write)
         if positions.shape[1] == 1 and fused_kv_write and not ragged:
@@ -153,7 +159,7 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=
     fixed = ragged_tuning(cfg) if invariant else {}  # (num_splits, block_q: fixed)
 
     def attend(q, k, v, planes, loop, layer):
-        planes = write_kv(planes, loop * num_layers + layer, page, slot, k, v)
+        planes = write_kv(planes, row_entry(loop, layer, num_layers), page, slot, k, v)
         # The kernels compute the plane from (loop, layer) themselves: handing them a
         # precomputed index costs one tiny XLA kernel per layer application on the GPU.
         if c == 1 and not invariant:
@@ -181,6 +187,13 @@ def _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, invariant=
     return attend
 
 
+def row_entry(loop, layer, num_layers: int):
+    """The plane loop * L + layer for the XLA scatter and gather: a scalar, or with one loop
+    per row ([B]) a [B, 1] index that pairs with the [B, C] pages."""
+    entry = loop * num_layers + layer
+    return entry[:, None] if jnp.ndim(entry) == 1 else entry
+
+
 def _xla_attend(cfg, block_tables, positions, page_size, page, slot):
     """Plain JAX: gather the sequence's keys and values, masked attention."""
     num_layers = cfg.num_hidden_layers
@@ -191,7 +204,7 @@ def _xla_attend(cfg, block_tables, positions, page_size, page, slot):
     visible = jnp.any(mask, axis=1)[:, :, None, None]  # [B, S, 1, 1]
 
     def attend(q, k, v, planes, loop, layer):
-        entry = loop * num_layers + layer
+        entry = row_entry(loop, layer, num_layers)
         planes = write_kv(planes, entry, page, slot, k, v)
         keys, values = gather_kv(planes, entry, block_tables)
         values = jnp.where(visible, values, jnp.zeros((), values.dtype))

@@ -116,7 +116,10 @@ def _chunk_program(llm, speculative, spec, mode, want_lp, state):
                       want_logprobs=want_lp, backend=llm.backend)
         return engine.decode_chunk, static, None
     from ouro_jax import speculative as spec_mod
-    return (spec_mod.spec_chunk, spec_mod.chunk_static(llm, speculative, spec, mode, want_lp),
+    program = spec_mod.spec_chunk
+    if speculative.pipelined:
+        from ouro_jax.pipelined import pipe_chunk as program
+    return (program, spec_mod.chunk_static(llm, speculative, spec, mode, want_lp),
             spec_mod.init_counters(state))
 
 
@@ -206,7 +209,7 @@ def run_batch(llm, ids, params, stops, spec, speculative, on_chunk):
         counters = SpecCounters(zeros, zeros, zeros)
     if counters is not None:
         from ouro_jax.speculative import summarize
-        spec_stats, per_req = summarize(counters, b)
+        spec_stats, per_req = summarize(counters, b, speculative.pipelined)
     outputs = [RequestOutput(i, list(ids[i]), toks[i], llm.decode_text(toks[i]), exits[i],
                              FINISH_NAMES.get(int(finish[i]), "length"),
                              lps[i] if params[i].logprobs else None, per_req[i])

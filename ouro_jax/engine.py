@@ -42,7 +42,7 @@ class RowState:
 
 
 def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg: OuroConfig,
-                  loops, backend: str, h=None, active=None):
+                  loops, backend: str, h=None, active=None, loop_offset=None):
     """Runs `loops` over a [B, C] block of tokens at `positions`, writing their K/V.
 
     `backend` is the attention backend ("xla" | "pallas"), optionally followed by options:
@@ -58,7 +58,8 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     GEMM and add_norm kernels (ouro_jax.projections.parse); "+invariant" every kernel
     batch-invariant (ouro_jax.invariant). `h` overrides the embedding input (verification
     starts from the draft's states). `active` [B] bool (None: all rows): finished rows'
-    attention skips their context (ouro_jax.attention.skip_done)."""
+    attention skips their context (ouro_jax.attention.skip_done). `loop_offset` [B] int32:
+    row r runs loops[i] + loop_offset[r] (ouro_jax.pipelined; decode rows only)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options
                if o.startswith(("gemv", "gemm", "pf", "mgpu", "inv@"))
@@ -87,11 +88,12 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     attend = make_paged_attend(cfg, block_tables, positions, planes[0].shape[2], attention,
                                fused_kv_write="kvxla" not in options,
                                merge_splits=True if flow5 else None, invariant=invariant,
-                               active=active)
+                               active=active, row_loops=loop_offset is not None)
     # Some attends carry extra state with the planes (the decode kernel's split counters).
     state = attend.wrap(planes) if hasattr(attend, "wrap") else planes
     hidden, gates, state = run_loops(params, h, cos, sin, cfg, attend, state, loops,
-                                     unroll="unroll" in options, proj=proj)
+                                     unroll="unroll" in options, proj=proj,
+                                     loop_offset=loop_offset)
     return hidden, gates, (attend.unwrap(state) if hasattr(attend, "unwrap") else state)
 
 

@@ -279,9 +279,12 @@ def lm_head(params: OuroParams, h: jax.Array) -> jax.Array:
     return linear(h, params.lm_head)
 
 
-def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = False, proj=None):
+def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = False, proj=None,
+              loop_offset=None):
     """Runs a contiguous range of loops in a `lax.fori_loop` (one copy of the loop body in
     the program, whatever the range), or unrolled in Python with `unroll`.
+    loop_offset: int32 [B] added to each row's loop (rows of one call at different loops,
+    ouro_jax.pipelined); the attention then gets a [B] loop, the layers' weights are shared.
     Returns states [n, ...], gate logits [n, ...], state."""
     loops = list(loops)
     start, n = loops[0], len(loops)
@@ -291,10 +294,11 @@ def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = Fal
         TRACE_HOOK(tuple(loops), tuple(h.shape))
     # (ouro_jax.invariant's projections compute the gate per row, not as a dot)
     gate_logit = getattr(proj, "gate_logit", exit_gate_logit)
+    at = (lambda loop: loop) if loop_offset is None else (lambda loop: loop + loop_offset)
     if unroll:
         hs, gs = [], []
         for loop in loops:
-            h, state = run_loop(params, h, cos, sin, cfg, attend, state, loop, proj)
+            h, state = run_loop(params, h, cos, sin, cfg, attend, state, at(loop), proj)
             hs.append(h)
             gs.append(gate_logit(params, h))
         return jnp.stack(hs), jnp.stack(gs), state
@@ -303,7 +307,7 @@ def run_loops(params, h, cos, sin, cfg, attend, state, loops, unroll: bool = Fal
 
     def body(i, carry):
         h, state, hs, gs = carry
-        h, state = run_loop(params, h, cos, sin, cfg, attend, state, start + i, proj)
+        h, state = run_loop(params, h, cos, sin, cfg, attend, state, at(start + i), proj)
         return h, state, hs.at[i].set(h), gs.at[i].set(gate_logit(params, h))
 
     _, state, hs, gs = lax.fori_loop(0, n, body, (h, state, hs, gs))

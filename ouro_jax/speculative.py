@@ -45,6 +45,9 @@ class SpeculativeConfig:
     draft_loops: int = 2
     target_loops: int | None = None  # must equal total_ut_steps; None means that
     rounds_per_fetch: int = 16
+    # k=1 draft ticks that share each pass with the rest of the previous token's loops
+    # (ouro_jax.pipelined); a "round" is then a tick
+    pipelined: bool = False
 
     def __post_init__(self):
         # numpy integers are normalised to int (this config is part of a program's key)
@@ -57,6 +60,9 @@ class SpeculativeConfig:
             object.__setattr__(self, name, value)
         if self.target_loops is not None:
             object.__setattr__(self, "target_loops", as_int(self.target_loops, "target_loops"))
+        if not isinstance(self.pipelined, (bool, np.bool_)):
+            raise ValueError(f"pipelined must be True or False, got {self.pipelined!r}")
+        object.__setattr__(self, "pipelined", bool(self.pipelined))
 
     def validate(self, cfg: OuroConfig) -> "SpeculativeConfig":
         t = cfg.total_ut_steps
@@ -65,6 +71,9 @@ class SpeculativeConfig:
                              f"total_ut_steps={t} (the target is the full-depth model)")
         if not 1 <= self.draft_loops < t:
             raise ValueError(f"draft_loops={self.draft_loops} must satisfy 1 <= d < {t}")
+        if self.pipelined:
+            from ouro_jax.pipelined import check
+            check(self, cfg)
         return self
 
 
@@ -240,13 +249,15 @@ def spec_chunk(params, planes, bt, state, counters, *, cfg, sc, spec, mode, want
     return planes, state, counters, (*bufs, r)
 
 
-def summarize(counters: SpecCounters, b: int) -> tuple[dict, list[dict]]:
-    """Per-call and per-request stats from fetched counters (host numpy)."""
+def summarize(counters: SpecCounters, b: int, pipelined: bool = False) -> tuple[dict, list[dict]]:
+    """Per-call and per-request stats from fetched counters (host numpy). pipelined
+    (ouro_jax.pipelined): a round is a tick, and each verified draft commits one token."""
     def stats(rounds, drafted, accepted):
         rounds, drafted, accepted = int(rounds), int(drafted), int(accepted)
+        tokens = drafted if pipelined else accepted + rounds
         return {"rounds": rounds, "drafted": drafted, "accepted": accepted,
                 "acceptance": accepted / drafted if drafted else 0.0,
-                "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0}
+                "tokens_per_round": tokens / rounds if rounds else 0.0}
     per = [stats(counters.rounds[i], counters.drafted[i], counters.accepted[i]) for i in range(b)]
     total = stats(sum(p["rounds"] for p in per), sum(p["drafted"] for p in per),
                   sum(p["accepted"] for p in per))

@@ -110,25 +110,37 @@ def compiler_params(num_warps: int, num_stages: int):
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def plane_operands(entry, entry_stride: int):
-    """The kernels' plane index as two int32[1] operands (base, offset), plane = base *
+def plane_operands(entry, entry_stride: int, rows: int | None = None):
+    """The kernels' plane index as two int32 operands (base, offset), plane = base *
     entry_stride + offset, computed inside the kernel. The engine passes (loop, layer) with
     entry_stride = num_layers: the loop counter reshapes for free and the layer is a constant,
     so no XLA kernel computes the index before every attention call. A plain scalar `entry`
-    means (entry, 0) with stride 1."""
+    means (entry, 0) with stride 1.
+
+    rows: the kernel's row count, given by a kernel that reads a per-row base (the decode
+    kernel, `plane_index(..., row=)`): then base may be an int32 [rows] array, one loop per
+    row (ouro_jax.pipelined runs rows of one call at different loops). A kernel that does
+    not pass rows refuses such a base rather than read row 0's plane for every row."""
     if entry_stride < 1:
         raise ValueError(f"entry_stride must be >= 1, got {entry_stride}")
     if not isinstance(entry, tuple) and entry_stride != 1:
         raise ValueError("entry_stride applies to entry=(base, offset); a plain entry is the "
                          f"plane itself (got entry_stride={entry_stride})")
     base, offset = entry if isinstance(entry, tuple) else (entry, 0)
-    as1 = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
+    base = jnp.asarray(base, jnp.int32)
+    if base.size != 1 and (rows is None or base.shape != (rows,)):
+        raise ValueError(
+            f"a per-row plane base of shape {base.shape} needs a kernel that reads one per "
+            f"row with that many rows ({rows if rows is not None else 'this kernel reads one'})")
+    as1 = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (-1,))
     return as1(base), as1(offset)
 
 
-def plane_index(base_ref, off_ref, entry_stride: int, at=0):
-    """The plane; `at` is 0 (pdl_wait's zero, to order the reads after the wait)."""
-    return base_ref[at] * entry_stride + off_ref[at]
+def plane_index(base_ref, off_ref, entry_stride: int, at=0, row=None):
+    """The plane; `at` is 0 (pdl_wait's zero, to order the reads after the wait). row: this
+    program's row, for a base with one entry per row (plane_operands' rows)."""
+    base = base_ref[row] if row is not None and base_ref.shape[0] > 1 else base_ref[at]
+    return base * entry_stride + off_ref[at]
 
 
 def split_range(kv_end, split, num_splits: int, block_t: int):

@@ -75,7 +75,7 @@ def _decode_kernel(*refs, group: int, group_pad: int, use_dot: bool, page_size: 
         b, kvh, sp = pl.program_id(0) + after, pl.program_id(1), pl.program_id(2)
     else:
         (b, kvh, sp), after = ids, 0
-    entry = plane_index(base_ref, off_ref, entry_stride, after)
+    entry = plane_index(base_ref, off_ref, entry_stride, after, row=b)
     kv_len = lens_ref[b]
     # With write_new the newest key is not read from the cache (this call writes it, and
     # programs do not see each other's stores): the loop covers the kv_len - 1 cached keys
@@ -229,7 +229,7 @@ def paged_decode_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, *,
 
     q [B, H, hd]; k_cache/v_cache [E, P, page_size, KVH, hd]; entry: the plane, an int32
     scalar, or a pair (base, offset) meaning base * entry_stride + offset (see
-    _common.plane_operands);
+    _common.plane_operands; the base may be an int32 [B], one loop per row);
     block_tables [B, max_pages] int32; kv_lens [B] int32 (the new token included; 0 gives
     zeros). Returns [B, H, hd] in q.dtype; scale hd**-0.5, fp32 softmax.
 
@@ -377,5 +377,5 @@ def _call(q, h, k_cache, v_cache, entry, block_tables, kv_lens, write_args, *, i
                                num_stages=num_stages, interpret=interpret, out_dtype=q.dtype,
                                updated=updated, defer_merge=defer_merge,
                                counters_index=7 + len(write_args) - 1 if last_combine else None)
-    return call(*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
+    return call(*plane_operands(entry, entry_stride, rows=bsz), block_tables.astype(jnp.int32),
                 kv_lens.astype(jnp.int32), q, k_cache, v_cache, *write_args)  # [B, KVH, G, hd]

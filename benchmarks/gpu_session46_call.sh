@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Session 46's call (any card; about 9 minutes). First, pipelined self-speculation
+# (ouro_jax.pipelined, new this session: the draft of the next token and the last loops of
+# the current one share each pass), never run on a GPU before:
+#   1. native and k=4 d=2 greedy at batch 1, 8, 32 (the baseline, same lease), then pipelined
+#      (k=1 d=2) greedy at the same batch sizes and T=0.8 at batch 1;
+#   2. pipelined at batch 1 with its 2-row projections through the streaming GEMV
+#      (gemv@2+norms+stream+inv@3-64) rather than the '+inv' GEMM;
+#   3. a kernel trace of pipelined batch 1, prefill subtracted (kernels per tick).
+# Then, in what is left of CAP: on an H200 the prepared table (gpu_session45_call.sh's H200
+# branch: today's default, never run on an H200); elsewhere the rest of
+# gpu_session45_last.sh (the shipped decode tuning against the old, the 2-row GEMV and the
+# attention kernels by device time).
+# Usage on the GPU machine: OUT=dir SESSION=sessionNN [CAP=570] bash benchmarks/gpu_session46_call.sh
+S=${SESSION:-session46}
+. benchmarks/gpu_call_setup.sh
+D="python3 -m benchmarks.decode --synthetic 1.4b --attention pallas --repeats 3"
+show() { grep -A8 "^  B mode"; }
+timeout -s KILL $(left 150) $D --temperature 0 --batch 1,8,32 --k 0,4 \
+  --out $OUT/pipe_base_${S}_$G.json 2>&1 | show
+timeout -s KILL $(left 120) $D --temperature 0 --batch 1,8,32 --k 1 --pipelined \
+  --out $OUT/pipe_greedy_${S}_$G.json 2>&1 | tail -30 | show
+timeout -s KILL $(left 60) $D --temperature 0.8 --batch 1 --k 1 --pipelined \
+  --out $OUT/pipe_t08_${S}_$G.json 2>&1 | show
+timeout -s KILL $(left 60) $D --temperature 0 --batch 1 --k 1 --pipelined \
+  --projections gemv@2+norms+stream+inv@3-64 --out $OUT/pipe_gemv2_${S}_$G.json 2>&1 | show
+timeout -s KILL $(left 90) python3 -m benchmarks.kernel_trace --synthetic 1.4b --attention pallas \
+  --new-tokens 32 --top 25 --minus-prefill --batch 1 --k 1 --pipelined \
+  --out $OUT/kernel_trace_b1_pipe_${S}_$G.json 2>&1 | grep -v "^ *$" | \
+  sed -n '/^{/p;/decode only/,/^  top_kinds/p' | head -30
+echo "pipelined part: ${SECONDS}s"
+if [ $G = h200 ]; then
+  [ $(left 600) -gt 200 ] && CAP=$(left 600) SESSION=$S OUT=$OUT bash benchmarks/gpu_session45_call.sh
+else
+  [ $(left 600) -gt 120 ] && CAP=$(left 600) SESSION=$S OUT=$OUT bash benchmarks/gpu_session45_last.sh
+fi
+echo "elapsed ${SECONDS}s"
