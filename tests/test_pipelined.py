@@ -1,0 +1,200 @@
+"""Pipelined self-speculation (ouro_jax.pipelined): identity with plain greedy decoding
+(XLA and Pallas interpret backends), the K/V it leaves, its sampling distribution, one fetch
+per call, the config's refusals, and the decode kernel's plane per row."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import host_reads, load, ragged_prompts, tiny_checkpoint
+from ouro_jax.api import Ouro
+from ouro_jax.sampling import SamplingParams
+from ouro_jax.speculative import SpeculativeConfig
+
+PIPE = SpeculativeConfig(k=1, draft_loops=2, rounds_per_fetch=5, pipelined=True)
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    """tiny-mqa with an EOS, a stop id and limits that end rows at different ticks."""
+    cfg, params = load(tiny_checkpoint("tiny-mqa", branch_scale=0.3))
+    prompts = ragged_prompts(cfg.vocab_size, [5, 12, 1, 7], seed=4)
+    probe = Ouro(cfg, params, None, page_size=4)
+    free = probe.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True)).outputs
+    cfg = cfg.replace(eos_token_id=free[0].token_ids[10])
+    sps = [SamplingParams(max_tokens=23),
+           SamplingParams(max_tokens=17, ignore_eos=True),
+           SamplingParams(max_tokens=30, ignore_eos=True,
+                          stop_token_ids=(free[2].token_ids[14],)),
+           SamplingParams(max_tokens=9)]
+    llm = Ouro(cfg, params, None, page_size=4, decode_chunk=8)
+    return llm, prompts, sps, llm.generate(prompts, sps)
+
+
+def _same(plain, res):
+    for a, b in zip(plain.outputs, res.outputs):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason
+        assert b.exit_depths == a.exit_depths
+
+
+@pytest.mark.parametrize("ticks", [2, 5, 64])
+def test_greedy_pipelined_is_token_identical(greedy_setup, ticks):
+    """2 ticks per fetch (the least: a fetch's first tick refills the pipeline), 5 (chunk
+    boundaries mid-generation) and 64 (one fetch)."""
+    llm, prompts, sps, plain = greedy_setup
+    sc = SpeculativeConfig(k=1, draft_loops=2, rounds_per_fetch=ticks, pipelined=True)
+    res = llm.generate(prompts, sps, speculative=sc)
+    _same(plain, res)
+    assert {o.finish_reason for o in res.outputs} == {"stop", "length"}
+    s = res.stats.spec
+    assert 0 < s["accepted"] < s["drafted"] < s["rounds"]
+    # each verified draft commits one token: every token but prefill's came from a tick
+    assert s["drafted"] == sum(len(o.token_ids) - 1 for o in res.outputs)
+    assert s["tokens_per_round"] == pytest.approx(s["drafted"] / s["rounds"])
+
+
+@pytest.mark.parametrize("kw", [dict(attention="pallas"),
+                                dict(attention="pallas", fused_kv_write=False)])
+def test_pallas_pipelined_is_token_identical(kw):
+    """The decode kernel (interpret mode) reading each row's own plane, with the K/V write
+    in the kernel and apart from it."""
+    cfg, params = load(tiny_checkpoint("tiny-gqa", branch_scale=0.3))
+    prompts = ragged_prompts(cfg.vocab_size, [5, 12, 1], seed=4)
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (13, 7, 10)]
+    llm = Ouro(cfg, params, None, page_size=4, decode_chunk=8, **kw)
+    res = llm.generate(prompts, sps, speculative=SpeculativeConfig(
+        k=1, draft_loops=2, rounds_per_fetch=40, pipelined=True))
+    _same(llm.generate(prompts, sps), res)
+    assert res.stats.host_fetches == 1
+
+
+def test_kv_planes_equal_plain_decoding():
+    """After whole generations, the K/V of every committed position in every plane (loop,
+    layer) equal plain decoding's: the lead's and the trail's writes land in their own
+    planes, and the lead's rejected work is rewritten."""
+    cfg, params = load(tiny_checkpoint("tiny-gqa", branch_scale=0.3))
+    prompts = ragged_prompts(cfg.vocab_size, [6, 3], seed=2)
+    sps = [SamplingParams(max_tokens=11, ignore_eos=True)] * 2
+
+    def planes_after(speculative):
+        llm = Ouro(cfg, params, None, page_size=4)
+        out = llm.generate(prompts, sps, speculative=speculative)
+        kc, vc = (np.asarray(x) for x in llm._planes)
+        tables = np.asarray(llm.last_block_tables)
+        per_row = []
+        for row, (p, o) in enumerate(zip(prompts, out.outputs)):
+            pos = np.arange(len(p) + len(o.token_ids) - 1)  # the last token is never run
+            per_row.append((kc[:, tables[row, pos // 4], pos % 4],
+                            vc[:, tables[row, pos // 4], pos % 4]))
+        return per_row, out.stats.spec
+
+    plain, _ = planes_after(None)
+    piped, stats = planes_after(PIPE)
+    assert stats["accepted"] < stats["drafted"]  # some drafts were rejected and redone
+    for (k0, v0), (k1, v1) in zip(plain, piped):
+        np.testing.assert_allclose(k1, k0, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(v1, v0, atol=2e-5, rtol=2e-5)
+
+
+def test_pipelined_sampling_preserves_target_distribution():
+    """Chi-square over the joint of 3 generated tokens (tiny vocab, many seeds) against the
+    target's exact probabilities (the speculative test's oracle and statistic)."""
+    from test_speculative import _exact_joint
+
+    cfg, params = load(tiny_checkpoint("tiny-mqa", seed=5, vocab_size=6))
+    llm = Ouro(cfg, params, None, page_size=4)
+    prompt, temp, t = [1, 2, 3], 1.0, 3
+    exact = _exact_joint(cfg, params, prompt, temp, t)
+    sps = [SamplingParams(max_tokens=t, temperature=temp, seed=s, ignore_eos=True)
+           for s in range(4096)]
+    sc = SpeculativeConfig(k=1, draft_loops=2, rounds_per_fetch=8, pipelined=True)
+    res = llm.generate([prompt] * len(sps), sps, speculative=sc)
+    counts: dict = {}
+    for o in res.outputs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    stat, dof, pooled_e, pooled_o = 0.0, -1, 0.0, 0
+    for key in sorted(exact, key=exact.get, reverse=True):
+        e, o = exact[key] * len(sps), counts.get(key, 0)
+        if e >= 5:
+            stat, dof = stat + (o - e) ** 2 / e, dof + 1
+        else:
+            pooled_e, pooled_o = pooled_e + e, pooled_o + o
+    stat, dof = stat + (pooled_o - pooled_e) ** 2 / pooled_e, dof + 1
+    assert stat < dof + 4.5 * np.sqrt(2 * dof), (stat, dof)
+    assert 0 < res.stats.spec["accepted"] < res.stats.spec["drafted"]
+
+
+def test_one_fetch_per_call_and_no_recompile(monkeypatch):
+    cfg, params = load(tiny_checkpoint("tiny-gqa", branch_scale=0.3))
+    llm = Ouro(cfg, params, None, page_size=4)
+    sc = SpeculativeConfig(k=1, draft_loops=2, rounds_per_fetch=64, pipelined=True)
+    sp = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=1)
+    llm.generate(ragged_prompts(cfg.vocab_size, [4, 6]), sp, speculative=sc)  # compiles
+    reads = host_reads(monkeypatch)
+    with jax.transfer_guard_device_to_host("disallow"):
+        res = llm.generate(ragged_prompts(cfg.vocab_size, [5, 3], seed=7), sp, speculative=sc)
+    assert reads.fetches == 1 and res.stats.host_fetches == 1
+    assert reads.implicit == []
+    assert res.stats.compiles == 0
+
+
+def test_invalid_pipelined_config():
+    cfg, _ = load(tiny_checkpoint("tiny-gqa"))  # total_ut_steps 4
+    with pytest.raises(ValueError, match="k must be 1"):
+        SpeculativeConfig(k=4, draft_loops=2, pipelined=True).validate(cfg)
+    with pytest.raises(ValueError, match="half of total_ut_steps=4"):
+        SpeculativeConfig(k=1, draft_loops=1, pipelined=True).validate(cfg)
+    with pytest.raises(ValueError, match="pipelined must be True or False"):
+        SpeculativeConfig(k=1, draft_loops=2, pipelined="yes")
+    with pytest.raises(ValueError, match="rounds_per_fetch"):
+        SpeculativeConfig(k=1, draft_loops=2, rounds_per_fetch=1, pipelined=True).validate(cfg)
+    llm = Ouro(*load(tiny_checkpoint("tiny-mha")), None, page_size=4, attention="pallas",
+               batch_invariant=True)
+    with pytest.raises(ValueError, match="batch-invariant"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=3), speculative=SpeculativeConfig(
+            k=1, draft_loops=2, pipelined=True))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_kernel_reads_a_plane_per_row(fused):
+    """A base of one loop per row: each row attends over (and with the fused write, writes
+    into) its own plane, as separate calls with that row's plane would."""
+    from paged_cases import fused_write_case, make_case
+    from pallas_kernels import paged_decode_attention, paged_decode_attention_qkv
+
+    rng = np.random.default_rng(3)
+    loops = jnp.asarray([0, 2, 1, 2], jnp.int32)  # entry = loop * 1 + 0 (stride 1... below)
+    if fused:
+        (qkv, k, v, bt, lens), (page, slot), _ = fused_write_case(
+            rng, jnp.float32, 2, 2, [3, 9, 6, 13], hd=16, page_size=4)
+        call = lambda base: paged_decode_attention_qkv(
+            qkv, k, v, (base, 0), bt, lens, page, slot, trash_page=0, interpret=True,
+            entry_stride=1, block_t=4, num_splits=2)
+    else:
+        q, k, v, bt, lens = make_case(rng, kv_lens=[3, 9, 6, 13], kvh=2, group=2, hd=16,
+                                      page_size=4, dtype=jnp.float32)
+        call = lambda base: (paged_decode_attention(
+            q, k, v, (base, 0), bt, lens, interpret=True, entry_stride=1, block_t=4,
+            num_splits=2),)
+    got = call(loops)
+    for row in range(4):
+        want = call(loops[row])
+        np.testing.assert_array_equal(np.asarray(got[0][row]), np.asarray(want[0][row]))
+        if fused:  # the row's write went to its plane only
+            e = int(loops[row])
+            for g, w in zip(got[1:], want[1:]):
+                np.testing.assert_array_equal(np.asarray(g[e, page[row], slot[row]]),
+                                              np.asarray(w[e, page[row], slot[row]]))
+    with pytest.raises(ValueError, match="per-row plane base of shape \\(3,\\)"):
+        call(loops[:3])
+
+
+def test_kernels_reading_one_plane_refuse_a_per_row_base():
+    from pallas_kernels._common import plane_operands
+
+    with pytest.raises(ValueError, match="per-row plane base"):
+        plane_operands((jnp.zeros((2,), jnp.int32), 0), 4)
+    base, off = plane_operands((jnp.int32(3), 1), 4)
+    assert base.shape == off.shape == (1,)
