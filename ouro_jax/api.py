@@ -78,9 +78,10 @@ class GenerationStats:
              f"prefill {self.prefill_s:.3f}s | decode {self.decode_s:.3f}s "
              f"({self.decode_tok_s:.1f} tok/s) | compile {self.compile_s:.2f}s")
         if self.spec:
-            s += (f" | spec rounds {self.spec['rounds']} drafted {self.spec['drafted']} "
+            unit = "tick" if self.spec.get("pipelined") else "round"  # (ouro_jax.pipelined)
+            s += (f" | spec {unit}s {self.spec['rounds']} drafted {self.spec['drafted']} "
                   f"accepted {self.spec['accepted']} ({100 * self.spec['acceptance']:.1f}%) "
-                  f"tokens/round {self.spec['tokens_per_round']:.2f}")
+                  f"tokens/{unit} {self.spec['tokens_per_round']:.2f}")
             if self.spec.get("rounds_run"):  # (a batch waits for its slowest row)
                 s += (f" | batch rounds {self.spec['rounds_run']} "
                       f"({100 * self.spec['active_row_fraction']:.1f}% of row-rounds active)")

@@ -81,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--draft-loops", type=int, default=None,
                     help="loops the draft runs (default 2; needs --speculative-k)")
     sp.add_argument("--rounds-per-fetch", type=int, default=None,
-                    help="rounds between host fetches (default 16; needs --speculative-k)")
+                    help="rounds between host fetches (default 16, pipelined 64; needs "
+                         "--speculative-k)")
+    sp.add_argument("--pipelined", action="store_true",
+                    help="pipelined self-speculation (needs --speculative-k 1 and a draft of "
+                         "half the loops): the next token's draft runs beside the current "
+                         "token's last loops in each pass (ouro_jax/pipelined.py)")
     r = p.add_argument_group("runtime")
     r.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="compute dtype (default fp32, exact against the fp32 reference; on a "
@@ -182,7 +187,8 @@ def _check_flags(args, num_prompts: int) -> None:
     """Flags that would otherwise be ignored or fail later with a value the user never gave."""
     if not args.speculative_k:
         given = [f for f, v in (("--draft-loops", args.draft_loops),
-                                ("--rounds-per-fetch", args.rounds_per_fetch)) if v is not None]
+                                ("--rounds-per-fetch", args.rounds_per_fetch),
+                                ("--pipelined", args.pipelined or None)) if v is not None]
         if given:
             raise ValueError(f"{' and '.join(given)}: speculative settings, which need "
                              f"--speculative-k N")
@@ -289,8 +295,10 @@ def main(argv=None) -> int:
                                  logprobs=args.logprobs) for i in range(len(prompts))]
         spec = (SpeculativeConfig(args.speculative_k,
                                   2 if args.draft_loops is None else args.draft_loops,
-                                  rounds_per_fetch=(16 if args.rounds_per_fetch is None
-                                                    else args.rounds_per_fetch))
+                                  rounds_per_fetch=((64 if args.pipelined else 16)
+                                                    if args.rounds_per_fetch is None
+                                                    else args.rounds_per_fetch),
+                                  pipelined=args.pipelined)
                 if args.speculative_k else None)
         t0 = time.perf_counter()
         llm = Ouro.load(args.model, args.dtype or "fp32", page_size=args.page_size,

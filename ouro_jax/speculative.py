@@ -267,6 +267,7 @@ def summarize(counters: SpecCounters, b: int, pipelined: bool = False) -> tuple[
     # rows already finished (ouro_jax.attention.SKIP_DONE).
     run = max((p["rounds"] for p in per), default=0)
     total.update(rounds_run=run,
-                 active_row_fraction=total["rounds"] / (b * run) if run else 0.0)
+                 active_row_fraction=total["rounds"] / (b * run) if run else 0.0,
+                 pipelined=pipelined)
     return total, per
 

@@ -57,6 +57,10 @@ def test_errors_are_clear_and_exit_2(capsys):
              (["--model", folder, "--prompt-ids", "1", "--temperature", "-1"], "temperature"),
              (["--model", folder, "--prompt-ids", "1", "--speculative-k", "2",
                "--draft-loops", "4"], "draft_loops"),
+             (["--model", folder, "--prompt-ids", "1", "--pipelined"],
+              "--pipelined: speculative settings, which need --speculative-k N"),
+             (["--model", folder, "--prompt-ids", "1", "--speculative-k", "4", "--pipelined"],
+              "k must be 1"),
              (["--model", "/nonexistent/dir", "--prompt-ids", "1"], "does not exist"),
              (["--model", folder], "no prompt")]
     for argv, msg in cases:
@@ -108,3 +112,18 @@ def test_dtype_hint_only_when_dtype_is_left_to_its_default(capsys, monkeypatch):
                          (["--json"], False)]:
         rc, _, err = _run(capsys, *base, *extra)
         assert rc == 0 and ("(note: HINT)" in err) == shown, (extra, err)
+
+
+def test_pipelined_matches_native_greedy(capsys):
+    """--pipelined (k=1, d=2) prints the native greedy tokens, and its stats count ticks."""
+    folder = tiny_checkpoint("tiny-gqa", branch_scale=0.3)
+    common = ["--model", folder, "--prompt-ids", "1,2,3", "--max-tokens", "9", "--ignore-eos",
+              "--json"]
+    rc, native, _ = _run(capsys, *common)
+    rc2, piped, _ = _run(capsys, *common, "--speculative-k", "1", "--pipelined")
+    assert rc == rc2 == 0
+    a, b = (json.loads(out.strip().splitlines()[0]) for out in (native, piped))
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 9
+    spec = json.loads(piped.strip().splitlines()[-1])["stats"]["spec"]
+    assert spec["pipelined"] is True and spec["drafted"] == 8  # one verified draft per token
+    assert spec["rounds"] > spec["drafted"]  # (the first tick of a fetch refills the pipe)

@@ -55,6 +55,16 @@ def test_greedy_pipelined_is_token_identical(greedy_setup, ticks):
     assert s["tokens_per_round"] == pytest.approx(s["drafted"] / s["rounds"])
 
 
+@pytest.mark.parametrize("exit_kw", [dict(exit_at_step=1), dict(exit_threshold=0.3),
+                                     dict(weighted_exit=True)])
+def test_exit_modes_match_plain_decoding(greedy_setup, exit_kw):
+    """The trail's exit selection (a fixed step below the draft's depth, a threshold, the
+    weighted mix, whose draft and target logits come from separate LM-head calls)."""
+    llm, prompts, sps, _ = greedy_setup
+    _same(llm.generate(prompts, sps, **exit_kw),
+          llm.generate(prompts, sps, speculative=PIPE, **exit_kw))
+
+
 @pytest.mark.parametrize("kw", [dict(attention="pallas"),
                                 dict(attention="pallas", fused_kv_write=False)])
 def test_pallas_pipelined_is_token_identical(kw):
