@@ -105,8 +105,12 @@ def build(args):
     out = [("prefill", engine.prefill_chunk, dict(cfg=cfg, backend=llm.backend), (1, 6, 7), pre)]
     if args.k:
         from ouro_jax import speculative as sm
-        sc = sm.SpeculativeConfig(k=args.k, draft_loops=args.draft_loops)
-        out.append((f"spec_k{args.k}_d{args.draft_loops}", sm.spec_chunk,
+        from ouro_jax.pipelined import pipe_chunk
+        sc = sm.SpeculativeConfig(k=args.k, draft_loops=args.draft_loops,
+                                  pipelined=args.pipelined)
+        name = "pipe" if args.pipelined else "spec"
+        out.append((f"{name}_k{args.k}_d{args.draft_loops}",
+                    pipe_chunk if args.pipelined else sm.spec_chunk,
                     sm.chunk_static(llm, sc, spec, mode, False), (1,),
                     (llm.params, planes, bt, state, sm.init_counters(state))))
     else:
@@ -184,6 +188,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--k", default="0,4", help="0: native decode; else speculative k")
     ap.add_argument("--draft-loops", type=int, default=2)
+    ap.add_argument("--pipelined", action="store_true",
+                    help="speculative programs as pipelined self-speculation (k must be 1)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--platform", choices=("native", "cuda"), default="native",
@@ -223,6 +229,7 @@ def run_child(args, k, share) -> dict:
            "--draft-loops", str(args.draft_loops), "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--platform", args.platform]
     cmd += ["--compile"] if args.compile else []
+    cmd += ["--pipelined"] if args.pipelined else []
     cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
     cmd += [] if share else ["--no-share"]
     done = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,7 +1,7 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --gemm-few | --stream | --flow | --flow-o | --prologue | --decode-b1 | --merge]
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --gemm-few | --stream | --flow | --flow-o | --prologue | --decode-b1 | --decode-rows | --merge]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints
@@ -295,6 +295,31 @@ def check_decode_b1():
                          num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 2))
 
 
+def check_decode_rows():
+    """paged_decode_attention_qkv as pipelined self-speculation calls it (--decode-rows):
+    2 and 16 rows (batch 1 and 8, lead and trail rows) reading a plane per row (a base of
+    one loop per row, entry_stride 24), beside the same call with one plane: registers and
+    shared memory at the default tiling (ouro_jax.pipelined)."""
+    from pallas_kernels import paged_decode_attention_qkv
+    from pallas_kernels.decode import default_num_warps
+    S, i32, bf = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    kc = S((96, 64, 16, 16, 128), bf)
+    for rows in (2, 16):
+        for per_row in (False, True):
+            base = S((rows,) if per_row else (), i32)
+
+            def fq(qkv, kc_, vc_, b, bt, ln, pg, sl, cs, sn):
+                return paged_decode_attention_qkv(qkv, kc_, vc_, (b, 3), bt, ln, pg, sl,
+                                                  rope=(cs, sn), entry_stride=24)
+            jax.jit(fq).trace(S((rows, 48, 128), bf), kc, kc, base, S((rows, 13), i32),
+                              S((rows,), i32), S((rows,), i32), S((rows,), i32),
+                              S((rows, 128), bf), S((rows, 128), bf)
+                              ).lower(lowering_platforms=("cuda",))
+            warps = default_num_warps(rows, bf, True)
+            compile_captured(f"decode {rows} rows, {'a plane per row' if per_row else 'one plane'}"
+                             f" (warps {warps})", num_warps=warps)
+
+
 # The o projection with the decode attention's split merge as its prologue (--merge,
 # gemv_merge): the engine's o tiling, then fewer programs (each merges the whole row from
 # L2: S x K fp32 partials per program) and the one-chunk row.
@@ -320,6 +345,8 @@ def check_merge():
 def _main():
     if "--merge" in sys.argv:
         return check_merge()
+    if "--decode-rows" in sys.argv:
+        return check_decode_rows()
     if "--decode-b1" in sys.argv:
         return check_decode_b1()
     if "--gemv" in sys.argv:
