@@ -4,8 +4,10 @@
 # the current one share each pass), never run on a GPU before:
 #   1. native and k=4 d=2 greedy at batch 1, 8, 32 (the baseline, same lease), then pipelined
 #      (k=1 d=2) greedy at the same batch sizes and T=0.8 at batch 1;
-#   2. pipelined at batch 1 with its 2-row projections through the streaming GEMV
-#      (gemv@2+norms+stream+inv@3-64) rather than the '+inv' GEMM;
+#   2. pipelined at batch 1 with its 2-row projections through the Pallas GEMV with its
+#      norm prologues (gemv@2+norms+stream+inv@3-64: one-row calls still stream, 2-row
+#      calls take pallas_kernels.gemv, as STREAM_MAX_ROWS is 1) rather than the '+inv' GEMM
+#      and add_norm kernels (7 kernels per layer against 5, lower_time's count);
 #   3. a kernel trace of pipelined batch 1, prefill subtracted (kernels per tick).
 # Then, in what is left of CAP: on an H200 the prepared table (gpu_session45_call.sh's H200
 # branch: today's default, never run on an H200); elsewhere the rest of
