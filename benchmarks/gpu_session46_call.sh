@@ -7,7 +7,9 @@
 #   2. pipelined at batch 1 with its 2-row projections through the Pallas GEMV with its
 #      norm prologues (gemv@2+norms+stream+inv@3-64: one-row calls still stream, 2-row
 #      calls take pallas_kernels.gemv, as STREAM_MAX_ROWS is 1) rather than the '+inv' GEMM
-#      and add_norm kernels (7 kernels per layer against 5, lower_time's count);
+#      and add_norm kernels (7 kernels per layer against 5, lower_time's count), and
+#      through the streaming GEMV (gemv@2+norms+stream@2+inv@3-64, '+stream@2' new in
+#      session 46; its 2-row tilings compile without spills, offline_compile --stream-rows);
 #   3. a kernel trace of pipelined batch 1, prefill subtracted (kernels per tick).
 # Then, in what is left of CAP: on an H200 the prepared table (gpu_session45_call.sh's H200
 # branch: today's default, never run on an H200); elsewhere the rest of
@@ -26,6 +28,8 @@ timeout -s KILL $(left 60) $D --temperature 0.8 --batch 1 --k 1 --pipelined \
   --out $OUT/pipe_t08_${S}_$G.json 2>&1 | show
 timeout -s KILL $(left 60) $D --temperature 0 --batch 1 --k 1 --pipelined \
   --projections gemv@2+norms+stream+inv@3-64 --out $OUT/pipe_gemv2_${S}_$G.json 2>&1 | show
+timeout -s KILL $(left 60) $D --temperature 0 --batch 1 --k 1 --pipelined \
+  --projections gemv@2+norms+stream@2+inv@3-64 --out $OUT/pipe_stream2_${S}_$G.json 2>&1 | show
 timeout -s KILL $(left 90) python3 -m benchmarks.kernel_trace --synthetic 1.4b --attention pallas \
   --new-tokens 32 --top 25 --minus-prefill --batch 1 --k 1 --pipelined \
   --out $OUT/kernel_trace_b1_pipe_${S}_$G.json 2>&1 | grep -v "^ *$" | \

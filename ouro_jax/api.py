@@ -307,7 +307,7 @@ class Ouro:
                 raise ValueError(f"speculative must be a SpeculativeConfig (e.g. "
                                  f"SpeculativeConfig(k=4, draft_loops=2)) or None, got "
                                  f"{speculative!r}")
-            speculative.validate(self.cfg, self.backend)
+            speculative.validate(self.cfg)
         ids = [self._encode_nth(i, p, len(prompts)) for i, p in enumerate(prompts)]
         stops = [self._stop_ids(p) for p in params]
         return run_batch(self, ids, params, stops, spec, speculative, on_chunk)

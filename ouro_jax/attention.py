@@ -74,12 +74,12 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     their whole context. Their K/V still go to the same slots, now computed from that short
     context: slots at or past a row's length are rewritten before anything reads them.
     row_loops: the `loop` the layers pass is an int32 [B], one loop per row
-    (ouro_jax.pipelined); decode then stays on the decode kernel, which reads a plane per
-    row, at every batch size (the ragged and RoPE/K/V-write kernels read one plane)."""
+    (ouro_jax.pipelined; C == 1): every kernel here then reads and writes each row's own
+    plane (the decode, ragged and RoPE/K/V-write kernels take a base per row)."""
     page, slot = slot_indices(block_tables, positions, page_size)
-    if row_loops and invariant:
-        raise ValueError("rows at different loops (pipelined speculation) do not run in the "
-                         "batch-invariant mode, whose kernels read one plane per call")
+    if row_loops and positions.shape[1] != 1:
+        raise ValueError(f"rows at different loops run one query each, got "
+                         f"{positions.shape[1]} per row")
     if invariant and backend != "pallas":
         raise ValueError(f"batch-invariant attention runs the Pallas ragged kernel, not "
                          f"{backend!r}")
@@ -88,7 +88,7 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
         if active is not None and positions.shape[0] > 1 and skip_done():
             # (one row never runs finished: its loops stop first; batch-1 programs unchanged)
             kv_lens = jnp.where(active, kv_lens, jnp.minimum(kv_lens, positions.shape[1] + 1))
-        ragged = invariant or (not row_loops and _ragged_decode(positions, fused_kv_write))
+        ragged = invariant or _ragged_decode(positions, fused_kv_write)
         attend = _pallas_attend(cfg, block_tables, positions, kv_lens, page, slot, ragged,
                                 fused_kv_write)
         if positions.shape[1] == 1 and fused_kv_write and not ragged:

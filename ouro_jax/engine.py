@@ -62,7 +62,7 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
     row r runs loops[i] + loop_offset[r] (ouro_jax.pipelined; decode rows only)."""
     attention, *options = backend.split("+")
     kernels = [o for o in options
-               if o.startswith(("gemv", "gemm", "pf", "mgpu", "inv@"))
+               if o.startswith(("gemv", "gemm", "pf", "mgpu", "inv@", "stream@"))
                or o in ("norms", "stream", "graph", "inv", *FLOW_PARTS)]
     # "+persistent" only labels the programs: the packed weights in params.persistent
     # select the path (ouro_jax.persistent)
@@ -70,7 +70,7 @@ def forward_block(params: OuroParams, planes, block_tables, ids, positions, cfg:
                and o not in kernels]
     if unknown:
         raise ValueError(f"unknown backend option(s) {unknown} in {backend!r}: 'unroll', "
-                         f"'kvxla', 'gemv...', 'gemm...', 'norms', 'pfN', 'stream', 'mgpu...', "
+                         f"'kvxla', 'gemv...', 'gemm...', 'norms', 'pfN', 'stream[@N]', 'mgpu...', "
                          f"'flow', 'flow4', 'flow5', 'graph', 'inv[@LO-HI]', '{INVARIANT}'")
     invariant = INVARIANT in options
     if invariant and kernels:

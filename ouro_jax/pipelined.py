@@ -39,14 +39,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from ouro_jax import engine
-from ouro_jax.invariant import OPTION as INVARIANT
 from ouro_jax.invariant import head_for, logprobs_for
 from ouro_jax.model import embed, select_exit
 from ouro_jax.sampling import PURPOSE_DRAFT, processed_logits, sample
 from ouro_jax.speculative import SpecCounters, _accept
 
 
-def check(sc, cfg, backend: str | None = None) -> None:
+def check(sc, cfg) -> None:
     """Refuses what a pipelined round cannot run, by name (before any work is done)."""
     t = cfg.total_ut_steps
     if sc.rounds_per_fetch < 2:
@@ -54,9 +53,6 @@ def check(sc, cfg, backend: str | None = None) -> None:
         raise ValueError(f"pipelined speculation needs rounds_per_fetch >= 2 (a fetch's first "
                          f"tick refills the pipeline and commits nothing); got "
                          f"{sc.rounds_per_fetch}")
-    if backend is not None and INVARIANT in backend.split("+"):
-        raise ValueError("pipelined speculation does not run in the batch-invariant mode, "
-                         "whose attention kernels read one plane (loop) per call")
     if sc.k != 1:
         raise ValueError(f"pipelined speculation drafts one token per tick: k must be 1, got "
                          f"k={sc.k}")

@@ -10,7 +10,7 @@ import dataclasses
 import jax
 
 from ouro_jax.projection_tuning import (GEMM_MAX_ROWS, GEMM_ROW_LIMIT, GEMV_MAX_ROWS,
-                                        GEMV_ROW_LIMIT, INV_ROWS, NAMES)
+                                        GEMV_ROW_LIMIT, INV_ROWS, NAMES, STREAM_MAX_ROWS)
 
 
 def resolve(spec: str) -> str:
@@ -60,7 +60,8 @@ def parse(spec: str):
     calls of 2..N rows (default GEMM_MAX_ROWS) through the skinny GEMM; 'gemv+gemm' -> both;
     '+norms' -> the norm prologue; '+pfN' -> every GEMV loads N chunks ahead (default: each
     projection's GEMV_TUNING); '+stream' -> the streaming GEMV kernel (STREAM_TUNING) for
-    GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'); '+mgpu[:NAME,...]' -> the
+    GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'; '+stream@N': up to N rows,
+    with 'gemv@N' or more, e.g. 2 for pipelined speculation's 2-row calls); '+mgpu[:NAME,...]' -> the
     Mosaic GPU GEMV (MGPU_TUNING, jax >= 0.11, bf16/fp16) for those projections' one-row GEMV
     calls instead (default: the 'gemv' part's; e.g. 'gemv+norms+stream+mgpu:down');
     '+flow' (with 'norms' and 'stream') -> a one-row layer's o, gate/up and down as one
@@ -87,6 +88,7 @@ def parse(spec: str):
         parts = [q for q in parts if q != "graph"]
     kinds = [p.partition(":")[0].partition("@")[0] for p in parts]
     mgpu_parts = [p for p, kind in zip(parts, kinds) if kind == "mgpu"]
+    stream_rows, parts = _stream_part(spec, parts)
     fuse_norms, stream, prefetch, flow = _modes(spec, parts, kinds, mgpu_parts)
     kw = {}
     for part in (p for p in parts if p not in ("norms", "stream", *FLOW_PARTS)
@@ -110,8 +112,26 @@ def parse(spec: str):
         raise ValueError(f"projections {spec!r}: 'graph' (a one-row loop's layers as one CUDA "
                          f"graph of our own) is given once, with 'gemv' for all of {NAMES}, "
                          f"'norms' and 'stream', and without 'flow', 'mgpu' or 'pfN'")
+    if stream_rows != STREAM_MAX_ROWS and (flow or graph or mgpu_names or gemv_rows < stream_rows):
+        raise ValueError(f"projections {spec!r}: 'stream@{stream_rows}' (the streaming GEMV "
+                         f"for calls of up to {stream_rows} rows) needs a 'gemv@N' part with "
+                         f"N >= {stream_rows}, and no 'flow', 'graph' or 'mgpu' (one-row "
+                         f"routes)")
     return PallasGemv(gemv_names, gemv_rows, gemm_names, gemm_rows, fuse_norms, prefetch, stream,
-                      mgpu_names, flow, graph, inv_rows)
+                      mgpu_names, flow, graph, inv_rows, stream_rows)
+
+
+def _stream_part(spec: str, parts: list) -> tuple:
+    """('+stream@N''s N, else STREAM_MAX_ROWS; the parts with it written as 'stream')."""
+    from pallas_kernels.gemv_stream import MAX_ROWS
+    at = [p for p in parts if p.startswith("stream@")]
+    if not at:
+        return STREAM_MAX_ROWS, parts
+    rows = at[0].partition("@")[2]
+    if len(at) > 1 or not rows.isdigit() or not 1 <= int(rows) <= MAX_ROWS:
+        raise ValueError(f"projections {spec!r}: 'stream@N' (the streaming GEMV for calls of "
+                         f"up to N rows) is given once, with N in 1..{MAX_ROWS}")
+    return int(rows), ["stream" if p == at[0] else p for p in parts]
 
 
 def _inv_part(spec: str, parts: list) -> tuple:

@@ -81,6 +81,8 @@ class PallasGemv(XLA):
     # mode's kernels (ouro_jax.invariant: its Pallas GEMM tiles, the residual adds and norms
     # in add_norm kernels); (): off. Those calls' results are not the XLA GEMMs' bits.
     inv_rows: tuple = ()
+    # '+stream@N': the streaming GEMV for calls of up to N rows (default STREAM_MAX_ROWS)
+    stream_rows: int = STREAM_MAX_ROWS
 
     @property
     def spec(self) -> str:
@@ -96,7 +98,8 @@ class PallasGemv(XLA):
         if self.fuse_norms:
             parts.append("norms")
         if self.stream:
-            parts.append("stream")
+            parts.append("stream" + ("" if self.stream_rows == STREAM_MAX_ROWS
+                                     else f"@{self.stream_rows}"))
         if self.mgpu_names:
             parts.append("mgpu" + ("" if self.mgpu_names == NAMES else
                                    ":" + ",".join(self.mgpu_names)))
@@ -136,7 +139,7 @@ class PallasGemv(XLA):
         return self.inv_rows[0] <= rows <= self.inv_rows[1]
 
     def _streams(self, x) -> bool:
-        return self.stream and math.prod(x.shape[:-1]) <= STREAM_MAX_ROWS
+        return self.stream and math.prod(x.shape[:-1]) <= self.stream_rows
 
     def _mgpus(self, name, x) -> bool:
         return name in self.mgpu_names and math.prod(x.shape[:-1]) == 1

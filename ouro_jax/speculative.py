@@ -64,8 +64,7 @@ class SpeculativeConfig:
             raise ValueError(f"pipelined must be True or False, got {self.pipelined!r}")
         object.__setattr__(self, "pipelined", bool(self.pipelined))
 
-    def validate(self, cfg: OuroConfig, backend: str | None = None) -> "SpeculativeConfig":
-        """Refuses a config the model (and, given, the engine's backend string) cannot run."""
+    def validate(self, cfg: OuroConfig) -> "SpeculativeConfig":
         t = cfg.total_ut_steps
         if self.target_loops is not None and self.target_loops != t:
             raise ValueError(f"target_loops={self.target_loops} must equal the model's "
@@ -74,7 +73,7 @@ class SpeculativeConfig:
             raise ValueError(f"draft_loops={self.draft_loops} must satisfy 1 <= d < {t}")
         if self.pipelined:
             from ouro_jax.pipelined import check
-            check(self, cfg, backend)
+            check(self, cfg)
         return self
 
 

@@ -1,7 +1,7 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --gemm-few | --stream | --flow | --flow-o | --prologue | --decode-b1 | --decode-rows | --merge]
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --gemm-few | --stream | --flow | --flow-o | --prologue | --decode-b1 | --decode-rows | --stream-rows | --merge]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints
@@ -169,9 +169,9 @@ def check_gemv():
                                  num_stages=kw["num_stages"])
 
 
-def _lower_stream(n: int, k: int, gated: bool, kw: dict, prologue: str) -> None:
-    """Lowers the streaming GEMV at one row for an n x k weight (the add_norm prologue, or
-    none), which _hook captures for compile_captured."""
+def _lower_stream(n: int, k: int, gated: bool, kw: dict, prologue: str, rows: int = 1) -> None:
+    """Lowers the streaming GEMV at `rows` rows for an n x k weight (the add_norm prologue,
+    or none), which _hook captures for compile_captured."""
     from pallas_kernels.gemv_stream import gemv_stream, gemv_stream_normed
     S = jax.ShapeDtypeStruct
 
@@ -179,8 +179,28 @@ def _lower_stream(n: int, k: int, gated: bool, kw: dict, prologue: str) -> None:
         if not prologue:
             return gemv_stream(x, w, gated=gated, **kw)
         return gemv_stream_normed(x, nw, w, eps=1e-6, branch=b, branch_w=nw, gated=gated, **kw)
-    jax.jit(f).trace(S((1, k), jnp.bfloat16), S((n, k), jnp.bfloat16), S((1, k), jnp.bfloat16),
-                     S((k,), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    jax.jit(f).trace(S((rows, k), jnp.bfloat16), S((n, k), jnp.bfloat16),
+                     S((rows, k), jnp.bfloat16), S((k,), jnp.bfloat16)
+                     ).lower(lowering_platforms=("cuda",))
+
+
+def check_stream_rows():
+    """The engine's streaming tilings (STREAM_TUNING) at 1 and 2 rows (--stream-rows), as
+    'stream@2' would run pipelined speculation's 2-row calls: qkv and gate/up with the
+    add_norm prologue, o and down plain. Registers and spills per row count. With
+    --no-evict, without the evict-first weight loads: pip's Triton 3.9 fails to parse the
+    cache-modifier attribute jax 0.10.2 writes for them (at one row too), which the GPU
+    machine's own toolchain compiles."""
+    from benchmarks.gemv import SHAPES
+    from ouro_jax.projections import STREAM_TUNING
+    for name, (n, k, gated) in SHAPES.items():
+        kw = {key: v for key, v in STREAM_TUNING[name].items()
+              if not ("--no-evict" in sys.argv and key == "evict_first")}
+        prologue = "add_norm" if name in ("qkv", "gate_up") else ""
+        for rows in (1, 2):
+            _lower_stream(n, k, gated, kw, prologue, rows)
+            compile_captured(f"stream {name} {rows} row(s) {prologue or 'plain'}",
+                             num_warps=kw["num_warps"], num_stages=1)
 
 
 def check_stream():
@@ -345,6 +365,8 @@ def check_merge():
 def _main():
     if "--merge" in sys.argv:
         return check_merge()
+    if "--stream-rows" in sys.argv:
+        return check_stream_rows()
     if "--decode-rows" in sys.argv:
         return check_decode_rows()
     if "--decode-b1" in sys.argv:

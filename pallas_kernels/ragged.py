@@ -48,7 +48,7 @@ def _attend_tile(base_ref, off_ref, bt_ref, lens_ref, q_ref, k_ref, v_ref, b, q0
     kvh = pl.program_id(1)
     sp = pl.program_id(2)
     n_rows, _, hd = q_ref.shape
-    entry = plane_index(base_ref, off_ref, entry_stride)
+    entry = plane_index(base_ref, off_ref, entry_stride, row=b)  # (a base per sequence)
     kv_len = lens_ref[b]
     nq = jnp.clip(q_len - q0, 0, block_q)  # 0 for surplus tiles
     first_pos = kv_len - q_len + q0  # position of the tile's first query
@@ -161,7 +161,8 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
     """Packed ragged paged attention. q [N, H, hd] -> [N, H, hd] in q.dtype.
 
     k_cache/v_cache [E, P, page_size, KVH, hd]; entry int32 scalar, or (base, offset) with
-    entry_stride as in paged_decode_attention; block_tables [B, max_pages];
+    entry_stride as in paged_decode_attention (the base may be an int32 [B], one loop per
+    sequence); block_tables [B, max_pages];
     kv_lens [B] (new tokens included); cu_q_lens [B+1] (cu_q_lens[0] == 0). Rows past
     cu_q_lens[B] return zeros. Tuning: block_q query rows per tile (power of 2; default 16
     rows of M for short queries, up to 64 for long chunks), block_t keys per step (64 for 16-bit
@@ -193,7 +194,7 @@ def ragged_paged_attention(q, k_cache, v_cache, entry, block_tables, kv_lens, cu
     kw = dict(group=group, group_pad=group_pad, block_q=block_q, page_size=page_size,
               block_t=block_t, num_splits=num_splits, scale=float(hd) ** -0.5,
               entry_stride=entry_stride)
-    operands = (*plane_operands(entry, entry_stride), block_tables.astype(jnp.int32),
+    operands = (*plane_operands(entry, entry_stride, rows=nseq), block_tables.astype(jnp.int32),
                 kv_lens.astype(jnp.int32))
     if q_len is not None and num_splits == 1:
         return _direct_call(kw, q_len, num_tiles, kvh, num_warps, num_stages, interpret,

@@ -50,7 +50,7 @@ def _kernel(base_ref, off_ref, page_ref, slot_ref, qkv_ref, cos_ref, sin_ref, kc
 
     @pl.when(page != trash_page)
     def _():
-        entry = plane_index(base_ref, off_ref, entry_stride)
+        entry = plane_index(base_ref, off_ref, entry_stride, row=i)  # (a base per token)
         slot = slot_ref[i]
         kv = jnp.minimum(lax.iota(jnp.int32, next_pow2(n_kv)), n_kv - 1)
         kc_ref[entry, page, slot, kv, :] = rotated(heads(n_q, n_kv)).astype(kc_ref.dtype)
@@ -65,7 +65,8 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, entry, page, slot, *, n_kv: i
 
     qkv [N, H + 2 n_kv, hd]; cos, sin [N, hd]; caches [E, P, page_size, n_kv, hd]; entry as
     the attention kernels take it (a plane, or (base, offset) with entry_stride); page,
-    slot [N] int32 (page == trash_page: no write)."""
+    slot [N] int32 (page == trash_page: no write). The base may be an int32 [N], one loop
+    per token (ouro_jax.pipelined)."""
     n, rows, hd = qkv.shape
     n_q = rows - 2 * n_kv
     if hd & (hd - 1):  # (on the CPU too: the interpreter would accept what Triton refuses)
@@ -91,7 +92,8 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, entry, page, slot, *, n_kv: i
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="rope_kv_write",
-    )(*plane_operands(entry, entry_stride), page.astype(jnp.int32), slot.astype(jnp.int32),
+    )(*plane_operands(entry, entry_stride, rows=n), page.astype(jnp.int32),
+      slot.astype(jnp.int32),
       qkv, cos.astype(qkv.dtype), sin.astype(qkv.dtype), k_cache, v_cache)
     return q, kc, vc
 

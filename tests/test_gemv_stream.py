@@ -348,6 +348,16 @@ def test_stream_spec_parses_and_routes():
     p5 = parse("gemv@5+stream")
     assert pallas_call_names(lambda a: p5.project("o", a, w), x[:1]) == ["gemv_stream"]
     assert pallas_call_names(lambda a: p5.project("o", a, w), x) == ["gemv"]
+    # 'stream@N' streams calls of up to N rows (pipelined speculation's 2-row calls)
+    p2 = parse("gemv@2+norms+stream@2+inv@3-64")
+    assert p2.stream_rows == 2 and parse(p2.spec) == p2 and "stream@2" in p2.spec
+    assert pallas_call_names(lambda a: p2.project("o", a, w), x[:2]) == ["gemv_stream"]
+    assert pallas_call_names(lambda a: p5.project("o", a, w), x[:2]) == ["gemv"]
+    assert parse("gemv+stream@1") == parse("gemv+stream")
+    for bad in ("gemv+stream@2", "gemv@2+stream@5", "gemv@2+stream@2+stream",
+                "gemv@2+norms+stream@2+flow", "gemv@2+stream@x"):
+        with pytest.raises(ValueError, match="stream"):
+            parse(bad)
 
 
 def test_stream_layer_kernels_and_engine_tokens():

@@ -65,11 +65,17 @@ def test_exit_modes_match_plain_decoding(greedy_setup, exit_kw):
           llm.generate(prompts, sps, speculative=PIPE, **exit_kw))
 
 
-@pytest.mark.parametrize("kw", [dict(attention="pallas"),
-                                dict(attention="pallas", fused_kv_write=False)])
-def test_pallas_pipelined_is_token_identical(kw):
+@pytest.mark.parametrize("kw,ragged_from", [(dict(attention="pallas"), None),
+                                             (dict(attention="pallas", fused_kv_write=False),
+                                              None),
+                                             (dict(attention="pallas"), 2)])
+def test_pallas_pipelined_is_token_identical(kw, ragged_from, monkeypatch):
     """The decode kernel (interpret mode) reading each row's own plane, with the K/V write
-    in the kernel and apart from it."""
+    in the kernel and apart from it; and from `ragged_from` rows (64 by default: batch 32
+    and up here) the RoPE/K/V-write kernel and the ragged kernel, each reading it."""
+    import pallas_kernels as pk
+    if ragged_from is not None:
+        monkeypatch.setitem(pk.decode.TUNING, "ragged_from", ragged_from)
     cfg, params = load(tiny_checkpoint("tiny-gqa", branch_scale=0.3))
     prompts = ragged_prompts(cfg.vocab_size, [5, 12, 1], seed=4)
     sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (13, 7, 10)]
@@ -150,6 +156,23 @@ def test_one_fetch_per_call_and_no_recompile(monkeypatch):
     assert res.stats.compiles == 0
 
 
+@pytest.mark.parametrize("fused_kv_write", [True, False])
+def test_bf16_batch_invariant_pipelined_is_bit_identical_to_native(fused_kv_write):
+    """In the batch-invariant mode (the ragged kernel and rope_kv's write, each reading a
+    plane per row here), bf16 greedy pipelined output is native's bit for bit: tokens, exit
+    depths, finish reasons and log-probs, though its calls run 2B rows against native's B."""
+    from test_invariant import SP, _same
+
+    cfg, params = load(tiny_checkpoint("tiny-gqa", branch_scale=0.3), "bf16")
+    prompts = ragged_prompts(cfg.vocab_size, [5, 70, 3], seed=4)
+    llm = Ouro(cfg, params, None, page_size=4, batch_invariant=True,
+               fused_kv_write=fused_kv_write)
+    native = llm.generate(prompts, SP).outputs
+    res = llm.generate(prompts, SP, speculative=PIPE)
+    assert _same(native, res.outputs) == [True] * len(prompts)
+    assert res.stats.spec["accepted"] < res.stats.spec["drafted"]
+
+
 def test_invalid_pipelined_config():
     cfg, _ = load(tiny_checkpoint("tiny-gqa"))  # total_ut_steps 4
     with pytest.raises(ValueError, match="k must be 1"):
@@ -160,11 +183,6 @@ def test_invalid_pipelined_config():
         SpeculativeConfig(k=1, draft_loops=2, pipelined="yes")
     with pytest.raises(ValueError, match="rounds_per_fetch"):
         SpeculativeConfig(k=1, draft_loops=2, rounds_per_fetch=1, pipelined=True).validate(cfg)
-    llm = Ouro(*load(tiny_checkpoint("tiny-mha")), None, page_size=4, attention="pallas",
-               batch_invariant=True)
-    with pytest.raises(ValueError, match="batch-invariant"):
-        llm.generate([[1, 2]], SamplingParams(max_tokens=3), speculative=SpeculativeConfig(
-            k=1, draft_loops=2, pipelined=True))
 
 
 @pytest.mark.parametrize("fused", [False, True])
