@@ -319,7 +319,8 @@ def check_decode_rows():
     """paged_decode_attention_qkv as pipelined self-speculation calls it (--decode-rows):
     2 and 16 rows (batch 1 and 8, lead and trail rows) reading a plane per row (a base of
     one loop per row, entry_stride 24), beside the same call with one plane: registers and
-    shared memory at the default tiling (ouro_jax.pipelined)."""
+    shared memory at the default tiling (ouro_jax.pipelined); then at 64 rows rope_kv_write
+    and the ragged kernel (the warps given here are what compile_captured assumes)."""
     from pallas_kernels import paged_decode_attention_qkv
     from pallas_kernels.decode import default_num_warps
     S, i32, bf = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
@@ -338,6 +339,26 @@ def check_decode_rows():
             warps = default_num_warps(rows, bf, True)
             compile_captured(f"decode {rows} rows, {'a plane per row' if per_row else 'one plane'}"
                              f" (warps {warps})", num_warps=warps)
+    # from 64 rows (batch 32 and up): RoPE and the K/V write, then the ragged kernel at the
+    # engine's decode tuning (one split, the direct store), each with a plane per row
+    from pallas_kernels import ragged_paged_attention
+    from pallas_kernels.rope_kv import rope_kv_write
+    rows = 64
+    for per_row in (False, True):
+        base = S((rows,) if per_row else (), i32)
+        jax.jit(lambda qkv, c, s_, kc_, vc_, b, pg, sl: rope_kv_write(
+            qkv, c, s_, kc_, vc_, (b, 3), pg, sl, n_kv=16, entry_stride=24)
+        ).trace(S((rows, 48, 128), bf), S((rows, 128), bf), S((rows, 128), bf), kc, kc, base,
+                S((rows,), i32), S((rows,), i32)).lower(lowering_platforms=("cuda",))
+        compile_captured(f"rope_kv_write {rows} rows, "
+                         f"{'a plane per row' if per_row else 'one plane'}", num_warps=4,
+                         num_stages=1)
+        jax.jit(lambda q, kc_, vc_, b, bt, ln: ragged_paged_attention(
+            q, kc_, vc_, (b, 3), bt, ln, entry_stride=24, q_len=1, num_splits=1, block_q=16)
+        ).trace(S((rows, 16, 128), bf), kc, kc, base, S((rows, 13), i32), S((rows,), i32)
+                ).lower(lowering_platforms=("cuda",))
+        compile_captured(f"ragged {rows} rows, "
+                         f"{'a plane per row' if per_row else 'one plane'}", num_warps=4)
 
 
 # The o projection with the decode attention's split merge as its prologue (--merge,
