@@ -116,11 +116,12 @@ def _chunk_program(llm, speculative, spec, mode, want_lp, state):
                       want_logprobs=want_lp, backend=llm.backend)
         return engine.decode_chunk, static, None
     from ouro_jax import speculative as spec_mod
-    program = spec_mod.spec_chunk
-    if speculative.pipelined:
-        from ouro_jax.pipelined import pipe_chunk as program
-    return (program, spec_mod.chunk_static(llm, speculative, spec, mode, want_lp),
-            spec_mod.init_counters(state))
+    static = spec_mod.chunk_static(llm, speculative, spec, mode, want_lp)
+    if speculative.pipelined:  # (its carry: the counters and the pipeline between fetches)
+        from ouro_jax import pipelined
+        return (pipelined.pipe_chunk, static,
+                pipelined.init_carry(llm.cfg, speculative, mode, state, llm.params.dtype))
+    return spec_mod.spec_chunk, static, spec_mod.init_counters(state)
 
 
 def _append(fetched, first, out):
@@ -163,9 +164,11 @@ def decode_loop(llm, planes, bt, state, first, program, static, counters, on_chu
         else:
             planes, state, counters, bufs = llm.programs.call(program, static, (1,), llm.params,
                                                               planes, bt, state, counters)
-        # The one device-to-host fetch of the chunk (speculative counters ride along).
+        # The one device-to-host fetch of the chunk (speculative counters ride along; of a
+        # pipelined carry only its counters: the pipeline stays on the device).
         f, fetched, done, finish, host_counters = jax.device_get(
-            (first, bufs[:3], state.done, state.finish, counters))
+            (first, bufs[:3], state.done, state.finish,
+             counters[0] if isinstance(counters, tuple) else counters))
         fetches += 1
         new = _append(fetched, f, out)
         first = None

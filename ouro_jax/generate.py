@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--draft-loops", type=int, default=None,
                     help="loops the draft runs (default 2; needs --speculative-k)")
     sp.add_argument("--rounds-per-fetch", type=int, default=None,
-                    help="rounds between host fetches (default 16, pipelined 64; needs "
-                         "--speculative-k)")
+                    help="rounds (pipelined: ticks) between host fetches (default 16; "
+                         "needs --speculative-k)")
     sp.add_argument("--pipelined", action="store_true",
                     help="pipelined self-speculation (needs --speculative-k 1 and a draft of "
                          "half the loops): the next token's draft runs beside the current "
@@ -295,8 +295,7 @@ def main(argv=None) -> int:
                                  logprobs=args.logprobs) for i in range(len(prompts))]
         spec = (SpeculativeConfig(args.speculative_k,
                                   2 if args.draft_loops is None else args.draft_loops,
-                                  rounds_per_fetch=((64 if args.pipelined else 16)
-                                                    if args.rounds_per_fetch is None
+                                  rounds_per_fetch=(16 if args.rounds_per_fetch is None
                                                     else args.rounds_per_fetch),
                                   pipelined=args.pipelined)
                 if args.speculative_k else None)

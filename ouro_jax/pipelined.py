@@ -24,10 +24,11 @@ Cost: d passes per tick, and a tick commits a token unless the one before reject
 draft: 1 / (2 - a) tokens per tick at acceptance a. At d = 2, a = 0.857 that is 2.29 passes
 (on 2B rows) per token, against plain decoding's 4 and k=4 speculation's ~2.8.
 
-Every chunk (one host fetch) starts with the trail off and drops the pipeline at its end,
-so the state between chunks is plain decoding's (engine's invariant): a chunk of n ticks
-pays one tick of restart. Positions past `lengths` may hold the lead's K/V; they are
-rewritten before anything reads them (kv_cache's rollback rule).
+The pipeline (held states, drafts, which trails are on) stays on the device from one host
+fetch to the next, with the counters (`init_carry`, `pipe_chunk`); only the counters are
+fetched. Positions past `lengths` may hold the lead's K/V: a rejected draft's are rewritten
+before anything reads them (kv_cache's rollback rule), an accepted one's are the held
+position's. When a batch ends, the cache is released with it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ouro_jax import engine
@@ -48,11 +50,6 @@ from ouro_jax.speculative import SpecCounters, _accept
 def check(sc, cfg) -> None:
     """Refuses what a pipelined round cannot run, by name (before any work is done)."""
     t = cfg.total_ut_steps
-    if sc.rounds_per_fetch < 2:
-        # every chunk starts with the trail off: its first tick commits nothing
-        raise ValueError(f"pipelined speculation needs rounds_per_fetch >= 2 (a fetch's first "
-                         f"tick refills the pipeline and commits nothing); got "
-                         f"{sc.rounds_per_fetch}")
     if sc.k != 1:
         raise ValueError(f"pipelined speculation drafts one token per tick: k must be 1, got "
                          f"k={sc.k}")
@@ -73,12 +70,16 @@ class Pipe:
     qlp: jax.Array  # [B, V] (sampling; else [B, 1]): the draft's processed log-probs
 
 
-def start(params, state, cfg, sc, mode) -> Pipe:
+def init_carry(cfg, sc, mode, state, dtype) -> tuple:
+    """(SpecCounters, Pipe) before the first fetch: zeros, every trail off, staged from the
+    host (eager jnp.zeros would run an XLA program per array)."""
     b, d = state.tokens.shape[0], sc.draft_loops
     v = cfg.vocab_size if mode.sample else 1
-    return Pipe(jnp.zeros((b,), bool), state.tokens,
-                jnp.zeros((d, b, cfg.hidden_size), params.dtype),
-                jnp.zeros((d, b), params.dtype), jnp.zeros((b, v), jnp.float32))
+    z = lambda shape, dt: np.zeros(shape, dt)
+    counters = SpecCounters(*(z((b,), np.int32) for _ in range(3)))
+    pipe = Pipe(z((b,), np.bool_), z((b,), np.int32), z((d, b, cfg.hidden_size), dtype),
+                z((d, b), dtype), z((b, v), np.float32))
+    return jax.device_put((counters, pipe))
 
 
 def _heads(params, lead_h, hidden, gates, *, cfg, spec, backend):
@@ -142,10 +143,11 @@ def tick(params, planes, bt2, state, pipe: Pipe, counters: SpecCounters, *, cfg,
     return planes, new_state, new_pipe, counters, (jnp.where(trail, x, -1), steps, lps)
 
 
-def pipe_chunk(params, planes, bt, state, counters, *, cfg, sc, spec, mode, want_logprobs,
+def pipe_chunk(params, planes, bt, state, carry, *, cfg, sc, spec, mode, want_logprobs,
                backend):
     """Up to sc.rounds_per_fetch ticks in one `lax.while_loop`, stopping when every row is
-    done. Buffers [B, rounds_per_fetch], tick r at column r (-1: nothing committed)."""
+    done. carry: (SpecCounters, Pipe), handed from fetch to fetch (init_carry). Buffers
+    [B, rounds_per_fetch], tick r at column r (-1: nothing committed)."""
     b, n = state.tokens.shape[0], sc.rounds_per_fetch
     bt2 = jnp.concatenate([bt, bt], axis=0)
     bufs = (jnp.full((b, n), -1, jnp.int32), jnp.zeros((b, n), jnp.int32),
@@ -164,6 +166,7 @@ def pipe_chunk(params, planes, bt, state, counters, *, cfg, sc, spec, mode, want
                      for buf, x in zip(bufs, new))
         return r + 1, planes, st, pipe, ctr, bufs
 
-    carry = (jnp.int32(0), planes, state, start(params, state, cfg, sc, mode), counters, bufs)
-    r, planes, state, _, counters, bufs = lax.while_loop(cond, body, carry)
-    return planes, state, counters, (*bufs, r)
+    counters, pipe = carry
+    r, planes, state, pipe, counters, bufs = lax.while_loop(
+        cond, body, (jnp.int32(0), planes, state, pipe, counters, bufs))
+    return planes, state, (counters, pipe), (*bufs, r)
