@@ -107,7 +107,7 @@ def build(args):
         from ouro_jax import speculative as sm
         from ouro_jax.pipelined import pipe_chunk
         sc = sm.SpeculativeConfig(k=args.k, draft_loops=args.draft_loops,
-                                  pipelined=args.pipelined)
+                                  pipelined=args.pipelined).validate(cfg)
         name = "pipe" if args.pipelined else "spec"
         out.append((f"{name}_k{args.k}_d{args.draft_loops}",
                     pipe_chunk if args.pipelined else sm.spec_chunk,

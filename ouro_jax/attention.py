@@ -70,8 +70,8 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     ragged kernel at one fixed tuning; with fused_kv_write `attend.qkv` applies RoPE and
     writes the K/V in one Pallas kernel first (pallas_kernels.rope_kv), else XLA does.
     active [B] bool (None: all): with the pallas backend and skip_done(), rows not active
-    (finished rows, whose outputs are discarded) attend over at most C + 1 keys instead of
-    their whole context. Their K/V still go to the same slots, now computed from that short
+    (finished rows, or pipelined speculation's idle trail rows: rows whose outputs are
+    discarded) attend over at most C + 1 keys instead of their whole context. Their K/V still go to the same slots, now computed from that short
     context: slots at or past a row's length are rewritten before anything reads them.
     row_loops: the `loop` the layers pass is an int32 [B], one loop per row
     (ouro_jax.pipelined; C == 1): every kernel here then reads and writes each row's own
@@ -80,6 +80,12 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     if row_loops and positions.shape[1] != 1:
         raise ValueError(f"rows at different loops run one query each, got "
                          f"{positions.shape[1]} per row")
+    if row_loops and backend == "pallas":
+        import pallas_kernels as pk
+        if pk.decode.TUNING.get("mgpu", MGPU_DECODE):
+            raise ValueError("rows at different loops (pipelined speculation) need a decode "
+                             "kernel that reads a plane per row; the Mosaic GPU decode "
+                             "kernel (decode tuning mgpu=1) reads one per call")
     if invariant and backend != "pallas":
         raise ValueError(f"batch-invariant attention runs the Pallas ragged kernel, not "
                          f"{backend!r}")

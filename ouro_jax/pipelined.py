@@ -10,15 +10,20 @@ weights are read once for both rows; the attention reads each row's own plane (l
 the cache (`model.run_loops`' loop_offset, the decode kernel's per-row plane).
 
 For each sequence, before a tick (`lengths` = L; `tokens` = x_L, committed, at position L):
-- trail off: the lead runs position L with x_L; the trail is idle. Nothing is committed;
-  the lead's loop d-1 state drafts c_{L+1} and its d states are held: trail on.
+- trail off: the lead runs position L with x_L. The trail row still runs (on stale
+  states, writing loops d..T-1 at position L, which the next tick rewrites before anyone
+  reads them) and its result is dropped; on the Pallas path it attends over at most 2
+  keys (skip_done). Nothing is committed; the lead's loop d-1 state drafts c_{L+1} and its
+  d states are held: trail on.
 - trail on (L's first d loops held, the draft c_{L+1}): the lead runs position L + 1 with
   c_{L+1} while the trail finishes L. Exit selection over L's T states gives the exact
   x_{L+1}, committed as plain decoding would. If x_{L+1} = c_{L+1}, the lead's work at L + 1
   was exact: it is held and drafts c_{L+2}; else the trail is off, and the lead redoes L + 1
   with x_{L+1} on the next tick.
 Sampling accepts c_{L+1} by rejection sampling (speculative._accept with k = 1), so the
-output follows the target's distribution; greedy output is plain greedy decoding's.
+output follows the target's distribution. Greedy output is plain greedy decoding's in exact
+arithmetic (fp32 tests); in bf16 the 2B-row calls round otherwise than plain decoding's
+B-row ones on a GPU, except in the batch-invariant mode, where it is the same bits (test).
 
 Cost: d passes per tick, and a tick commits a token unless the one before rejected its
 draft: 1 / (2 - a) tokens per tick at acceptance a. At d = 2, a = 0.857 that is 2.29 passes
@@ -26,7 +31,7 @@ draft: 1 / (2 - a) tokens per tick at acceptance a. At d = 2, a = 0.857 that is 
 
 The pipeline (held states, drafts, which trails are on) stays on the device from one host
 fetch to the next, with the counters (`init_carry`, `pipe_chunk`); only the counters are
-fetched. Positions past `lengths` may hold the lead's K/V: a rejected draft's are rewritten
+fetched. Positions at or past `lengths` may hold the lead's K/V: a rejected draft's are rewritten
 before anything reads them (kv_cache's rollback rule), an accepted one's are the held
 position's. When a batch ends, the cache is released with it.
 """
@@ -97,7 +102,12 @@ def _heads(params, lead_h, hidden, gates, *, cfg, spec, backend):
 
 def _verify(logits_t, pipe, state, *, sc, mode):
     """(the committed token x [B], whether the draft was accepted [B]) for trail rows."""
-    logits2 = jnp.stack([logits_t, logits_t], axis=1)  # offset 1 (the bonus) goes unused
+    if not mode.sample:  # (every row greedy)
+        target = jnp.argmax(logits_t, axis=-1).astype(jnp.int32)
+        return target, pipe.cand == target
+    # _accept at k = 1 (its keys: position L + 1, as a k = 1 round's); it also draws a bonus
+    # token at offset 1 from a copy of the logits, which goes unused
+    logits2 = jnp.stack([logits_t, logits_t], axis=1)
     a, out = _accept(logits2, pipe.cand[None], pipe.qlp[None], state, sc=sc, mode=mode)
     return out[:, 0], a > 0
 

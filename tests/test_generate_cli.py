@@ -126,4 +126,3 @@ def test_pipelined_matches_native_greedy(capsys):
     assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 9
     spec = json.loads(piped.strip().splitlines()[-1])["stats"]["spec"]
     assert spec["pipelined"] is True and spec["drafted"] == 8  # one verified draft per token
-    assert spec["rounds"] > spec["drafted"]  # (the first tick fills the pipeline)

@@ -86,16 +86,18 @@ def test_pallas_pipelined_is_token_identical(kw, ragged_from, monkeypatch):
     assert res.stats.host_fetches == 1
 
 
-def test_kv_planes_equal_plain_decoding():
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_kv_planes_equal_plain_decoding(attention):
     """After whole generations, the K/V of every committed position in every plane (loop,
     layer) equal plain decoding's: the lead's and the trail's writes land in their own
-    planes, and the lead's rejected work is rewritten."""
+    planes (XLA's scatter; the decode kernel's fused write), and the lead's rejected work
+    is rewritten."""
     cfg, params = load(tiny_checkpoint("tiny-gqa", branch_scale=0.3))
     prompts = ragged_prompts(cfg.vocab_size, [6, 3], seed=2)
     sps = [SamplingParams(max_tokens=11, ignore_eos=True)] * 2
 
     def planes_after(speculative):
-        llm = Ouro(cfg, params, None, page_size=4)
+        llm = Ouro(cfg, params, None, page_size=4, attention=attention)
         out = llm.generate(prompts, sps, speculative=speculative)
         kc, vc = (np.asarray(x) for x in llm._planes)
         tables = np.asarray(llm.last_block_tables)
@@ -140,6 +142,12 @@ def test_pipelined_sampling_preserves_target_distribution():
     stat, dof = stat + (pooled_o - pooled_e) ** 2 / pooled_e, dof + 1
     assert stat < dof + 4.5 * np.sqrt(2 * dof), (stat, dof)
     assert 0 < res.stats.spec["accepted"] < res.stats.spec["drafted"]
+    # The draws depend on seed and position only, and the pipeline crosses fetches: the
+    # same tokens at 1 and 64 ticks per fetch.
+    for ticks in (1, 64):
+        again = llm.generate([prompt] * 64, sps[:64], speculative=SpeculativeConfig(
+            k=1, draft_loops=2, rounds_per_fetch=ticks, pipelined=True)).outputs
+        assert [o.token_ids for o in again] == [o.token_ids for o in res.outputs[:64]]
 
 
 def test_one_fetch_per_call_and_no_recompile(monkeypatch):
@@ -191,7 +199,7 @@ def test_decode_kernel_reads_a_plane_per_row(fused):
     from pallas_kernels import paged_decode_attention, paged_decode_attention_qkv
 
     rng = np.random.default_rng(3)
-    loops = jnp.asarray([0, 2, 1, 2], jnp.int32)  # entry = loop * 1 + 0 (stride 1... below)
+    loops = jnp.asarray([0, 2, 1, 2], jnp.int32)  # each row's plane (base, stride 1, offset 0)
     if fused:
         (qkv, k, v, bt, lens), (page, slot), _ = fused_write_case(
             rng, jnp.float32, 2, 2, [3, 9, 6, 13], hd=16, page_size=4)
@@ -208,13 +216,26 @@ def test_decode_kernel_reads_a_plane_per_row(fused):
     for row in range(4):
         want = call(loops[row])
         np.testing.assert_array_equal(np.asarray(got[0][row]), np.asarray(want[0][row]))
-        if fused:  # the row's write went to its plane only
+        if fused:  # the row's write went to its plane, and no other plane changed there
             e = int(loops[row])
-            for g, w in zip(got[1:], want[1:]):
-                np.testing.assert_array_equal(np.asarray(g[e, page[row], slot[row]]),
-                                              np.asarray(w[e, page[row], slot[row]]))
+            for g, w, before in zip(got[1:], want[1:], (k, v)):
+                g, w, before = (np.asarray(a[:, page[row], slot[row]]) for a in (g, w, before))
+                np.testing.assert_array_equal(g[e], w[e])
+                assert not np.isnan(g[e]).any()  # (the slot held NaN before the write)
+                others = [p for p in range(g.shape[0]) if p != e]
+                np.testing.assert_array_equal(g[others], before[others])
     with pytest.raises(ValueError, match="per-row plane base of shape \\(3,\\)"):
         call(loops[:3])
+
+
+def test_the_mosaic_decode_kernel_is_refused(monkeypatch):
+    """The Mosaic GPU decode kernel (opt-in) reads one plane per call: refused by name."""
+    import pallas_kernels as pk
+    monkeypatch.setitem(pk.decode.TUNING, "mgpu", 1)
+    cfg, params = load(tiny_checkpoint("tiny-gqa"))
+    llm = Ouro(cfg, params, None, page_size=4, attention="pallas")
+    with pytest.raises(ValueError, match="Mosaic GPU decode kernel"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=4), speculative=PIPE)
 
 
 def test_kernels_reading_one_plane_refuse_a_per_row_base():
@@ -224,3 +245,29 @@ def test_kernels_reading_one_plane_refuse_a_per_row_base():
         plane_operands((jnp.zeros((2,), jnp.int32), 0), 4)
     base, off = plane_operands((jnp.int32(3), 1), 4)
     assert base.shape == off.shape == (1,)
+
+
+def test_offline_compile_lowers_the_per_row_kernels(monkeypatch):
+    """`python -m pallas_kernels.offline_compile --decode-rows` and `--stream-rows` (the
+    sm_90 pre-flights of the pipelined pass's kernels) lower each call to one Triton kernel
+    at the 1.4B shapes, on a CPU."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    from pallas_kernels import offline_compile as oc
+    from pallas_kernels import offline_compile_rows as rows
+    tags = []
+
+    def record(tag, **kw):
+        tags.append((tag, len(oc._captured)))
+        oc._captured.clear()
+    monkeypatch.setattr(oc, "compile_captured", record)
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", oc._hook)
+    with oc.sm90_device_info():
+        rows.check_decode_rows()
+        rows.check_stream_rows()
+    names = [t for t, _ in tags]
+    assert all(n == 1 for _, n in tags), tags
+    assert "decode 2 rows, a plane per row (warps 2)" in names
+    assert "ragged 64 rows, a plane per row" in names
+    assert "rope_kv_write 64 rows, a plane per row" in names
+    assert "stream down 2 row(s) plain" in names and "stream qkv 2 row(s) add_norm" in names
+    assert len(names) == 8 + 8
