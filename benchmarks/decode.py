@@ -98,8 +98,9 @@ def run_config(llm, batch, k, temp, args):
                for _ in range(batch)]
     sps = [SamplingParams(max_tokens=args.new_tokens, temperature=temp, top_p=1.0, seed=i,
                           ignore_eos=True) for i in range(batch)]
-    # one fetch per call: a pipelined tick commits at most one token (at least one per two)
-    ticks = 2 * args.new_tokens + 2 if args.pipelined else args.new_tokens
+    # one fetch per call: a pipelined tick commits at most one token, and a rejection costs
+    # S - 1 <= 3 ticks (4 * new_tokens covers every draft rejected at 4 stages)
+    ticks = 4 * args.new_tokens if args.pipelined else args.new_tokens
     spec = (SpeculativeConfig(k, args.draft_loops, rounds_per_fetch=ticks,
                               pipelined=args.pipelined)
             if k else None)

@@ -88,9 +88,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--draft-loops", type=int, default=2,
                    help="loops the speculative draft runs (1 <= d < the model's loops)")
     p.add_argument("--pipelined", action="store_true",
-                   help="speculative runs (k must be 1, --draft-loops half the model's loops) "
-                        "as pipelined self-speculation: the draft of the next token shares "
-                        "each pass with the rest of the current one (ouro_jax.pipelined)")
+                   help="speculative runs (k must be 1, --draft-loops dividing the model's "
+                        "loops) as pipelined self-speculation: the loops in stages of "
+                        "--draft-loops, each pass running every stage on its own position "
+                        "(ouro_jax.pipelined)")
     p.add_argument("--temperature", default="0,0.8", help="sampling temperatures; 0 = greedy")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=64,

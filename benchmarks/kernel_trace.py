@@ -192,8 +192,9 @@ def trace_generate(llm, batch, k, args) -> dict:
     prompts = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt_len)]
                for _ in range(batch)]
     sps = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)] * batch
-    spec = (SpeculativeConfig(k, 2, rounds_per_fetch=2 * args.new_tokens + 2 if args.pipelined
-                              else args.new_tokens, pipelined=args.pipelined) if k else None)
+    spec = (SpeculativeConfig(k, args.draft_loops, rounds_per_fetch=4 * args.new_tokens
+                              if args.pipelined else args.new_tokens,
+                              pipelined=args.pipelined) if k else None)
     lines: list = []
     memcpys: list = []
     res, events = _traced(llm, prompts, sps, spec, lines, memcpys)
@@ -222,7 +223,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernel_trace", description=__doc__)
     add_model_args(ap)
     ap.add_argument("--batch", default="1,64")
-    ap.add_argument("--k", default="0,4", help="0 = native; >0 = speculative with d=2")
+    ap.add_argument("--k", default="0,4", help="0 = native; >0 = speculative")
+    ap.add_argument("--draft-loops", type=int, default=2, help="the draft's loops (d)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--unroll-loops", action="store_true")

@@ -94,6 +94,8 @@ def build(args):
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     ids = [[1] * args.prompt_len] * args.batch
     room = args.k + 1 if args.k else 0
+    if args.k and args.pipelined:  # (the pipeline's newest position: L + S - 1)
+        room = cfg.total_ut_steps // args.draft_loops
     planes, bt, state = batch.admit(llm, ids, [sp] * args.batch, [[]] * args.batch, room)
     spec, mode = ExitSpec().validate(cfg), SamplingMode.for_requests([sp])
     chunk = batch.prefill_chunk_len(llm, state.tokens.shape[0], args.prompt_len,
@@ -104,15 +106,17 @@ def build(args):
            np.zeros((t, bp), dtype))
     out = [("prefill", engine.prefill_chunk, dict(cfg=cfg, backend=llm.backend), (1, 6, 7), pre)]
     if args.k:
+        from ouro_jax import pipelined
         from ouro_jax import speculative as sm
-        from ouro_jax.pipelined import pipe_chunk
         sc = sm.SpeculativeConfig(k=args.k, draft_loops=args.draft_loops,
                                   pipelined=args.pipelined).validate(cfg)
         name = "pipe" if args.pipelined else "spec"
+        carry = (pipelined.init_carry(cfg, sc, mode, state, dtype) if args.pipelined
+                 else sm.init_counters(state))
         out.append((f"{name}_k{args.k}_d{args.draft_loops}",
-                    pipe_chunk if args.pipelined else sm.spec_chunk,
+                    pipelined.pipe_chunk if args.pipelined else sm.spec_chunk,
                     sm.chunk_static(llm, sc, spec, mode, False), (1,),
-                    (llm.params, planes, bt, state, sm.init_counters(state))))
+                    (llm.params, planes, bt, state, carry)))
     else:
         static = dict(buffer=llm.decode_chunk, cfg=cfg, spec=spec, mode=mode,
                       want_logprobs=False, backend=llm.backend)

@@ -84,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rounds (pipelined: ticks) between host fetches (default 16; "
                          "needs --speculative-k)")
     sp.add_argument("--pipelined", action="store_true",
-                    help="pipelined self-speculation (needs --speculative-k 1 and a draft of "
-                         "half the loops): the next token's draft runs beside the current "
-                         "token's last loops in each pass (ouro_jax/pipelined.py)")
+                    help="pipelined self-speculation (needs --speculative-k 1; --draft-loops "
+                         "must divide the model's loops): the loops run in stages of "
+                         "--draft-loops, each pass running every stage on its own position, "
+                         "drafts entering the first (ouro_jax/pipelined.py)")
     r = p.add_argument_group("runtime")
     r.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="compute dtype (default fp32, exact against the fp32 reference; on a "

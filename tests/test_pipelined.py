@@ -13,6 +13,7 @@ from ouro_jax.sampling import SamplingParams
 from ouro_jax.speculative import SpeculativeConfig
 
 PIPE = SpeculativeConfig(k=1, draft_loops=2, rounds_per_fetch=5, pipelined=True)
+PIPE4 = SpeculativeConfig(k=1, draft_loops=1, rounds_per_fetch=5, pipelined=True)  # 4 stages
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +40,12 @@ def _same(plain, res):
         assert b.exit_depths == a.exit_depths
 
 
-@pytest.mark.parametrize("ticks", [1, 5, 64])
-def test_greedy_pipelined_is_token_identical(greedy_setup, ticks):
+@pytest.mark.parametrize("ticks,d", [(1, 2), (5, 2), (64, 2), (1, 1), (5, 1), (64, 1)])
+def test_greedy_pipelined_is_token_identical(greedy_setup, ticks, d):
     """1 tick per fetch (the pipeline carried across every fetch), 5 (fetch boundaries
-    mid-generation) and 64 (one fetch)."""
+    mid-generation) and 64 (one fetch); 2 stages of 2 loops and 4 stages of 1."""
     llm, prompts, sps, plain = greedy_setup
-    sc = SpeculativeConfig(k=1, draft_loops=2, rounds_per_fetch=ticks, pipelined=True)
+    sc = SpeculativeConfig(k=1, draft_loops=d, rounds_per_fetch=ticks, pipelined=True)
     res = llm.generate(prompts, sps, speculative=sc)
     _same(plain, res)
     assert {o.finish_reason for o in res.outputs} == {"stop", "length"}
@@ -57,12 +58,13 @@ def test_greedy_pipelined_is_token_identical(greedy_setup, ticks):
 
 @pytest.mark.parametrize("exit_kw", [dict(exit_at_step=1), dict(exit_threshold=0.3),
                                      dict(weighted_exit=True)])
-def test_exit_modes_match_plain_decoding(greedy_setup, exit_kw):
+@pytest.mark.parametrize("sc", [PIPE, PIPE4], ids=["d2", "d1"])
+def test_exit_modes_match_plain_decoding(greedy_setup, exit_kw, sc):
     """The trail's exit selection (a fixed step below the draft's depth, a threshold, the
     weighted mix, whose draft and target logits come from separate LM-head calls)."""
     llm, prompts, sps, _ = greedy_setup
     _same(llm.generate(prompts, sps, **exit_kw),
-          llm.generate(prompts, sps, speculative=PIPE, **exit_kw))
+          llm.generate(prompts, sps, speculative=sc, **exit_kw))
 
 
 @pytest.mark.parametrize("kw,ragged_from", [(dict(attention="pallas"), None),
@@ -86,8 +88,9 @@ def test_pallas_pipelined_is_token_identical(kw, ragged_from, monkeypatch):
     assert res.stats.host_fetches == 1
 
 
-@pytest.mark.parametrize("attention", ["xla", "pallas"])
-def test_kv_planes_equal_plain_decoding(attention):
+@pytest.mark.parametrize("attention,sc", [("xla", PIPE), ("pallas", PIPE), ("xla", PIPE4)],
+                         ids=["xla-d2", "pallas-d2", "xla-d1"])
+def test_kv_planes_equal_plain_decoding(attention, sc):
     """After whole generations, the K/V of every committed position in every plane (loop,
     layer) equal plain decoding's: the lead's and the trail's writes land in their own
     planes (XLA's scatter; the decode kernel's fused write), and the lead's rejected work
@@ -109,14 +112,15 @@ def test_kv_planes_equal_plain_decoding(attention):
         return per_row, out.stats.spec
 
     plain, _ = planes_after(None)
-    piped, stats = planes_after(PIPE)
+    piped, stats = planes_after(sc)
     assert stats["accepted"] < stats["drafted"]  # some drafts were rejected and redone
     for (k0, v0), (k1, v1) in zip(plain, piped):
         np.testing.assert_allclose(k1, k0, atol=2e-5, rtol=2e-5)
         np.testing.assert_allclose(v1, v0, atol=2e-5, rtol=2e-5)
 
 
-def test_pipelined_sampling_preserves_target_distribution():
+@pytest.mark.parametrize("d", [2, 1])
+def test_pipelined_sampling_preserves_target_distribution(d):
     """Chi-square over the joint of 3 generated tokens (tiny vocab, many seeds) against the
     target's exact probabilities (the speculative test's oracle and statistic)."""
     from test_speculative import _exact_joint
@@ -127,7 +131,7 @@ def test_pipelined_sampling_preserves_target_distribution():
     exact = _exact_joint(cfg, params, prompt, temp, t)
     sps = [SamplingParams(max_tokens=t, temperature=temp, seed=s, ignore_eos=True)
            for s in range(4096)]
-    sc = SpeculativeConfig(k=1, draft_loops=2, rounds_per_fetch=8, pipelined=True)
+    sc = SpeculativeConfig(k=1, draft_loops=d, rounds_per_fetch=8, pipelined=True)
     res = llm.generate([prompt] * len(sps), sps, speculative=sc)
     counts: dict = {}
     for o in res.outputs:
@@ -146,7 +150,7 @@ def test_pipelined_sampling_preserves_target_distribution():
     # same tokens at 1 and 64 ticks per fetch.
     for ticks in (1, 64):
         again = llm.generate([prompt] * 64, sps[:64], speculative=SpeculativeConfig(
-            k=1, draft_loops=2, rounds_per_fetch=ticks, pipelined=True)).outputs
+            k=1, draft_loops=d, rounds_per_fetch=ticks, pipelined=True)).outputs
         assert [o.token_ids for o in again] == [o.token_ids for o in res.outputs[:64]]
 
 
@@ -165,7 +169,8 @@ def test_one_fetch_per_call_and_no_recompile(monkeypatch):
 
 
 @pytest.mark.parametrize("fused_kv_write", [True, False])
-def test_bf16_batch_invariant_pipelined_is_bit_identical_to_native(fused_kv_write):
+@pytest.mark.parametrize("sc", [PIPE, PIPE4], ids=["d2", "d1"])
+def test_bf16_batch_invariant_pipelined_is_bit_identical_to_native(fused_kv_write, sc):
     """In the batch-invariant mode (the ragged kernel and rope_kv's write, each reading a
     plane per row here), bf16 greedy pipelined output is native's bit for bit: tokens, exit
     depths, finish reasons and log-probs, though its calls run 2B rows against native's B."""
@@ -176,7 +181,7 @@ def test_bf16_batch_invariant_pipelined_is_bit_identical_to_native(fused_kv_writ
     llm = Ouro(cfg, params, None, page_size=4, batch_invariant=True,
                fused_kv_write=fused_kv_write)
     native = llm.generate(prompts, SP).outputs
-    res = llm.generate(prompts, SP, speculative=PIPE)
+    res = llm.generate(prompts, SP, speculative=sc)
     assert _same(native, res.outputs) == [True] * len(prompts)
     assert res.stats.spec["accepted"] < res.stats.spec["drafted"]
 
@@ -185,8 +190,9 @@ def test_invalid_pipelined_config():
     cfg, _ = load(tiny_checkpoint("tiny-gqa"))  # total_ut_steps 4
     with pytest.raises(ValueError, match="k must be 1"):
         SpeculativeConfig(k=4, draft_loops=2, pipelined=True).validate(cfg)
-    with pytest.raises(ValueError, match="half of total_ut_steps=4"):
-        SpeculativeConfig(k=1, draft_loops=1, pipelined=True).validate(cfg)
+    with pytest.raises(ValueError, match="must divide total_ut_steps=4"):
+        SpeculativeConfig(k=1, draft_loops=3, pipelined=True).validate(cfg)
+    SpeculativeConfig(k=1, draft_loops=1, pipelined=True).validate(cfg)  # 4 stages
     with pytest.raises(ValueError, match="pipelined must be True or False"):
         SpeculativeConfig(k=1, draft_loops=2, pipelined="yes")
 
