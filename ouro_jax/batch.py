@@ -184,7 +184,7 @@ def run_batch(llm, ids, params, stops, spec, speculative, on_chunk):
     mode = SamplingMode.for_requests(params)
     want_lp = any(p.logprobs for p in params)
     room = 0 if speculative is None else speculative.k + 1
-    if speculative is not None and speculative.pipelined:  # (the newest in flight: L + S - 1)
+    if speculative is not None and speculative.pipelined:  # (L + S - 1 in flight; S - 2 needed)
         from ouro_jax.pipelined import stages
         room = stages(speculative, llm.cfg)
     compile0, compiles0 = llm.programs.compile_seconds, llm.programs.compiles

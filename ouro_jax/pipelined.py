@@ -37,7 +37,9 @@ The pipeline (held states, drafts, how many positions are in flight) stays on th
 from one host fetch to the next, with the counters (`init_carry`, `pipe_chunk`); only the
 counters are fetched. Positions at or past `lengths` may hold K/V of positions in flight
 or of rejected drafts; each is rewritten before anything reads it (kv_cache's rollback
-rule). The newest position in flight is L + S - 1: run_batch reserves S positions of room.
+rule). The newest position in flight is L + S - 1, at most S - 2 past plain decoding's last
+(L <= prompt + max_tokens - 2 while a row is active); run_batch reserves S, a margin. A write
+past a row's pages would go to the trash page and be dropped in any case.
 """
 
 from __future__ import annotations
@@ -67,10 +69,10 @@ def check(sc, cfg) -> None:
     if sc.k != 1:
         raise ValueError(f"pipelined speculation drafts one token per tick: k must be 1, got "
                          f"k={sc.k}")
-    if t % sc.draft_loops:
+    if t % sc.draft_loops or sc.draft_loops >= t:
         raise ValueError(f"pipelined speculation cuts the model's loops into stages of the "
-                         f"draft's depth, so draft_loops must divide total_ut_steps={t}; got "
-                         f"draft_loops={sc.draft_loops}")
+                         f"draft's depth, at least two, so draft_loops must divide "
+                         f"total_ut_steps={t} and be smaller; got draft_loops={sc.draft_loops}")
 
 
 @jax.tree_util.register_dataclass

@@ -56,6 +56,23 @@ def test_greedy_pipelined_is_token_identical(greedy_setup, ticks, d):
     assert s["tokens_per_round"] == pytest.approx(s["drafted"] / s["rounds"])
 
 
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_six_loops_in_six_three_and_two_stages(d):
+    """A model of T = 6 loops: 6, 3 and 2 stages, greedy tokens and exit depths as plain
+    decoding's, at 3 ticks per fetch (crossing fetches mid-pipeline)."""
+    cfg, params = load(tiny_checkpoint("tiny-mqa", branch_scale=0.3, total_ut_steps=6))
+    assert cfg.total_ut_steps == 6
+    prompts = ragged_prompts(cfg.vocab_size, [4, 9, 1], seed=5)
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (12, 7, 15)]
+    llm = Ouro(cfg, params, None, page_size=4)
+    res = llm.generate(prompts, sps, speculative=SpeculativeConfig(
+        k=1, draft_loops=d, rounds_per_fetch=3, pipelined=True))
+    _same(llm.generate(prompts, sps), res)
+    s = res.stats.spec
+    assert s["drafted"] == sum(len(o.token_ids) - 1 for o in res.outputs)
+    assert 0 < s["accepted"] < s["drafted"]
+
+
 @pytest.mark.parametrize("exit_kw", [dict(exit_at_step=1), dict(exit_threshold=0.3),
                                      dict(weighted_exit=True)])
 @pytest.mark.parametrize("sc", [PIPE, PIPE4], ids=["d2", "d1"])
@@ -190,8 +207,11 @@ def test_invalid_pipelined_config():
     cfg, _ = load(tiny_checkpoint("tiny-gqa"))  # total_ut_steps 4
     with pytest.raises(ValueError, match="k must be 1"):
         SpeculativeConfig(k=4, draft_loops=2, pipelined=True).validate(cfg)
-    with pytest.raises(ValueError, match="must divide total_ut_steps=4"):
+    with pytest.raises(ValueError, match="must divide total_ut_steps=4 and be smaller"):
         SpeculativeConfig(k=1, draft_loops=3, pipelined=True).validate(cfg)
+    from ouro_jax.pipelined import check
+    with pytest.raises(ValueError, match="be smaller"):  # one stage: nothing to pipeline
+        check(SpeculativeConfig(k=1, draft_loops=4), cfg)
     SpeculativeConfig(k=1, draft_loops=1, pipelined=True).validate(cfg)  # 4 stages
     with pytest.raises(ValueError, match="pipelined must be True or False"):
         SpeculativeConfig(k=1, draft_loops=2, pipelined="yes")
