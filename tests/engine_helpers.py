@@ -177,3 +177,21 @@ def host_reads(monkeypatch) -> HostReads:
     monkeypatch.setattr(np, "asarray", wrap(real_asarray, "np.asarray"))
     monkeypatch.setattr(np, "array", wrap(real_array, "np.array"))
     return reads
+
+
+def offline_compile_tags(monkeypatch, *checks) -> list:
+    """Runs pallas_kernels.offline_compile check functions on this CPU, lowering for sm_90
+    without Triton's compile: [(tag, kernels captured for it, compile_captured's keywords)]."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    from pallas_kernels import offline_compile as oc
+    tags = []
+
+    def record(tag, **kw):
+        tags.append((tag, len(oc._captured), kw))
+        oc._captured.clear()
+    monkeypatch.setattr(oc, "compile_captured", record)
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", oc._hook)
+    with oc.sm90_device_info():
+        for check in checks:
+            check()
+    return tags

@@ -141,17 +141,10 @@ def test_offline_compile_lowers_the_batch1_tilings(monkeypatch):
     batch-1 attention tilings the next GPU call times): each lowers to one Triton kernel at
     the 1.4B shapes, and the tag names the split and block it resolved to (the default
     splits a 13-page table six ways at 32 keys; the others run unsplit)."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
+    from engine_helpers import offline_compile_tags
     from pallas_kernels import offline_compile as oc
-    tags = []
-
-    def record(tag, **kw):
-        tags.append((tag, len(oc._captured), kw["num_warps"]))
-        oc._captured.clear()
-    monkeypatch.setattr(oc, "compile_captured", record)
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", oc._hook)
-    with oc.sm90_device_info():
-        oc.check_decode_b1()
+    tags = [(tag, n, kw["num_warps"])
+            for tag, n, kw in offline_compile_tags(monkeypatch, oc.check_decode_b1)]
     assert tags == [("decode b1 block_t 32 splits 6 warps 4", 1, 4),
                     ("decode b1 block_t 256 splits 1 warps 4", 1, 4),
                     ("decode b1 block_t 256 splits 1 warps 8", 1, 8),

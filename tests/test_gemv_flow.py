@@ -387,19 +387,11 @@ def test_offline_compile_lowers_every_benchmark_variant(monkeypatch):
     """`python -m pallas_kernels.offline_compile --flow` (the pre-flight sm_90 compile of
     every benchmarks.gemv_flow variant at the 1.4B shapes): its lowering runs for each, here
     without Triton's compile (no Triton package in the test environment)."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
     from benchmarks.gemv_flow import VARIANTS
-    from pallas_kernels import offline_compile as oc
+    from engine_helpers import offline_compile_tags
     from pallas_kernels import offline_compile_flow
-    tags = []
-
-    def record(tag, **kw):
-        tags.append((tag, len(oc._captured)))
-        oc._captured.clear()
-    monkeypatch.setattr(oc, "compile_captured", record)
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", oc._hook)
-    with oc.sm90_device_info():
-        offline_compile_flow.check_flow()
+    tags = [(tag, n) for tag, n, _ in offline_compile_tags(monkeypatch,
+                                                            offline_compile_flow.check_flow)]
     assert tags == [(f"flow {name}", 1) for name in VARIANTS] + [
         (f"flow_layer flow5 ns{n}", 1) for n in (1, 2)]
 

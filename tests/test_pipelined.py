@@ -277,21 +277,11 @@ def test_offline_compile_lowers_the_per_row_kernels(monkeypatch):
     """`python -m pallas_kernels.offline_compile --decode-rows` and `--stream-rows` (the
     sm_90 pre-flights of the pipelined pass's kernels) lower each call to one Triton kernel
     at the 1.4B shapes, on a CPU."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-    from pallas_kernels import offline_compile as oc
+    from engine_helpers import offline_compile_tags
     from pallas_kernels import offline_compile_rows as rows
-    tags = []
-
-    def record(tag, **kw):
-        tags.append((tag, len(oc._captured)))
-        oc._captured.clear()
-    monkeypatch.setattr(oc, "compile_captured", record)
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", oc._hook)
-    with oc.sm90_device_info():
-        rows.check_decode_rows()
-        rows.check_stream_rows()
-    names = [t for t, _ in tags]
-    assert all(n == 1 for _, n in tags), tags
+    tags = offline_compile_tags(monkeypatch, rows.check_decode_rows, rows.check_stream_rows)
+    names = [t for t, _, _ in tags]
+    assert all(n == 1 for _, n, _ in tags), tags
     assert "decode 2 rows, a plane per row (warps 2)" in names
     assert "ragged 64 rows, a plane per row" in names
     assert "rope_kv_write 64 rows, a plane per row" in names
