@@ -192,12 +192,32 @@ def test_lowers_for_sm90_at_the_1p4b_shape(bsz, kw):
     assert sorted(aliases) == ["1", "2"], aliases
 
 
+def _same_or_near_tie(cfg, params, prompts, got, want, ulps: int = 2):
+    """Per row: the same greedy tokens, or the first difference at a near-tie, where the
+    bf16 dense forward's top two logits after the common prefix are at most `ulps` bf16
+    units apart (either kernel's rounding may pick either) and `got` took one of the two."""
+    from ouro_jax.model import forward_dense
+    for prompt, g, w in zip(prompts, got, want):
+        at = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if at is None:
+            assert len(g) == len(w)
+            continue
+        logits = forward_dense(params, jnp.asarray([prompt + w[:at]]), cfg).logits[0, -1]
+        lg = np.asarray(logits, np.float32)
+        top = np.argsort(-lg)[:2]
+        ulp = 2.0 ** (np.floor(np.log2(abs(lg[top[0]]))) - 7)  # bf16: 8 significant bits
+        assert lg[top[0]] - lg[top[1]] <= ulps * ulp and {g[at], w[at]} <= set(top.tolist()), (
+            prompt, at, g, w, top, lg[top])
+
+
 def test_the_engine_generates_the_xla_backends_tokens(monkeypatch):
     """decode TUNING mgpu=1: the engine's decode steps (native and the speculative draft) run
-    this kernel, in bf16 at head_dim 64 (interpret mode), and generate the same greedy tokens
-    as the XLA attention backend, plain and speculative; only the two KV planes are kept.
-    (On this checkpoint the Triton kernel's bf16 rounding flips one near-tie of row 3; this
-    kernel's does not.)"""
+    this kernel, in bf16 at head_dim 64 (interpret mode), and generate the XLA attention
+    backend's greedy tokens, plain and speculative, up to near-ties of bf16 rounding; only
+    the two KV planes are kept. (On this checkpoint the Triton kernel's rounding flips one
+    near-tie of row 3; which way the XLA backend's and this kernel's rounding take row 2's
+    near-ties, 2 bf16 units apart, depends on the machine: on this one's CPU (session 46) the
+    XLA backend's differs from the dense forward's there.)"""
     import pallas_kernels.decode as decode
     from engine_helpers import load, ragged_prompts, tiny_checkpoint
     from ouro_jax.api import Ouro, SamplingParams
@@ -217,7 +237,8 @@ def test_the_engine_generates_the_xla_backends_tokens(monkeypatch):
         runs.append([[o.token_ids for o in llm.generate(prompts, sp, speculative=s).outputs]
                      for s in (None, SpeculativeConfig(k=2, draft_loops=2))])
         assert len(llm._planes) == 2
-    assert runs[1] == runs[0]
+    for got, want in zip(runs[1], runs[0]):
+        _same_or_near_tie(cfg, params, prompts, got, want)
     assert calls  # traced in the mgpu run
 
 
