@@ -77,7 +77,7 @@ def test_six_loops_in_six_three_and_two_stages(d):
                                      dict(weighted_exit=True)])
 @pytest.mark.parametrize("sc", [PIPE, PIPE4], ids=["d2", "d1"])
 def test_exit_modes_match_plain_decoding(greedy_setup, exit_kw, sc):
-    """The trail's exit selection (a fixed step below the draft's depth, a threshold, the
+    """The last stage's exit selection (a fixed step below the draft's depth, a threshold, the
     weighted mix, whose draft and target logits come from separate LM-head calls)."""
     llm, prompts, sps, _ = greedy_setup
     _same(llm.generate(prompts, sps, **exit_kw),
@@ -109,8 +109,8 @@ def test_pallas_pipelined_is_token_identical(kw, ragged_from, monkeypatch):
                          ids=["xla-d2", "pallas-d2", "xla-d1"])
 def test_kv_planes_equal_plain_decoding(attention, sc):
     """After whole generations, the K/V of every committed position in every plane (loop,
-    layer) equal plain decoding's: the lead's and the trail's writes land in their own
-    planes (XLA's scatter; the decode kernel's fused write), and the lead's rejected work
+    layer) equal plain decoding's: each stage's writes land in its own planes (XLA's
+    scatter; the decode kernel's fused write), and the work on rejected drafts
     is rewritten."""
     cfg, params = load(tiny_checkpoint("tiny-gqa", branch_scale=0.3))
     prompts = ragged_prompts(cfg.vocab_size, [6, 3], seed=2)
@@ -183,6 +183,35 @@ def test_one_fetch_per_call_and_no_recompile(monkeypatch):
     assert reads.fetches == 1 and res.stats.host_fetches == 1
     assert reads.implicit == []
     assert res.stats.compiles == 0
+
+
+def test_a_fetch_is_one_xla_program_without_host_callbacks():
+    """The chunk of ticks (4 stages, sampling) lowers to one program whose tick loop is an
+    on-device while, with no host transfers or callbacks."""
+    import re
+
+    from ouro_jax import model as model_mod
+    from ouro_jax import pipelined
+    from ouro_jax.batch import admit
+    from ouro_jax.sampling import SamplingMode
+    from ouro_jax.speculative import chunk_static
+
+    cfg, params = load(tiny_checkpoint("tiny-gqa"))
+    llm = Ouro(cfg, params, None, page_size=4)
+    sc = SpeculativeConfig(k=1, draft_loops=1, pipelined=True)
+    sps = [SamplingParams(max_tokens=8, temperature=0.5)]
+    planes, bt, state = admit(llm, [[1, 2]], sps, [[0]], pipelined.stages(sc, cfg))
+    mode = SamplingMode(sample=True)
+    static = chunk_static(llm, sc, model_mod.ExitSpec(), mode, False)
+    hlo = llm.programs.lowered_text(pipelined.pipe_chunk, static, (1,), llm.params, planes, bt,
+                                    state, pipelined.init_carry(cfg, sc, mode, state,
+                                                                llm.params.dtype))
+    hlo = re.sub(r"metadata=\{[^}]*\}", "", hlo)
+    assert hlo.count("ENTRY") == 1
+    assert re.search(r" while\(%", hlo)
+    assert not re.search(r" (outfeed|infeed|send|recv|send-done|recv-done)\(", hlo)
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    assert not [t for t in targets if "callback" in t.lower() or "python" in t.lower()], targets
 
 
 @pytest.mark.parametrize("fused_kv_write", [True, False])
