@@ -17,6 +17,7 @@ random bf16 weights (--synthetic); --model DIR runs a checkpoint.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -98,12 +99,13 @@ def run_config(llm, batch, k, temp, args):
                for _ in range(batch)]
     sps = [SamplingParams(max_tokens=args.new_tokens, temperature=temp, top_p=1.0, seed=i,
                           ignore_eos=True) for i in range(batch)]
-    # one fetch per call: a pipelined tick commits at most one token, and a rejection costs
-    # S - 1 <= 3 ticks (4 * new_tokens covers every draft rejected at 4 stages)
-    ticks = 4 * args.new_tokens if args.pipelined else args.new_tokens
-    spec = (SpeculativeConfig(k, args.draft_loops, rounds_per_fetch=ticks,
+    spec = (SpeculativeConfig(k, args.draft_loops, rounds_per_fetch=args.new_tokens,
                               pipelined=args.pipelined)
             if k else None)
+    if spec is not None and spec.pipelined:  # (one fetch per call, as for rounds)
+        from ouro_jax.pipelined import ticks_for
+        spec = dataclasses.replace(spec, rounds_per_fetch=ticks_for(args.new_tokens, spec,
+                                                                    llm.cfg))
     compile_s = 0.0
     for _ in range(args.warmup):
         compile_s += llm.generate(prompts, sps, speculative=spec).stats.compile_s

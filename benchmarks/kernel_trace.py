@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import re
@@ -192,9 +193,12 @@ def trace_generate(llm, batch, k, args) -> dict:
     prompts = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt_len)]
                for _ in range(batch)]
     sps = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)] * batch
-    spec = (SpeculativeConfig(k, args.draft_loops, rounds_per_fetch=4 * args.new_tokens
-                              if args.pipelined else args.new_tokens,
+    spec = (SpeculativeConfig(k, args.draft_loops, rounds_per_fetch=args.new_tokens,
                               pipelined=args.pipelined) if k else None)
+    if spec is not None and spec.pipelined:  # (one fetch per call, as for rounds)
+        from ouro_jax.pipelined import ticks_for
+        spec = dataclasses.replace(spec, rounds_per_fetch=ticks_for(args.new_tokens, spec,
+                                                                    llm.cfg))
     lines: list = []
     memcpys: list = []
     res, events = _traced(llm, prompts, sps, spec, lines, memcpys)

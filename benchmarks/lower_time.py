@@ -93,9 +93,10 @@ def build(args):
                projections=GPU_DEFAULT if gpu else "xla")
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     ids = [[1] * args.prompt_len] * args.batch
-    room = args.k + 1 if args.k else 0
-    if args.k and args.pipelined:  # (the pipeline's newest position: L + S - 1)
-        room = cfg.total_ut_steps // args.draft_loops
+    from ouro_jax import speculative as sm
+    sc = (sm.SpeculativeConfig(k=args.k, draft_loops=args.draft_loops,
+                               pipelined=args.pipelined).validate(cfg) if args.k else None)
+    room = sc.room(cfg) if sc else 0
     planes, bt, state = batch.admit(llm, ids, [sp] * args.batch, [[]] * args.batch, room)
     spec, mode = ExitSpec().validate(cfg), SamplingMode.for_requests([sp])
     chunk = batch.prefill_chunk_len(llm, state.tokens.shape[0], args.prompt_len,
@@ -107,9 +108,6 @@ def build(args):
     out = [("prefill", engine.prefill_chunk, dict(cfg=cfg, backend=llm.backend), (1, 6, 7), pre)]
     if args.k:
         from ouro_jax import pipelined
-        from ouro_jax import speculative as sm
-        sc = sm.SpeculativeConfig(k=args.k, draft_loops=args.draft_loops,
-                                  pipelined=args.pipelined).validate(cfg)
         name = "pipe" if args.pipelined else "spec"
         carry = (pipelined.init_carry(cfg, sc, mode, state, dtype) if args.pipelined
                  else sm.init_counters(state))

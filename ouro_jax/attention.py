@@ -70,9 +70,10 @@ def make_paged_attend(cfg: OuroConfig, block_tables: jax.Array, positions: jax.A
     ragged kernel at one fixed tuning; with fused_kv_write `attend.qkv` applies RoPE and
     writes the K/V in one Pallas kernel first (pallas_kernels.rope_kv), else XLA does.
     active [B] bool (None: all): with the pallas backend and skip_done(), rows not active
-    (finished rows, or pipelined speculation's idle trail rows: rows whose outputs are
-    discarded) attend over at most C + 1 keys instead of their whole context. Their K/V still go to the same slots, now computed from that short
-    context: slots at or past a row's length are rewritten before anything reads them.
+    (finished rows, or pipelined speculation's stage rows with no position: rows whose
+    outputs are discarded) attend over at most C + 1 keys instead of their whole context.
+    Their K/V still go to the same slots, now computed from that short context: slots at or
+    past a row's length are rewritten before anything reads them.
     row_loops: the `loop` the layers pass is an int32 [B], one loop per row
     (ouro_jax.pipelined; C == 1): every kernel here then reads and writes each row's own
     plane (the decode, ragged and RoPE/K/V-write kernels take a base per row)."""

@@ -183,10 +183,7 @@ def run_batch(llm, ids, params, stops, spec, speculative, on_chunk):
 
     mode = SamplingMode.for_requests(params)
     want_lp = any(p.logprobs for p in params)
-    room = 0 if speculative is None else speculative.k + 1
-    if speculative is not None and speculative.pipelined:  # (L + S - 1 in flight; S - 2 needed)
-        from ouro_jax.pipelined import stages
-        room = stages(speculative, llm.cfg)
+    room = 0 if speculative is None else speculative.room(llm.cfg)
     compile0, compiles0 = llm.programs.compile_seconds, llm.programs.compiles
     planes, bt, state = admit(llm, ids, params, stops, room)
     llm.last_block_tables = bt  # kept for inspection (tests compare K/V planes)

@@ -63,6 +63,12 @@ def stages(sc, cfg) -> int:
     return cfg.total_ut_steps // sc.draft_loops
 
 
+def ticks_for(tokens: int, sc, cfg) -> int:
+    """Ticks that commit `tokens` tokens however many drafts are rejected (S each at worst,
+    the fill included): a tick budget for one host fetch per call (the benchmarks)."""
+    return stages(sc, cfg) * tokens
+
+
 def check(sc, cfg) -> None:
     """Refuses what a pipelined round cannot run, by name (before any work is done)."""
     t = cfg.total_ut_steps

@@ -61,9 +61,10 @@ def parse(spec: str):
     '+norms' -> the norm prologue; '+pfN' -> every GEMV loads N chunks ahead (default: each
     projection's GEMV_TUNING); '+stream' -> the streaming GEMV kernel (STREAM_TUNING) for
     GEMV calls of up to STREAM_MAX_ROWS rows (not with '+pfN'; '+stream@N': up to N rows,
-    with 'gemv@N' or more, e.g. 2 for pipelined speculation's 2-row calls); '+mgpu[:NAME,...]' -> the
-    Mosaic GPU GEMV (MGPU_TUNING, jax >= 0.11, bf16/fp16) for those projections' one-row GEMV
-    calls instead (default: the 'gemv' part's; e.g. 'gemv+norms+stream+mgpu:down');
+    with 'gemv@N' or more, e.g. 2 for pipelined speculation's 2-row calls);
+    '+mgpu[:NAME,...]' -> the Mosaic GPU GEMV (MGPU_TUNING, jax >= 0.11, bf16/fp16) for
+    those projections' one-row GEMV calls instead (default: the 'gemv' part's; e.g.
+    'gemv+norms+stream+mgpu:down');
     '+flow' (with 'norms' and 'stream') -> a one-row layer's o, gate/up and down as one
     ticket-ordered kernel (pallas_kernels.gemv_flow; experimental, opt-in); '+flow4' -> the
     same with the next layer's qkv as a fourth stage (not after a loop's last layer);

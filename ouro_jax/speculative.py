@@ -45,8 +45,8 @@ class SpeculativeConfig:
     draft_loops: int = 2
     target_loops: int | None = None  # must equal total_ut_steps; None means that
     rounds_per_fetch: int = 16
-    # k=1 draft ticks that share each pass with the rest of the previous token's loops
-    # (ouro_jax.pipelined); a "round" is then a tick
+    # the loops in T/d stages, each pass running every stage on its own position, k=1 draft
+    # per tick (ouro_jax.pipelined); a "round" is then a tick
     pipelined: bool = False
 
     def __post_init__(self):
@@ -75,6 +75,15 @@ class SpeculativeConfig:
             from ouro_jax.pipelined import check
             check(self, cfg)
         return self
+
+    def room(self, cfg: OuroConfig) -> int:
+        """KV positions a call may write past a request's last: k + 1 for a round's draft
+        and verification; for a pipeline its S = T/d stages (S - 2 are needed: its newest
+        position in flight is L + S - 1, ouro_jax.pipelined)."""
+        if self.pipelined:
+            from ouro_jax.pipelined import stages
+            return stages(self, cfg)
+        return self.k + 1
 
 
 @jax.tree_util.register_dataclass

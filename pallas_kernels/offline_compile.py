@@ -1,7 +1,9 @@
 """Compile the kernels for sm_90 on a machine with no GPU: a pre-flight check that costs no device time.
 
     pip install --target /tmp/tritonpkg triton      # any recent wheel; it bundles ptxas/cuobjdump
-    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv | --gemm | --gemm-few | --stream | --flow | --flow-o | --prologue | --decode-b1 | --decode-rows | --stream-rows | --merge]
+    TRITON_PKG=/tmp/tritonpkg PYTHONPATH=. python -m pallas_kernels.offline_compile [--gemv |
+        --gemm | --gemm-few | --stream | --flow | --flow-o | --prologue | --decode-b1 |
+        --decode-rows | --stream-rows [--no-evict] | --merge]
 
 JAX (CPU jaxlib) lowers each pallas_call to Triton IR for the 'cuda' platform. Triton (from pip,
 which may not be the version inside XLA) then compiles that IR to a cubin. This prints

@@ -36,8 +36,9 @@ def check_decode_rows():
                               S((rows, 128), bf), S((rows, 128), bf)
                               ).lower(lowering_platforms=("cuda",))
             warps = default_num_warps(rows, bf, True)
-            oc.compile_captured(f"decode {rows} rows, {'a plane per row' if per_row else 'one plane'}"
-                             f" (warps {warps})", num_warps=warps)
+            planes = "a plane per row" if per_row else "one plane"
+            oc.compile_captured(f"decode {rows} rows, {planes} (warps {warps})",
+                                num_warps=warps)
     # from 64 rows (batch 32 and up): RoPE and the K/V write, then the ragged kernel at the
     # engine's decode tuning (one split, the direct store), each with a plane per row
     from pallas_kernels import ragged_paged_attention
